@@ -1,0 +1,148 @@
+"""The backend protocol: move bytes between one staging buffer and slab-file extents.
+
+Backends only move bytes; they know nothing of keys, pages or the directory. The tier hands a
+backend the store's open slab files once (:meth:`Backend.attach`), then calls :meth:`write` /
+:meth:`read` with a 1-D uint8 buffer (host or GPU) and a list of :class:`Extent`. Both return a
+``concurrent.futures.Future`` resolving to an :class:`IOOutcome`; a failed extent is reported in
+``IOOutcome.errors`` (so the tier can fail just the pages it covers), never raised.
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class SlabFile:
+    """One open slab file of the store."""
+    index: int
+    path: str
+    fd: int          # opened O_RDWR (| O_DIRECT when ``direct``)
+    direct: bool
+    size: int
+
+
+@dataclass(frozen=True)
+class Extent:
+    """``length`` bytes at ``buffer_offset`` in the buffer <-> ``file_offset`` in file ``file``."""
+    file: int
+    file_offset: int
+    length: int
+    buffer_offset: int
+
+
+class ShortIOError(OSError):
+    """An I/O call moved fewer bytes than asked (end of file, truncated or replaced file)."""
+
+    def __init__(self, op: str, path: str, offset: int, expected: int, actual: int) -> None:
+        super().__init__(f"short {op} on {path} at offset {offset}: expected {expected} bytes, "
+                         f"got {actual}")
+        self.expected, self.actual = expected, actual
+
+
+@dataclass
+class IOOutcome:
+    """Result of one write/read call: bytes moved and the extents that failed (index -> error)."""
+    nbytes: int = 0
+    errors: dict[int, BaseException] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+
+class Backend(abc.ABC):
+    """A way to move bytes between a staging buffer and slab files."""
+
+    #: short name: "posix", "kvikio", "nixl"
+    name: str = "?"
+
+    @property
+    @abc.abstractmethod
+    def gpu_direct(self) -> bool:
+        """True only when bytes move between GPU memory and the file without a host copy."""
+
+    @abc.abstractmethod
+    def attach(self, files: Sequence[SlabFile]) -> None:
+        """Take the store's open slab files (register them, open handles...)."""
+
+    @abc.abstractmethod
+    def write(self, buffer: torch.Tensor, extents: Sequence[Extent]) -> Future:
+        """Write ``buffer`` ranges to file extents; returns Future[IOOutcome]."""
+
+    @abc.abstractmethod
+    def read(self, buffer: torch.Tensor, extents: Sequence[Extent]) -> Future:
+        """Read file extents into ``buffer`` ranges; returns Future[IOOutcome]."""
+
+    def describe(self) -> dict:
+        """What runs and why, for stats and logs (name, gpu_direct, fallbacks...)."""
+        return {"name": self.name, "gpu_direct": self.gpu_direct}
+
+    def close(self) -> None:
+        """Release handles and registrations. Idempotent."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def split_extents(extents: Sequence[Extent], max_bytes: int) -> list[tuple[int, Extent]]:
+    """Cut extents into pieces of at most ``max_bytes`` (kept 4 KiB aligned), tagged with the
+    index of the extent they came from, so one large extent can run on several threads."""
+    pieces = []
+    for i, e in enumerate(extents):
+        done = 0
+        while done < e.length:
+            n = min(max_bytes, e.length - done)
+            pieces.append((i, Extent(e.file, e.file_offset + done, n, e.buffer_offset + done)))
+            done += n
+    return pieces
+
+
+def combine(futures: Sequence[tuple[int, Future]], *, after: Callable[[], None] | None = None
+            ) -> Future:
+    """One Future[IOOutcome] over per-piece futures that each resolve to a byte count.
+
+    ``futures`` pairs each piece's future with the index of its extent; an exception in a piece
+    is recorded against that extent. ``after`` runs once when all pieces are done (before the
+    outcome future is resolved), e.g. to copy a bounce buffer back to the GPU.
+    """
+    result: Future = Future()
+    outcome = IOOutcome()
+    lock = threading.Lock()
+    remaining = [len(futures)]
+
+    def finish() -> None:
+        if after is not None and outcome.ok:
+            try:
+                after()
+            except BaseException as exc:  # noqa: BLE001 - reported as a failure of every extent
+                for idx, _ in futures:
+                    outcome.errors.setdefault(idx, exc)
+        result.set_result(outcome)
+
+    def done(idx: int, fut: Future) -> None:
+        exc = fut.exception()
+        with lock:
+            if exc is not None:
+                outcome.errors.setdefault(idx, exc)
+            else:
+                outcome.nbytes += fut.result()
+            remaining[0] -= 1
+            last = remaining[0] == 0
+        if last:
+            finish()
+
+    if not futures:
+        finish()
+    for idx, fut in futures:
+        fut.add_done_callback(lambda f, idx=idx: done(idx, f))
+    return result

@@ -1,0 +1,200 @@
+"""Tier configuration: one frozen dataclass, every field settable as a ``GDSKV_*`` env var.
+
+``TierConfig.from_env()`` reads the environment; an unknown ``GDSKV_*`` name or a malformed value
+raises :class:`ConfigError` naming the variable and the value. Field ``foo_bar`` is
+``GDSKV_FOO_BAR``; see ``FIELD_DOCS`` (also printed by ``gdskv-bench --help-env``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+ENV_PREFIX = "GDSKV_"
+
+
+class ConfigError(ValueError):
+    """A bad configuration value; the message names the field or variable and the value."""
+
+
+class BackendKind(str, enum.Enum):
+    AUTO = "auto"      # kvikio where a CUDA device exists, posix otherwise
+    POSIX = "posix"
+    KVIKIO = "kvikio"
+    NIXL = "nixl"
+
+
+class DirectIO(str, enum.Enum):
+    AUTO = "auto"      # O_DIRECT where the file system takes it, buffered (and said so) otherwise
+    ON = "on"          # O_DIRECT or fail
+    OFF = "off"        # buffered I/O
+
+
+class Eviction(str, enum.Enum):
+    LRU = "lru"        # evict least-recently-used unpinned pages to make room
+    NONE = "none"      # never evict: a put that does not fit fails
+
+
+class SyncPolicy(str, enum.Enum):
+    DATA = "data"      # fdatasync slab files and the journal before a page is READY (safe)
+    NONE = "none"      # rely on O_DIRECT/page cache; a power loss may lose recent pages
+
+
+class NixlPlugin(str, enum.Enum):
+    AUTO = "auto"      # GDS_MT, then GDS, then POSIX with a pinned bounce buffer
+    GDS = "GDS"
+    GDS_MT = "GDS_MT"
+    POSIX = "POSIX"
+
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?b?)\s*$", re.IGNORECASE)
+_UNITS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
+
+
+def parse_size(text: str | int, *, what: str = "size") -> int:
+    """Parse ``64GiB``, ``512M``, ``4k``, ``1.5G`` or a plain byte count.
+
+    Like fio, a bare suffix (``k``, ``M``...) and ``KiB``/``MiB`` are powers of 1024; ``KB``/``MB``
+    (with a B and no i) are powers of 1000.
+    """
+    if isinstance(text, bool):
+        raise ConfigError(f"{what}: expected a size, got {text!r}")
+    if isinstance(text, int):
+        if text < 0:
+            raise ConfigError(f"{what}: size must be >= 0, got {text}")
+        return text
+    m = _SIZE_RE.match(str(text))
+    if not m:
+        raise ConfigError(f"{what}: cannot parse size {text!r} (examples: 4096, 4k, 64MiB, 2G)")
+    number, unit, suffix = m.groups()
+    base = 1000 if suffix.lower() == "b" and unit else 1024
+    value = float(number) * base ** _UNITS[unit.lower()]
+    if value != int(value):
+        raise ConfigError(f"{what}: size {text!r} is not a whole number of bytes")
+    return int(value)
+
+
+def _parse_bool(text: str, what: str) -> bool:
+    t = text.strip().lower()
+    if t in ("1", "true", "yes", "on"):
+        return True
+    if t in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{what}: expected a boolean (1/0, true/false, on/off), got {text!r}")
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    #: store directories, one per drive; slots are striped across them
+    directories: tuple[str, ...] = ()
+    #: disk capacity of the store (all directories together)
+    capacity: int = 16 << 30
+    backend: BackendKind = BackendKind.AUTO
+    #: bounded staging buffer (two halves for the pipeline); large batches go through in chunks
+    staging_size: int = 64 << 20
+    #: threads moving bytes (POSIX thread pool, kvikio's thread pool)
+    io_threads: int = 8
+    #: bytes per I/O call; large extents are cut into pieces of this size for parallelism
+    io_chunk_size: int = 8 << 20
+    direct_io: DirectIO = DirectIO.AUTO
+    eviction: Eviction = Eviction.LRU
+    sync: SyncPolicy = SyncPolicy.DATA
+    #: slab files per directory (more files = more parallel queues on one drive)
+    files_per_dir: int = 4
+    #: verify page checksums on every read (a mismatch is a miss, never wrong data)
+    verify: bool = True
+    #: admission filter: store a page only once it has been offered this many times (1 = always)
+    admit_after: int = 1
+    nixl_plugin: NixlPlugin = NixlPlugin.AUTO
+    #: NIXL POSIX plugin queue: aio, uring or posix_aio (where the plugin offers it)
+    nixl_posix_queue: str = "aio"
+
+    def __post_init__(self) -> None:
+        dirs = self.directories
+        if isinstance(dirs, str):
+            dirs = split_dirs(dirs)
+        object.__setattr__(self, "directories", tuple(str(d) for d in dirs))
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(f.type, str) and f.type in _ENUMS:
+                enum_cls = _ENUMS[f.type]
+                try:
+                    object.__setattr__(self, f.name, enum_cls(value.value if isinstance(
+                        value, enum.Enum) else str(value).strip()))
+                except ValueError:
+                    if enum_cls is NixlPlugin:
+                        upper = str(value).strip().upper()
+                        if upper in NixlPlugin.__members__ or upper == "AUTO":
+                            object.__setattr__(self, f.name, NixlPlugin[upper])
+                            continue
+                    raise ConfigError(f"{f.name}: {value!r} is not one of "
+                                      f"{', '.join(m.value for m in enum_cls)}") from None
+        for name in _SIZE_FIELDS:
+            object.__setattr__(self, name, parse_size(getattr(self, name), what=name))
+        for name in ("capacity", "staging_size", "io_threads", "io_chunk_size",
+                     "files_per_dir", "admit_after"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name}: must be a positive integer, got {value!r}")
+        if self.io_chunk_size % 4096:
+            raise ConfigError(f"io_chunk_size: must be a multiple of 4096, got {self.io_chunk_size}")
+        if self.nixl_posix_queue not in ("aio", "uring", "posix_aio"):
+            raise ConfigError(f"nixl_posix_queue: must be aio, uring or posix_aio, got "
+                              f"{self.nixl_posix_queue!r}")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides) -> "TierConfig":
+        """Build a config from ``GDSKV_*`` variables; keyword overrides win over the env."""
+        env = os.environ if environ is None else environ
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        values: dict = {}
+        for var, text in env.items():
+            if not var.startswith(ENV_PREFIX):
+                continue
+            name = var[len(ENV_PREFIX):].lower()
+            if name not in fields:
+                known = ", ".join(ENV_PREFIX + n.upper() for n in fields)
+                raise ConfigError(f"unknown environment variable {var}={text!r}; known: {known}")
+            try:
+                values[name] = _parse_field(fields[name], text, var)
+                if name != "directories":
+                    cls(**{name: values[name]})  # validate this one value, naming the var
+            except ConfigError as exc:
+                raise ConfigError(f"{var}={text!r}: {exc}") from None
+        values.update(overrides)
+        return cls(**values)
+
+    def replace(self, **changes) -> "TierConfig":
+        return dataclasses.replace(self, **changes)
+
+
+_SIZE_FIELDS = ("capacity", "staging_size", "io_chunk_size")
+_ENUMS = {"BackendKind": BackendKind, "DirectIO": DirectIO, "Eviction": Eviction,
+          "SyncPolicy": SyncPolicy, "NixlPlugin": NixlPlugin}
+
+
+def split_dirs(text: str) -> tuple[str, ...]:
+    """``/a:/b`` (fio's separator) or ``/a,/b`` -> ("/a", "/b")."""
+    return tuple(p for p in re.split(r"[:,]", text) if p.strip())
+
+
+def _parse_field(f: dataclasses.Field, text: str, var: str):
+    if f.name == "directories":
+        return split_dirs(text)
+    if f.type == "bool":
+        return _parse_bool(text, var)
+    if f.type == "int":
+        if f.name in _SIZE_FIELDS:
+            return parse_size(text, what=var)
+        try:
+            return int(text.strip())
+        except ValueError:
+            raise ConfigError(f"expected an integer, got {text!r}") from None
+    return text
+
+
+FIELD_DOCS = {f.name: ENV_PREFIX + f.name.upper() for f in dataclasses.fields(TierConfig)}

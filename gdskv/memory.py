@@ -1,0 +1,39 @@
+"""Host memory for I/O: page-aligned (O_DIRECT needs it) and pinned when CUDA is there."""
+
+from __future__ import annotations
+
+import mmap
+
+import numpy as np
+import torch
+
+from .layout import ALIGNMENT
+
+
+def cuda_available() -> bool:
+    try:
+        return torch.cuda.is_available()
+    except Exception:  # noqa: BLE001 - a broken driver means "no CUDA" here
+        return False
+
+
+def alloc_host(nbytes: int, *, pin: bool | None = None) -> torch.Tensor:
+    """A 1-D uint8 host tensor of ``nbytes``, 4 KiB aligned, pinned when CUDA is usable.
+
+    cudaHostAlloc returns page-aligned memory; without CUDA an anonymous mmap does.
+    """
+    nbytes = max(int(nbytes), ALIGNMENT)
+    if pin is None:
+        pin = cuda_available()
+    if pin:
+        t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    else:
+        # numpy keeps the mmap alive and torch keeps the array alive.
+        t = torch.from_numpy(np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8))
+    assert t.data_ptr() % ALIGNMENT == 0, "host I/O buffer is not 4 KiB aligned"
+    return t
+
+
+def host_numpy(buffer: torch.Tensor) -> np.ndarray:
+    """Writable numpy view of a 1-D uint8 CPU tensor (for os.preadv/pwritev)."""
+    return buffer.detach().numpy()
