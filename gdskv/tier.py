@@ -63,6 +63,8 @@ class Tier:
             device = torch.device("cuda", torch.cuda.current_device()) if cuda_available() \
                 else torch.device("cpu")
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self._chunk_pages = (self.config.staging_size // 2) // layout.slot_bytes
         if self._chunk_pages < 1:
             raise ConfigError(f"staging_size {self.config.staging_size} B must hold two page "
