@@ -1,4 +1,4 @@
-"""Host KV pools for the SGLang adapter tests and bench.
+"""Host KV pools for the SGLang adapter tests (tests/test_sglang_adapter.py) and bench.
 
 SGLang's own ``MHATokenToKVPoolHost`` / ``MLATokenToKVPoolHost`` where they import (they need
 torchvision through ``sglang.srt.configs``, so torch 2.14.1 in the sglang venv): built on CPU
