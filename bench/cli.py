@@ -84,7 +84,14 @@ def run_invocation(inv: Invocation, jobs: Sequence[JobOptions], progress=None
     for job in jobs:
         engines, why = _engines_for(job, inv.compare)
         notes += why
-        plans.append([resolve(job, e) for e in engines])  # check every job before running
+        group = []
+        for e in engines:
+            j = job
+            if inv.compare:  # distinct job names per engine, so JSON consumers can tell them apart
+                j = job.copy()
+                j.values["name"] = f"{job.name}.{e}"
+            group.append(resolve(j, e))  # check every job before running any
+        plans.append(group)
     results: list[JobResult] = []
     ratios: list[dict] = []
     gid = 0
@@ -96,7 +103,7 @@ def run_invocation(inv: Invocation, jobs: Sequence[JobOptions], progress=None
             per_engine[plan.engine] = rs
             results += rs
         if inv.compare:
-            ratios.append(_ratios(group[0].opts.name, per_engine))
+            ratios.append(_ratios(group[0].opts.name.rsplit(".", 1)[0], per_engine))
     return results, notes, ratios
 
 
@@ -166,7 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("gdskv-bench: interrupted", file=sys.stderr)
         return 130
-    extra = notes + _ratio_lines(ratios)
+    extra = ([""] + notes if notes else []) + _ratio_lines(ratios)
     _emit(render(results, inv.output_format, extra,
                  {"gdskv_compare": ratios} if ratios else None), inv)
     return _status(results)
@@ -188,7 +195,8 @@ def _sweep(inv: Invocation, progress) -> int:
         write_point(sweep_dir, key, text, doc)
         points.append((float(value), doc))
         all_results += results
-        _emit(render(results, inv.output_format, notes + _ratio_lines(ratios)), inv)
+        _emit(render(results, inv.output_format,
+                     ([""] + notes if notes else []) + _ratio_lines(ratios)), inv)
     lines = series(points)
     png = plot(lines, key, os.path.join(sweep_dir, f"sweep-{key}.png"))
     for label, pts in lines.items():

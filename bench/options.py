@@ -355,6 +355,7 @@ def _sweep(text: str) -> tuple[str, list]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="gdskv-bench", allow_abbrev=False,
+                usage="gdskv-bench [options] [jobfile ...]  (--help lists the options)",
                 description="fio-style benchmark of the gdskv KV-cache spill tier",
                 epilog="Job files: fio INI ([global] + one section per job, bare keys for "
                        "booleans, ${ENV} substitution). Command-line job options override "
