@@ -101,8 +101,9 @@ def lat_stats(samples_ns: list[int], percentiles: bool = True) -> dict[str, Any]
                            "stddev": float(a.std(ddof=1)) if a.size > 1 else 0.0,
                            "N": int(a.size)}
     if percentiles:
-        # "higher": report an observed sample at or above the rank, never an interpolation.
-        vals = np.percentile(a, FIO_PERCENTILES, method="higher")
+        # Nearest rank (the sample at rank ceil(p/100 * N)), as fio ranks its samples;
+        # always an observed value, never an interpolation.
+        vals = np.percentile(a, FIO_PERCENTILES, method="inverted_cdf")
         out["percentile"] = {f"{p:.6f}": int(v) for p, v in zip(FIO_PERCENTILES, vals)}
     return out
 

@@ -101,10 +101,13 @@ def resolve(opts: JobOptions, engine: str | None = None) -> JobPlan:
     ppb = max(1, bs // layout.page_bytes)
     if bs % layout.page_bytes:
         notes.append(f"bs={bs} rounded to {ppb} whole page(s) of {layout.page_bytes} B")
-    batches = opts.size // (ppb * layout.page_bytes)
-    if batches < 1:
+    if opts.size < layout.page_bytes:
         raise OptionError(f"job {opts.name!r}: option size={opts.given.get('size', opts.size)} "
-                          f"is less than one batch ({ppb} pages x {layout.page_bytes} B)")
+                          f"is less than one page ({layout.page_bytes} B)")
+    if ppb * layout.page_bytes > opts.size:
+        ppb = opts.size // layout.page_bytes
+        notes.append(f"batch cut to size: {ppb} pages")
+    batches = opts.size // (ppb * layout.page_bytes)
     if opts.time_based and not opts.runtime:
         raise OptionError(f"job {opts.name!r}: option time_based needs --runtime")
     if engine == "hicachefile":
