@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from .options import Invocation, JobOptions, OptionError, build_parser, parse_args
 from .report import render, to_json
-from .results import JobResult
+from .results import DirStats, JobResult
 from .runner import Progress, resolve, run_job
 from .sweep import plot, series, write_point
 
@@ -98,13 +98,35 @@ def run_invocation(inv: Invocation, jobs: Sequence[JobOptions], progress=None
     for group in plans:
         per_engine: dict[str, list[JobResult]] = {}
         for plan in group:
-            rs = run_job(plan, gid, progress)
+            try:
+                rs = run_job(plan, gid, progress)
+            except OptionError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - as fio: report the job failed, go on
+                print(f"gdskv-bench: job {plan.opts.name!r} (ioengine={plan.engine}, "
+                      f"backend={plan.opts.backend}) failed: {type(exc).__name__}: {exc}",
+                      file=sys.stderr)
+                rs = [failed_result(plan, gid, exc)]
             gid += 1
             per_engine[plan.engine] = rs
             results += rs
         if inv.compare:
             ratios.append(_ratios(group[0].opts.name.rsplit(".", 1)[0], per_engine))
     return results, notes, ratios
+
+
+def failed_result(plan, gid: int, exc: BaseException) -> JobResult:
+    """A job that could not run (backend unavailable, store error...): fio's err= plus why."""
+    import errno
+    code = exc.errno if isinstance(getattr(exc, "errno", None), int) else errno.EINVAL
+    lay = plan.layout
+    return JobResult(name=plan.opts.name, groupid=gid, jobs=plan.opts.numjobs, read=DirStats(),
+                     write=DirStats(), options=dict(plan.opts.given),
+                     gdskv={"engine": plan.engine, "backend": plan.opts.backend,
+                            "mem": plan.mem, "layout": lay.to_dict(),
+                            "page_bytes": lay.page_bytes, "slot_bytes": lay.slot_bytes,
+                            "failed": f"{type(exc).__name__}: {exc}"},
+                     error=code or errno.EINVAL, start_time=time.time())
 
 
 def _bw(rs: list[JobResult], direction: str) -> int:

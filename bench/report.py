@@ -96,6 +96,9 @@ def _dir_lines(label: str, d: DirStats) -> list[str]:
 
 
 def _gdskv_lines(g: dict[str, Any]) -> list[str]:
+    if g.get("failed"):
+        return [f"  gdskv: engine={g.get('engine')}, backend={g.get('backend')}: "
+                f"FAILED: {g['failed']}"]
     lay = g.get("layout", {})
     geo = (f"{lay.get('model_name') or '?'} {'MLA' if lay.get('mla') else 'MHA'} "
            f"layers={lay.get('num_layers')} kv_heads={lay.get('kv_heads')} "

@@ -252,3 +252,25 @@ def test_hicachefile_engine_glue(tmp_path, capsys, monkeypatch):
                                     "--ioengine=hicachefile", f"--directory={tmp_path}"],
                    status=1)
     assert doc["jobs"][0]["gdskv"]["verify"]["mismatched"] == 16
+
+
+def test_a_job_that_cannot_run_is_reported_and_others_go_on(tmp_path, capsys, monkeypatch):
+    real = runner.make_engine
+
+    def make_engine(kind, spec):
+        if spec.name == "bad":
+            raise RuntimeError("backend 'nixl' is not available: no agent")
+        return real(kind, spec)
+
+    monkeypatch.setattr(runner, "make_engine", make_engine)
+    jobs = tmp_path / "j.ini"
+    jobs.write_text(f"[global]\nlayers=2\nkv_heads=1\nhead_dim=128\nmem=host\n"
+                    f"directory={tmp_path}\nsize=256k\nrw=write\n[bad]\n[good]\n")
+    rc = cli.main([str(jobs), "--output-format=json"])
+    out, err = capsys.readouterr()
+    doc = json.loads(out)
+    assert rc == 1
+    bad, good = doc["jobs"]
+    assert bad["error"] != 0 and "not available" in bad["gdskv"]["failed"]
+    assert "job 'bad'" in err and "not available" in err
+    assert good["error"] == 0 and good["write"]["io_bytes"] == 256 << 10
