@@ -221,8 +221,9 @@ def _sweep(inv: Invocation, progress) -> int:
                      ([""] + notes if notes else []) + _ratio_lines(ratios)), inv)
     lines = series(points)
     png = plot(lines, key, os.path.join(sweep_dir, f"sweep-{key}.png"))
+    names = {float(v): t for t, v in values}
     for label, pts in lines.items():
-        table.append(f"  {label:32s} " + "  ".join(f"{x:g}:{y:.3f}" for x, y in pts))
+        table.append(f"  {label:28s} " + "  ".join(f"{names.get(x, x)}={y:.3f}" for x, y in pts))
     table.append(f"  plot: {png}")
     if "normal" in inv.output_format:
         _emit("\n".join(table) + "\n", inv)
