@@ -61,16 +61,13 @@ def page_keys(job: str, thread: int, pages: Sequence[int]) -> list[str]:
     return [hashlib.sha256(f"{job}/{thread}/{p}".encode()).hexdigest() for p in pages]
 
 
-def _random_bytes(t: torch.Tensor, gen: torch.Generator) -> None:
-    """Fill a tensor's bytes with random data (incompressible, distinct per page)."""
+def _random_bytes(t: torch.Tensor, seed: int) -> None:
+    """Fill a tensor's bytes with random data (incompressible, distinct per page), generated
+    where the tensor lives (no host round trip for GPU pools)."""
     b = t.view(torch.uint8) if t.dtype != torch.uint8 else t
-    b.copy_(torch.randint(0, 256, b.shape, dtype=torch.uint8, generator=gen).to(b.device))
-
-
-def _generator(seed: int) -> torch.Generator:
-    g = torch.Generator()
-    g.manual_seed(seed)
-    return g
+    gen = torch.Generator(device=b.device)
+    gen.manual_seed(seed)
+    b.copy_(torch.randint(0, 256, b.shape, dtype=torch.uint8, generator=gen, device=b.device))
 
 
 def _locations(spec: EngineSpec, thread: int) -> np.ndarray:
@@ -138,11 +135,10 @@ class GdskvEngine(Engine):
         shape = (lay.num_layers, slots, lay.kv_heads, lay.head_dim)
         self.src, self.dst = [], []
         for t in range(s.threads):
-            gen = _generator(s.seed + t)
             parts = [torch.empty(shape, dtype=lay.torch_dtype, device=s.device)
                      for _ in range(lay.kv_count)]
-            for p in parts:
-                _random_bytes(p, gen)
+            for i, p in enumerate(parts):
+                _random_bytes(p, (s.seed + t) * 2 + i)
             self.src.append(parts)
             self.dst.append([torch.zeros_like(p) for p in parts] if s.verify else parts)
         self.tier = Tier(lay, s.config, device=s.device)
@@ -226,7 +222,7 @@ class RawEngine(Engine):
         self.src, self.dst = [], []
         for t in range(s.threads):
             buf = _buffer(s.pages * sb, s.device)
-            _random_bytes(buf, _generator(s.seed + t))
+            _random_bytes(buf, s.seed + t)
             self.src.append(buf)
             if s.verify:
                 dst = _buffer(s.pages * sb, s.device)
@@ -354,7 +350,7 @@ class HiCacheFileEngine(Engine):
         self.src, self.dst = [], []
         for t in range(s.threads):
             pool = alloc_host(s.pages * lay.page_bytes).view(s.pages, lay.page_bytes)
-            _random_bytes(pool, _generator(s.seed + t))
+            _random_bytes(pool, s.seed + t)
             self.src.append(pool)
             if s.verify:
                 dst = alloc_host(s.pages * lay.page_bytes).view(s.pages, lay.page_bytes)

@@ -54,10 +54,12 @@ def plot(lines: dict[str, Sequence[tuple[float, float]]], key: str, path: str,
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
+    engines = sorted({label.rsplit(" ", 1)[0] for label in lines})
+    colors = {e: f"C{i % 10}" for i, e in enumerate(engines)}  # one colour per engine/backend
     for label, pts in lines.items():
         xs, ys = zip(*pts)
-        ax.plot(xs, ys, marker="o", linestyle="--" if label.endswith(" read") else "-",
-                label=label)
+        ax.plot(xs, ys, marker="o", color=colors[label.rsplit(" ", 1)[0]],
+                linestyle="--" if label.endswith(" read") else "-", label=label)
     if key in SIZE_OPTIONS:
         ax.set_xscale("log", base=2)
         xs_all = sorted({x for pts in lines.values() for x, _ in pts})
