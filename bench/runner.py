@@ -318,7 +318,8 @@ def run_job(plan: JobPlan, groupid: int, progress: Progress | None = None) -> li
             raise OptionError(f"job {o.name!r}: {exc}") from None
         spec = EngineSpec(name=o.name, layout=plan.layout, config=config, device=plan.device,
                           threads=o.numjobs, pages=plan.pages, seed=o.randseed,
-                          randomize=o.rw.startswith("rand"), verify=o.verify)
+                          randomize=o.rw.startswith("rand"), verify=o.verify,
+                          batch_pages=plan.pages_per_batch)
         engine = make_engine(plan.engine, spec)
         try:
             engine.open()
