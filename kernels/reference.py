@@ -45,3 +45,37 @@ def scatter_pages_reference(rows: list[list[torch.Tensor]], layout: KVLayout,
     for kv, layers in enumerate(rows):
         for layer, layer_rows in enumerate(layers):
             layer_rows.index_copy_(0, idx, src[:, kv, layer].reshape(-1, layout.row_bytes))
+
+
+def _layer_entries(layout: KVLayout, layer: int, kv: int | None) -> list[int]:
+    if not isinstance(layer, int) or not 0 <= layer < layout.num_layers:
+        raise ValueError(f"layer must be in [0, {layout.num_layers}), got {layer!r}")
+    if kv is None:
+        return list(range(layout.kv_count))
+    if not isinstance(kv, int) or not 0 <= kv < layout.kv_count:
+        raise ValueError(f"kv must be None or in [0, {layout.kv_count}), got {kv!r}")
+    return [kv]
+
+
+def gather_pages_layer_reference(rows: list[list[torch.Tensor]], layout: KVLayout,
+                                 token_slots: torch.Tensor, staging: torch.Tensor, layer: int,
+                                 kv: int | None = None) -> None:
+    """Like :func:`gather_pages_reference` for one layer (K and V, or only ``kv``)."""
+    num_pages = token_slots.numel() // layout.page_size
+    dst = staging_pages_view(layout, staging, num_pages)
+    idx = token_slots.to(torch.int64)
+    for k in _layer_entries(layout, layer, kv):
+        dst[:, k, layer] = rows[k][layer].index_select(0, idx).view(
+            num_pages, layout.page_size, layout.row_bytes)
+
+
+def scatter_pages_layer_reference(rows: list[list[torch.Tensor]], layout: KVLayout,
+                                  token_slots: torch.Tensor, staging: torch.Tensor, layer: int,
+                                  kv: int | None = None) -> None:
+    """Like :func:`scatter_pages_reference` for one layer (K and V, or only ``kv``): the step
+    of a layer-wise restore."""
+    num_pages = token_slots.numel() // layout.page_size
+    src = staging_pages_view(layout, staging, num_pages)
+    idx = token_slots.to(torch.int64)
+    for k in _layer_entries(layout, layer, kv):
+        rows[k][layer].index_copy_(0, idx, src[:, k, layer].reshape(-1, layout.row_bytes))
