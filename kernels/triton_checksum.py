@@ -1,8 +1,7 @@
 """Triton kernel for the page checksum of :mod:`.checksum` (the algorithm is documented there).
 
-Each program hashes one chunk of one page and writes the wrapping sum of its word hashes; the
-chunks of a page are summed (mod 2**64, order-free) and finalized in torch, with the same code
-the reference uses. CUDA tensors run compiled; CPU tensors run under Triton's interpreter.
+Each program hashes one chunk of one page and writes the wrapping sum of its word hashes; a
+second small launch sums each page's chunks (mod 2**64, order-free) and applies the final mix. CUDA tensors run compiled; CPU tensors run under Triton's interpreter.
 """
 
 from __future__ import annotations
@@ -13,7 +12,7 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
-from .checksum import _check_args, finalize
+from .checksum import GOLDEN, _check_args, _signed
 
 __all__ = ["page_checksums_triton", "BLOCK", "ITERS"]
 
@@ -63,17 +62,39 @@ def page_hash_kernel(words_ptr, bytes_ptr, partial_ptr, n_full, tail_bytes, slot
     tl.store(partial_ptr + page * n_chunks + chunk, s.to(tl.int64, bitcast=True))
 
 
+def page_hash_finalize_kernel(partial_ptr, out_ptr, n_chunks, length_term,
+                              BLOCK: tl.constexpr):
+    """Per page: ``fmix(sum of its chunk sums + length_term)`` (step 4 of the algorithm);
+    ``length_term`` = ``page_bytes * GOLDEN mod 2**64`` as an int64 bit pattern."""
+    page = tl.program_id(0).to(tl.int64)
+    acc = tl.full([BLOCK], 0, tl.uint64)
+    for start in range(0, n_chunks, BLOCK):
+        i = start + tl.arange(0, BLOCK)
+        v = tl.load(partial_ptr + page * n_chunks + i, mask=i < n_chunks, other=0)
+        acc += v.to(tl.uint64, bitcast=True)
+    z = tl.reduce(acc, 0, _SUM) + length_term.to(tl.uint64, bitcast=True)
+    z = z ^ (z >> 30)
+    z = z * 0xBF58476D1CE4E5B9
+    z = z ^ (z >> 27)
+    z = z * 0x94D049BB133111EB
+    z = z ^ (z >> 31)
+    tl.store(out_ptr + page, z.to(tl.int64, bitcast=True))
+
+
+_final_cuda = JITFunction(page_hash_finalize_kernel, do_not_specialize=["n_chunks", "length_term"])
+_final_interp = InterpretedFunction(page_hash_finalize_kernel)
 _hash_cuda = JITFunction(page_hash_kernel, do_not_specialize=["tail_bytes", "n_chunks"])
 _hash_interp = InterpretedFunction(page_hash_kernel)
 
-#: Words per step and steps per program (32 KiB of page per program); tuned in bench/.
-BLOCK = 1024
-ITERS = 8
+#: Words per step, steps per program (32 KiB of page per program) and warps; tuned in bench/.
+BLOCK = 2048
+ITERS = 4
+NUM_WARPS = 8
 
 
 def page_checksums_triton(staging: torch.Tensor, num_pages: int, page_bytes: int,
                           slot_bytes: int, block: int = BLOCK, iters: int = ITERS,
-                          num_warps: int = 4) -> torch.Tensor:
+                          num_warps: int = NUM_WARPS) -> torch.Tensor:
     """Checksums of ``num_pages`` pages at a ``slot_bytes`` pitch -> int64 ``[num_pages]``.
 
     Needs ``staging`` 4-byte aligned and ``slot_bytes % 4 == 0`` (staging buffers are 4 KiB
@@ -96,5 +117,8 @@ def page_checksums_triton(staging: torch.Tensor, num_pages: int, page_bytes: int
     pitch = slot_bytes // 4 if num_pages > 1 else 0
     kernel[(num_pages, n_chunks)](words, staging, partial, n_full, tail, pitch,
                                   n_chunks, BLOCK=block, ITERS=iters, **kwargs)
-    # int64 sums wrap mod 2**64, which is the algorithm's sum.
-    return finalize(partial.sum(1), page_bytes)
+    out = torch.empty(num_pages, dtype=torch.int64, device=staging.device)
+    final = _final_interp if staging.device.type == "cpu" else _final_cuda
+    final[(num_pages,)](partial, out, n_chunks, _signed(page_bytes * GOLDEN % (1 << 64)),
+                        BLOCK=min(1024, triton.next_power_of_2(n_chunks)))
+    return out

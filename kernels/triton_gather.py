@@ -1,9 +1,9 @@
 """Triton gather/scatter between an engine's layer-first KV pool and page-first staging pages.
 
 One launch moves every (K/V, layer) row of a page batch. The pool's per-layer tensors may be
-separate allocations, so the kernel reads a small device table, one entry per (kv, layer) it
-copies: ``[row base address, token stride in words, position of that (kv, layer) in the page]``.
-A stacked pool is the same table with evenly spaced addresses.
+separate allocations, so the kernel reads a small device table, one ``[row base address, token
+stride in bytes]`` entry per (kv, layer) (a :class:`RowTable`, built and validated once per
+pool and cached). A stacked pool is the same table with evenly spaced addresses.
 
 Bytes are copied as the widest word (4, 2 or 1 bytes) that every row, stride and buffer address
 allows; when they are all 16-byte aligned the kernel says so (``tl.multiple_of``) and the
@@ -20,6 +20,7 @@ interpreter (slow, for tests), independent of ``TRITON_INTERPRET``.
 from __future__ import annotations
 
 import math
+import weakref
 from collections import OrderedDict
 
 import torch
@@ -31,29 +32,30 @@ from triton.runtime.jit import JITFunction
 from gdskv.layout import KVLayout
 
 __all__ = ["gather_pages_triton", "scatter_pages_triton", "gather_pages_layer_triton",
-           "scatter_pages_layer_triton", "LaunchConfig"]
+           "scatter_pages_layer_triton", "RowTable", "row_table", "LaunchConfig",
+           "default_config"]
 
 
-def copy_rows_kernel(table_ptr, slots_ptr, staging_ptr, n_tokens, slot_words,
-                     ROW_WORDS: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                     BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
-                     ALIGN: tl.constexpr, STRIDE_ALIGN: tl.constexpr, GATHER: tl.constexpr):
+def copy_rows_kernel(table_ptr, slots_ptr, staging_ptr, n_tokens, slot_words, entry_start,
+                     entry_step, ROW_WORDS: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                     WORD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+                     ALIGN: tl.constexpr, GATHER: tl.constexpr):
     """Copy ``BLOCK_T`` tokens x ``BLOCK_C`` words of one (kv, layer) between pool and staging.
 
-    Grid: (token blocks, column tiles of a row, table entries).
-    ``ALIGN``: bytes every row start, stride and staging page offset is a multiple of
-    (``STRIDE_ALIGN`` = the same in words); these hints are what enable 16-byte vector access.
+    Grid: (token blocks, column tiles of a row, (kv, layer) entries). Entry ``e`` of the table
+    (``[address, token stride in bytes]``, entry = kv * layers + layer, which is also its place
+    in a page) handled by program ``pid(2)`` is ``entry_start + pid(2) * entry_step``.
+    ``ALIGN``: bytes every row address, stride and staging page offset is a multiple of; the
+    hints below are what let the compiler use 16-byte vector loads and stores.
     """
     pid_t = tl.program_id(0)
     pid_c = tl.program_id(1)
-    entry = tl.program_id(2)
+    entry = entry_start + tl.program_id(2) * entry_step
 
-    # The table entry: where this (kv, layer) lives and where it goes in a page.
-    row_base = tl.load(table_ptr + entry * 3).to(staging_ptr.dtype)
+    row_base = tl.load(table_ptr + entry * 2).to(staging_ptr.dtype)
     row_base = tl.multiple_of(row_base, ALIGN)
-    stride = tl.load(table_ptr + entry * 3 + 1)
-    stride = tl.multiple_of(stride, STRIDE_ALIGN)
-    pos = tl.load(table_ptr + entry * 3 + 2)
+    stride = tl.load(table_ptr + entry * 2 + 1) // WORD
+    stride = tl.multiple_of(stride, ALIGN // WORD)
 
     t = pid_t.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_mask = t < n_tokens
@@ -63,7 +65,7 @@ def copy_rows_kernel(table_ptr, slots_ptr, staging_ptr, n_tokens, slot_words,
 
     c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     src = row_base + (slot * stride)[:, None] + c[None, :]
-    dst = staging_ptr + (page * slot_words + (pos * PAGE_SIZE + tok) * ROW_WORDS)[:, None] \
+    dst = staging_ptr + (page * slot_words + (entry * PAGE_SIZE + tok) * ROW_WORDS)[:, None] \
         + c[None, :]
     if ROW_WORDS % BLOCK_C == 0:
         mask = t_mask[:, None]
@@ -88,7 +90,7 @@ class LaunchConfig:
 
     __slots__ = ("block_t", "block_c", "num_warps")
 
-    def __init__(self, block_t: int, block_c: int, num_warps: int = 4) -> None:
+    def __init__(self, block_t: int, block_c: int, num_warps: int = 8) -> None:
         for name, v in (("block_t", block_t), ("block_c", block_c)):
             if v < 1 or v & (v - 1):
                 raise ValueError(f"LaunchConfig.{name} must be a power of two, got {v}")
@@ -116,28 +118,69 @@ def default_config(row_words: int, word: int) -> LaunchConfig:
             break
         c //= 2
     block_t = max(1, min(256, triton.next_power_of_2(max(1, TILE_BYTES // (block_c * word)))))
-    return LaunchConfig(block_t, block_c, 4)
+    return LaunchConfig(block_t, block_c, 8)
 
 
-# Device tables are tiny but building one is a host->device copy; engines reuse the same pool
-# tensors every call, so keep the recent ones.
-_TABLE_CACHE: OrderedDict = OrderedDict()
-_TABLE_CACHE_SIZE = 64
+class RowTable:
+    """A pool's ``rows[kv][layer]``, validated, with the device table the kernel reads.
+
+    Build once per pool (:func:`row_table` caches them): checking 2 x layers tensors and copying
+    the table to the device costs far more host time than launching the kernel. It refers to
+    the tensors weakly (a cached table never keeps an engine's pool alive); using it after the
+    pool is freed raises.
+    """
+
+    def __init__(self, rows, layout: KVLayout) -> None:
+        self.layout = layout
+        self.device = _check_rows(rows, layout)
+        entries, align = [], math.gcd(layout.row_bytes, 16)
+        for layers in rows:
+            for r in layers:
+                stride = r.stride(0) if r.shape[0] > 1 else layout.row_bytes
+                align = math.gcd(align, r.data_ptr(), stride)
+                entries += [r.data_ptr(), stride]
+        #: largest power of two (<= 16) dividing every row address, stride and the row length
+        self.align = align
+        self.num_slots = rows[0][0].shape[0]
+        self.table = torch.tensor(entries, dtype=torch.int64).reshape(-1, 2).to(self.device)
+        self._refs = [weakref.ref(r) for layers in rows for r in layers]
+        self._ids = tuple(id(r) for layers in rows for r in layers)
+        self._first_ptr = rows[0][0].data_ptr()
+
+    def alive(self) -> bool:
+        return all(ref() is not None for ref in self._refs)
+
+    def matches(self, rows) -> bool:
+        """Whether ``rows`` are the very tensors this table was built from, all still alive.
+
+        (Engines never move a live KV tensor's storage; the first address is re-checked as a
+        cheap guard against in-place ``set_``.)
+        """
+        return tuple(id(r) for layers in rows for r in layers) == self._ids and self.alive() \
+            and rows[0][0].data_ptr() == self._first_ptr
 
 
-def _entry_table(entries: tuple, device: torch.device) -> torch.Tensor:
-    key = (device, entries)
-    hit = _TABLE_CACHE.get(key)
-    if hit is not None:
-        _TABLE_CACHE.move_to_end(key)
+_TABLES: OrderedDict = OrderedDict()
+_TABLES_SIZE = 16
+
+
+def row_table(rows, layout: KVLayout) -> RowTable:
+    """The :class:`RowTable` of ``rows`` (a ``rows[kv][layer]`` list or a RowTable), cached."""
+    if isinstance(rows, RowTable):
+        if rows.layout != layout:
+            raise ValueError("RowTable was built for another layout")
+        if not rows.alive():
+            raise ValueError("RowTable's KV pool tensors have been freed")
+        return rows
+    key = (id(rows), layout)
+    hit = _TABLES.get(key)
+    if hit is not None and hit.matches(rows):
+        _TABLES.move_to_end(key)
         return hit
-    table = torch.tensor(entries, dtype=torch.int64).reshape(-1, 3)
-    if device.type != "cpu":
-        table = table.to(device)
-    if device.type != "cpu":  # CPU addresses may be reused after free: never cache those
-        _TABLE_CACHE[key] = table
-        if len(_TABLE_CACHE) > _TABLE_CACHE_SIZE:
-            _TABLE_CACHE.popitem(last=False)
+    table = RowTable(rows, layout)
+    _TABLES[key] = table
+    if len(_TABLES) > _TABLES_SIZE:
+        _TABLES.popitem(last=False)
     return table
 
 
@@ -147,6 +190,7 @@ def _check_rows(rows, layout: KVLayout) -> torch.device:
                          f"(rows[kv][layer]), got {type(rows).__name__} of length "
                          f"{len(rows) if isinstance(rows, (list, tuple)) else '?'}")
     device = None
+    num_slots = None
     for kv, layers in enumerate(rows):
         if len(layers) != layout.num_layers:
             raise ValueError(f"rows[{kv}] has {len(layers)} layers, layout expects "
@@ -159,8 +203,10 @@ def _check_rows(rows, layout: KVLayout) -> torch.device:
                     f"with contiguous rows, got "
                     f"{getattr(r, 'dtype', type(r))} {tuple(getattr(r, 'shape', ()))}")
             device = r.device if device is None else device
-            if r.device != device:
-                raise ValueError(f"rows[{kv}][{layer}] is on {r.device}, rows[0][0] on {device}")
+            num_slots = r.shape[0] if num_slots is None else num_slots
+            if r.device != device or r.shape[0] != num_slots:
+                raise ValueError(f"rows[{kv}][{layer}] is {r.device}/{r.shape[0]} slots, "
+                                 f"rows[0][0] {device}/{num_slots}")
     return device
 
 
@@ -189,59 +235,54 @@ def _check_batch(layout: KVLayout, token_slots: torch.Tensor, staging: torch.Ten
 
 
 def _launch(rows, layout: KVLayout, token_slots: torch.Tensor, staging: torch.Tensor,
-            selected: list[tuple[int, int]], gather: bool,
+            entries: tuple[int, int, int], gather: bool,
             config: LaunchConfig | None = None) -> None:
-    device = _check_rows(rows, layout)
-    token_slots, num_pages = _check_batch(layout, token_slots, staging, device)
-    if num_pages == 0 or not selected:
+    """``entries``: (first, step, count) of the (kv * layers + layer) entries to copy."""
+    table = row_table(rows, layout)
+    token_slots, num_pages = _check_batch(layout, token_slots, staging, table.device)
+    if num_pages == 0:
         return
     staging = staging[:num_pages * layout.slot_bytes]
-
     # The widest word and alignment that every address, stride and row length allows.
-    picked = [rows[kv][layer] for kv, layer in selected]
-    align = math.gcd(layout.row_bytes, layout.slot_bytes, staging.data_ptr(), 16)
-    for r in picked:
-        align = math.gcd(align, r.data_ptr(), r.stride(0) if r.shape[0] > 1 else 16)
+    align = math.gcd(table.align, staging.data_ptr(), layout.slot_bytes)
     word = min(align, 4)
     row_words = layout.row_bytes // word
-    entries = []
-    for (kv, layer), r in zip(selected, picked):
-        stride = r.stride(0) if r.shape[0] > 1 else layout.row_bytes
-        entries += [r.data_ptr(), stride // word, kv * layout.num_layers + layer]
-    table = _entry_table(tuple(entries), device)
     cfg = config or default_config(row_words, word)
     n_tokens = token_slots.numel()
-    grid = (triton.cdiv(n_tokens, cfg.block_t), triton.cdiv(row_words, cfg.block_c), len(selected))
+    first, step, count = entries
+    grid = (triton.cdiv(n_tokens, cfg.block_t), triton.cdiv(row_words, cfg.block_c), count)
     if grid[1] > 65535 or grid[2] > 65535:
         raise ValueError(f"launch grid {grid} too large: row of {row_words} words or "
-                         f"{len(selected)} (kv, layer) entries")
-    kernel = _copy_rows_interp if device.type == "cpu" else _copy_rows_cuda
-    kwargs = {} if device.type == "cpu" else {"num_warps": cfg.num_warps}
-    kernel[grid](table, token_slots, staging.view(_WORD_DTYPES[word]), n_tokens,
-                 layout.slot_bytes // word, ROW_WORDS=row_words, PAGE_SIZE=layout.page_size,
-                 BLOCK_T=cfg.block_t, BLOCK_C=cfg.block_c, ALIGN=align, STRIDE_ALIGN=align // word,
-                 GATHER=gather, **kwargs)
+                         f"{count} (kv, layer) entries")
+    cpu = table.device.type == "cpu"
+    kernel = _copy_rows_interp if cpu else _copy_rows_cuda
+    kwargs = {} if cpu else {"num_warps": cfg.num_warps}
+    kernel[grid](table.table, token_slots, staging.view(_WORD_DTYPES[word]), n_tokens,
+                 layout.slot_bytes // word, first, step, ROW_WORDS=row_words,
+                 PAGE_SIZE=layout.page_size, WORD=word, BLOCK_T=cfg.block_t,
+                 BLOCK_C=cfg.block_c, ALIGN=align, GATHER=gather, **kwargs)
 
 
-def _all(layout: KVLayout) -> list[tuple[int, int]]:
-    return [(kv, layer) for kv in range(layout.kv_count) for layer in range(layout.num_layers)]
+def _all(layout: KVLayout) -> tuple[int, int, int]:
+    return 0, 1, layout.kv_count * layout.num_layers
 
 
-def _one_layer(layout: KVLayout, layer: int, kv: int | None) -> list[tuple[int, int]]:
+def _one_layer(layout: KVLayout, layer: int, kv: int | None) -> tuple[int, int, int]:
     if not isinstance(layer, int) or not 0 <= layer < layout.num_layers:
         raise ValueError(f"layer must be in [0, {layout.num_layers}), got {layer!r}")
-    if kv is None:
-        return [(k, layer) for k in range(layout.kv_count)]
+    if kv is None:  # K of this layer, then V: entries layer and layers + layer
+        return layer, layout.num_layers, layout.kv_count
     if not isinstance(kv, int) or not 0 <= kv < layout.kv_count:
         raise ValueError(f"kv must be None or in [0, {layout.kv_count}), got {kv!r}")
-    return [(kv, layer)]
+    return kv * layout.num_layers + layer, 1, 1
 
 
 def gather_pages_triton(rows, layout: KVLayout, token_slots: torch.Tensor,
                         staging: torch.Tensor, config: LaunchConfig | None = None) -> None:
     """Pack ``rows[kv][layer][token_slots]`` into page-first ``staging`` pages (one launch).
 
-    ``rows[kv][layer]``: ``[num_slots, row_bytes]`` uint8 views (see :class:`gdskv.pool.KVPool`);
+    ``rows[kv][layer]``: ``[num_slots, row_bytes]`` uint8 views (see :class:`gdskv.pool.KVPool`)
+    or a :class:`RowTable` of them;
     ``token_slots``: int32/int64, pages x page_size entries, all within the pool (not checked
     here: that needs a device sync; :meth:`KVPool.check_token_slots` does it).
     """

@@ -23,9 +23,9 @@ pytestmark = pytest.mark.skipif(not triton_available(), reason="triton is not in
 
 if triton_available():
     from kernels.triton_checksum import page_checksums_triton
-    from kernels.triton_gather import (LaunchConfig, gather_pages_layer_triton,
-                                       gather_pages_triton, scatter_pages_layer_triton,
-                                       scatter_pages_triton)
+    from kernels.triton_gather import (LaunchConfig, RowTable, gather_pages_layer_triton,
+                                       gather_pages_triton, row_table,
+                                       scatter_pages_layer_triton, scatter_pages_triton)
 
 DEVICES = [
     pytest.param("cpu", id="cpu-interpreter"),
@@ -201,6 +201,25 @@ def test_empty_batch_is_a_no_op(device):
     before = staging.clone()
     gather_pages_triton(rows, layout, torch.empty(0, dtype=torch.int64, device=device), staging)
     assert torch.equal(staging, before)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_row_table_is_cached_and_rebuilt_when_the_pool_changes(device):
+    layout, rows, slots, staging = setup_case(CASES[1], device, seed=8)
+    table = row_table(rows, layout)
+    assert row_table(rows, layout) is table  # same list, same tensors: cached
+    expected = staging.clone()
+    gather_pages_reference(rows, layout, slots, expected)
+    gather_pages_triton(table, layout, slots, staging)  # an explicit RowTable works too
+    assert torch.equal(staging, expected)
+
+    rows[0][1] = rows[0][1].clone()  # engine swapped one layer's tensor: table is stale
+    fresh = row_table(rows, layout)
+    assert fresh is not table and fresh.table[1, 0] == rows[0][1].data_ptr()
+
+    other = RowTable(clone_rows(rows), layout)  # its tensors die with the temporary list
+    with pytest.raises(ValueError, match="freed"):
+        gather_pages_triton(other, layout, slots, staging)
 
 
 def test_bad_inputs_raise_clear_errors():
