@@ -67,11 +67,9 @@ def page_hash_finalize_kernel(partial_ptr, out_ptr, n_chunks, length_term,
     """Per page: ``fmix(sum of its chunk sums + length_term)`` (step 4 of the algorithm);
     ``length_term`` = ``page_bytes * GOLDEN mod 2**64`` as an int64 bit pattern."""
     page = tl.program_id(0).to(tl.int64)
-    acc = tl.full([BLOCK], 0, tl.uint64)
-    for start in range(0, n_chunks, BLOCK):
-        i = start + tl.arange(0, BLOCK)
-        v = tl.load(partial_ptr + page * n_chunks + i, mask=i < n_chunks, other=0)
-        acc += v.to(tl.uint64, bitcast=True)
+    i = tl.arange(0, BLOCK)  # BLOCK >= n_chunks: one masked load, no loop
+    acc = tl.load(partial_ptr + page * n_chunks + i, mask=i < n_chunks, other=0).to(
+        tl.uint64, bitcast=True)
     z = tl.reduce(acc, 0, _SUM) + length_term.to(tl.uint64, bitcast=True)
     z = z ^ (z >> 30)
     z = z * 0xBF58476D1CE4E5B9
@@ -120,5 +118,5 @@ def page_checksums_triton(staging: torch.Tensor, num_pages: int, page_bytes: int
     out = torch.empty(num_pages, dtype=torch.int64, device=staging.device)
     final = _final_interp if staging.device.type == "cpu" else _final_cuda
     final[(num_pages,)](partial, out, n_chunks, _signed(page_bytes * GOLDEN % (1 << 64)),
-                        BLOCK=min(1024, triton.next_power_of_2(n_chunks)))
+                        BLOCK=triton.next_power_of_2(n_chunks))
     return out

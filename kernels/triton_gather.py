@@ -101,23 +101,20 @@ class LaunchConfig:
                f"num_warps={self.num_warps})"
 
 
-#: Bytes one program moves (tile), and the largest row tile; tuned on H100/H200 (bench/).
+#: Bytes of rows one program moves (at least), and the widest row tile. Measured on an H200
+#: (bench/results/kernels_nvidia-h200.json): whole-row tiles of >= 16 KiB with 8 warps were the
+#: best or within noise of it for 2048-byte rows; for 1152-byte rows a whole (masked, 2048-byte)
+#: row tile x 16 tokens beat splitting rows into exact 128/256-byte column tiles by ~4%.
 TILE_BYTES = 16384
 MAX_COL_BYTES = 4096
 
 
 def default_config(row_words: int, word: int) -> LaunchConfig:
-    """Pick a tile: a row tile that wastes few masked lanes, then enough tokens to fill it."""
-    top = min(triton.next_power_of_2(row_words), max(1, MAX_COL_BYTES // word))
-    block_c = top
-    c = top
-    while c >= 1:
-        tiles = -(-row_words // c)
-        if (tiles * c - row_words) * 8 <= tiles * c:  # <= 12.5% masked lanes
-            block_c = c
-            break
-        c //= 2
-    block_t = max(1, min(256, triton.next_power_of_2(max(1, TILE_BYTES // (block_c * word)))))
+    """Whole rows per program (masked up to a power of two; rows over ``MAX_COL_BYTES`` are
+    split into column tiles), and enough tokens to move ``TILE_BYTES``."""
+    block_c = min(triton.next_power_of_2(row_words), max(1, MAX_COL_BYTES // word))
+    moved = min(row_words, block_c) * word  # real bytes of one token's tile
+    block_t = min(256, triton.next_power_of_2(-(-TILE_BYTES // moved)))
     return LaunchConfig(block_t, block_c, 8)
 
 
