@@ -57,7 +57,7 @@ class HostBounce:
             if host is not None:
                 self._mirrors.move_to_end(key)
                 return host
-            host = alloc_host(key[1], pin=True)
+            host = alloc_host(key[1])   # pinned whenever CUDA is there
             self._mirrors[key] = host
             evicted = []
             while len(self._mirrors) > self._max:
