@@ -395,7 +395,13 @@ class NixlBackend(Backend):
                     except BaseException as exc:  # noqa: BLE001 - handed to the caller
                         item.future.set_exception(exc)
                 else:
-                    self._start(item, inflight)
+                    try:
+                        self._start(item, inflight)
+                    except BaseException as exc:  # noqa: BLE001 - a bug must not hang callers
+                        log.exception("nixl request failed unexpectedly")
+                        if not item.future.done():
+                            item.future.set_result(IOOutcome(0, {i: exc for i in range(
+                                len(item.extents))}))
                 try:
                     item = self._queue.get_nowait()
                 except queue.Empty:
