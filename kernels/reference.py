@@ -24,6 +24,17 @@ def staging_pages_view(layout: KVLayout, staging: torch.Tensor, num_pages: int) 
                                layout.row_bytes))
 
 
+def _widest(*tensors: torch.Tensor) -> torch.dtype:
+    """The widest integer type all these uint8 row tensors can be viewed as (fewer elements to
+    copy: index ops on 8-byte words are ~8x faster than on bytes)."""
+    for dtype in (torch.int64, torch.int32, torch.int16):
+        n = dtype.itemsize
+        if all(t.shape[-1] % n == 0 and t.data_ptr() % n == 0 and
+               all(st % n == 0 for st in t.stride()[:-1]) for t in tensors):
+            return dtype
+    return torch.uint8
+
+
 def gather_pages_reference(rows: list[list[torch.Tensor]], layout: KVLayout,
                            token_slots: torch.Tensor, staging: torch.Tensor) -> None:
     """Copy pool rows ``rows[kv][layer][token_slots]`` into page-first staging pages."""
@@ -32,8 +43,10 @@ def gather_pages_reference(rows: list[list[torch.Tensor]], layout: KVLayout,
     idx = token_slots.to(torch.int64)
     for kv, layers in enumerate(rows):
         for layer, layer_rows in enumerate(layers):
-            dst[:, kv, layer] = layer_rows.index_select(0, idx).view(
-                num_pages, layout.page_size, layout.row_bytes)
+            out = dst[:, kv, layer]
+            wide = _widest(out, layer_rows)
+            out.view(wide).copy_(layer_rows.view(wide).index_select(0, idx).view(
+                num_pages, layout.page_size, -1))
 
 
 def scatter_pages_reference(rows: list[list[torch.Tensor]], layout: KVLayout,
@@ -44,4 +57,7 @@ def scatter_pages_reference(rows: list[list[torch.Tensor]], layout: KVLayout,
     idx = token_slots.to(torch.int64)
     for kv, layers in enumerate(rows):
         for layer, layer_rows in enumerate(layers):
-            layer_rows.index_copy_(0, idx, src[:, kv, layer].reshape(-1, layout.row_bytes))
+            pages = src[:, kv, layer]
+            wide = _widest(pages, layer_rows)
+            layer_rows.view(wide).index_copy_(0, idx, pages.view(wide).reshape(
+                num_pages * layout.page_size, -1))

@@ -1,0 +1,54 @@
+"""Backends move bytes between a staging buffer and slab files; :func:`create_backend` picks one.
+
+``auto`` picks kvikio where a CUDA device is used and kvikio imports, posix otherwise; the choice
+and the reason are in ``backend.describe()["selected"]`` (so in tier stats and logs).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+
+import torch
+
+from ..config import BackendKind, ConfigError, TierConfig
+from .base import Backend, Extent, IOOutcome, ShortIOError, SlabFile
+
+__all__ = ["Backend", "Extent", "IOOutcome", "ShortIOError", "SlabFile", "create_backend",
+           "resolve_backend"]
+
+log = logging.getLogger("gdskv.backends")
+
+_IMPLS = {
+    BackendKind.POSIX: ("gdskv.backends.posix", "PosixBackend"),
+    BackendKind.KVIKIO: ("gdskv.backends.kvikio", "KvikioBackend"),
+    BackendKind.NIXL: ("gdskv.backends.nixl", "NixlBackend"),
+}
+
+
+def resolve_backend(config: TierConfig, device: torch.device) -> tuple[BackendKind, str]:
+    """Which backend ``config.backend`` means on ``device``, and why."""
+    kind = config.backend
+    if kind != BackendKind.AUTO:
+        return kind, "asked for by config"
+    if device.type != "cuda":
+        return BackendKind.POSIX, "auto: staging is in host memory (no CUDA device in use)"
+    try:
+        importlib.import_module("kvikio")
+    except ImportError as exc:
+        return BackendKind.POSIX, f"auto: CUDA device but kvikio does not import ({exc})"
+    return BackendKind.KVIKIO, "auto: CUDA device and kvikio available"
+
+
+def create_backend(config: TierConfig, device: torch.device | str = "cpu") -> Backend:
+    device = torch.device(device)
+    kind, why = resolve_backend(config, device)
+    module_name, cls_name = _IMPLS[kind]
+    try:
+        cls = getattr(importlib.import_module(module_name), cls_name)
+    except ImportError as exc:
+        raise ConfigError(f"backend {kind.value!r} is not available: {exc}") from exc
+    backend = cls(config, device)
+    backend.selected_because = why
+    log.info("gdskv backend: %s (%s)", kind.value, why)
+    return backend

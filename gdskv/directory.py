@@ -1,0 +1,237 @@
+"""The page directory: which key lives in which slot, in what state. Metadata only, no I/O.
+
+Per-slot state is kept in numpy arrays (state, pin count, last use, checksum) and a list of
+keys by slot, plus one dict key -> slot: about 70-80 bytes per page beside the key itself
+(measured in tests/test_directory.py), where an object per page would cost several hundred.
+
+States: ``WRITING`` (slot reserved, data in flight) -> ``READY`` (durable, committed) ->
+``EVICTING`` (asked to go while pinned by a reader; freed at the last unpin). LRU eviction
+takes unpinned READY pages with the oldest ``last_use``.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import threading
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+class PageState(enum.IntEnum):
+    FREE = 0
+    WRITING = 1
+    READY = 2
+    EVICTING = 3
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """Outcome of :meth:`PageDirectory.reserve` for one batch of keys."""
+    #: per key: a fresh slot to write, or None (already present, or no room)
+    slots: list[int | None]
+    #: per key: True when the key was already READY or WRITING (nothing to do)
+    present: list[bool]
+    #: (key, slot) pairs evicted to make room; the caller journals them
+    evicted: list[tuple[Hashable, int]]
+
+
+class PageDirectory:
+    """Thread-safe map of page keys to slots with LRU eviction and pinning."""
+
+    def __init__(self, num_slots: int, *, evict: bool = True) -> None:
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        self.num_slots = num_slots
+        self.evict_enabled = evict
+        self._lock = threading.Lock()
+        self._index: dict[Hashable, int] = {}
+        self._keys: list[Hashable | None] = [None] * num_slots
+        self._state = np.zeros(num_slots, dtype=np.uint8)
+        self._pins = np.zeros(num_slots, dtype=np.uint16)
+        self._last_use = np.zeros(num_slots, dtype=np.uint64)
+        self._checksum = np.zeros(num_slots, dtype=np.uint64)
+        self._clock = 0
+        self._free = list(range(num_slots))  # a heap: lowest slot first keeps batches contiguous
+        self._ready = 0
+
+    # -- queries ------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return self._ready
+
+    def state(self, key: Hashable) -> PageState:
+        with self._lock:
+            slot = self._index.get(key)
+            return PageState.FREE if slot is None else PageState(int(self._state[slot]))
+
+    def contains(self, key: Hashable) -> bool:
+        return self.state(key) == PageState.READY
+
+    def match_prefix(self, keys: Iterable[Hashable]) -> int:
+        """How many leading keys are READY."""
+        n = 0
+        with self._lock:
+            for key in keys:
+                slot = self._index.get(key)
+                if slot is None or self._state[slot] != PageState.READY:
+                    break
+                n += 1
+        return n
+
+    def ready_items(self) -> list[tuple[Hashable, int, int]]:
+        """(key, slot, checksum) of every READY page (for snapshots)."""
+        with self._lock:
+            return [(k, s, int(self._checksum[s])) for k, s in self._index.items()
+                    if self._state[s] == PageState.READY]
+
+    @property
+    def free_slots(self) -> int:
+        with self._lock:
+            return len(self._free)
+
+    # -- writes -------------------------------------------------------------------------------
+    def reserve(self, keys: Sequence[Hashable]) -> Reservation:
+        """Reserve a slot (state WRITING) for each key not already present.
+
+        Evicts LRU unpinned READY pages when free slots run out (if eviction is on). Keys that
+        find no room get ``None``; nothing is reserved for present keys.
+        """
+        with self._lock:
+            present = [k in self._index for k in keys]
+            need = sum(1 for p in present if not p)
+            evicted = []
+            if need > len(self._free) and self.evict_enabled:
+                evicted = self._evict_lru_locked(need - len(self._free), protect=set(keys))
+            slots: list[int | None] = []
+            for key, is_present in zip(keys, present):
+                if is_present or not self._free:
+                    slots.append(None)
+                    continue
+                slot = heapq.heappop(self._free)
+                self._index[key] = slot
+                self._keys[slot] = key
+                self._state[slot] = PageState.WRITING
+                self._pins[slot] = 0
+                slots.append(slot)
+            return Reservation(slots, present, evicted)
+
+    def commit(self, slots: Sequence[int], checksums: Sequence[int]) -> None:
+        """WRITING -> READY once the data is durable and journaled."""
+        with self._lock:
+            for slot, csum in zip(slots, checksums):
+                assert self._state[slot] == PageState.WRITING, f"commit of slot {slot} not WRITING"
+                self._state[slot] = PageState.READY
+                self._checksum[slot] = csum
+                self._touch_locked(slot)
+                self._ready += 1
+
+    def abort(self, slots: Iterable[int]) -> None:
+        """Give back WRITING slots whose write failed."""
+        with self._lock:
+            for slot in slots:
+                assert self._state[slot] == PageState.WRITING, f"abort of slot {slot} not WRITING"
+                self._free_locked(slot)
+
+    def load(self, entries: Iterable[tuple[Hashable, int, int]]) -> None:
+        """Install READY pages recovered from the journal: (key, slot, checksum)."""
+        with self._lock:
+            taken = set()
+            for key, slot, csum in entries:
+                if not 0 <= slot < self.num_slots or slot in taken or key in self._index:
+                    raise ValueError(f"bad recovered entry: key {key!r} slot {slot}")
+                taken.add(slot)
+                self._index[key] = slot
+                self._keys[slot] = key
+                self._state[slot] = PageState.READY
+                self._checksum[slot] = csum
+                self._touch_locked(slot)
+            self._ready = len(taken)
+            self._free = [s for s in range(self.num_slots) if s not in taken]
+            heapq.heapify(self._free)
+
+    # -- reads --------------------------------------------------------------------------------
+    def pin(self, keys: Sequence[Hashable]) -> list[tuple[int, int] | None]:
+        """Pin READY pages for reading: per key (slot, checksum), or None for a miss."""
+        out: list[tuple[int, int] | None] = []
+        with self._lock:
+            for key in keys:
+                slot = self._index.get(key)
+                if slot is None or self._state[slot] != PageState.READY:
+                    out.append(None)
+                    continue
+                self._pins[slot] += 1
+                self._touch_locked(slot)
+                out.append((slot, int(self._checksum[slot])))
+        return out
+
+    def unpin(self, slots: Iterable[int]) -> list[tuple[Hashable, int]]:
+        """Drop one pin per slot; returns pages freed because they were EVICTING."""
+        freed = []
+        with self._lock:
+            for slot in slots:
+                assert self._pins[slot] > 0, f"unpin of unpinned slot {slot}"
+                self._pins[slot] -= 1
+                if self._pins[slot] == 0 and self._state[slot] == PageState.EVICTING:
+                    freed.append((self._keys[slot], slot))
+                    self._free_locked(slot)
+        return freed
+
+    # -- eviction -----------------------------------------------------------------------------
+    def remove(self, keys: Iterable[Hashable]) -> list[tuple[Hashable, int]]:
+        """Evict the given READY keys now; pinned ones become EVICTING and go at last unpin.
+
+        Returns the (key, slot) pairs freed now. Unknown or WRITING keys are ignored.
+        """
+        freed = []
+        with self._lock:
+            for key in keys:
+                slot = self._index.get(key)
+                if slot is None or self._state[slot] != PageState.READY:
+                    continue
+                self._ready -= 1
+                if self._pins[slot]:
+                    self._state[slot] = PageState.EVICTING
+                else:
+                    freed.append((key, slot))
+                    self._free_locked(slot, was_ready=False)
+        return freed
+
+    def evict_lru(self, count: int) -> list[tuple[Hashable, int]]:
+        with self._lock:
+            return self._evict_lru_locked(count, protect=set())
+
+    def _evict_lru_locked(self, count: int, protect: set) -> list[tuple[Hashable, int]]:
+        candidates = np.flatnonzero((self._state == PageState.READY) & (self._pins == 0))
+        if count <= 0 or candidates.size == 0:
+            return []
+        if count < candidates.size:
+            order = np.argpartition(self._last_use[candidates], count - 1)[:count]
+            candidates = candidates[order]
+        evicted = []
+        for slot in candidates.tolist():
+            key = self._keys[slot]
+            if key in protect:
+                continue
+            evicted.append((key, slot))
+            self._free_locked(slot)
+        return evicted
+
+    # -- internals ----------------------------------------------------------------------------
+    def _touch_locked(self, slot: int) -> None:
+        self._clock += 1
+        self._last_use[slot] = self._clock
+
+    def _free_locked(self, slot: int, was_ready: bool | None = None) -> None:
+        if was_ready is None:
+            was_ready = self._state[slot] == PageState.READY
+        if was_ready:
+            self._ready -= 1
+        key = self._keys[slot]
+        del self._index[key]
+        self._keys[slot] = None
+        self._state[slot] = PageState.FREE
+        self._pins[slot] = 0
+        self._checksum[slot] = 0
+        heapq.heappush(self._free, slot)

@@ -1,0 +1,154 @@
+"""The append-only journal that lets a restart rebuild the page directory.
+
+Each record is ``[u32 body length][u32 crc32c(body)][body]``; the body is
+``[u8 kind][u64 seq][u64 slot][u64 page checksum][u8 checksum algorithm][u8 key type][key]``.
+``COMMIT`` says "key is READY in slot with this payload checksum"; ``EVICT`` says "key left
+slot". Replay stops at the first short or corrupt record (a torn tail from a crash) and cuts
+the file there. :meth:`Journal.rewrite` compacts the journal to one COMMIT per live page
+(temp file + fsync + rename, so a crash leaves either the old or the new journal).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import struct
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass
+
+import crc32c
+
+log = logging.getLogger("gdskv.journal")
+
+_HEAD = struct.Struct("<II")
+_BODY = struct.Struct("<BQQQBB")
+_MAX_BODY = 1 << 20
+
+
+class RecordKind(enum.IntEnum):
+    COMMIT = 1
+    EVICT = 2
+
+
+@dataclass(frozen=True)
+class Record:
+    kind: RecordKind
+    seq: int
+    slot: int
+    checksum: int
+    algorithm: int
+    key: Hashable
+
+
+def _encode_key(key: Hashable) -> tuple[int, bytes]:
+    if isinstance(key, str):
+        return 0, key.encode("utf-8")
+    if isinstance(key, bytes):
+        return 1, key
+    raise TypeError(f"page keys must be str or bytes, got {type(key).__name__}")
+
+
+def encode(rec: Record) -> bytes:
+    key_type, key_bytes = _encode_key(rec.key)
+    body = _BODY.pack(rec.kind, rec.seq, rec.slot, rec.checksum, rec.algorithm, key_type) + key_bytes
+    return _HEAD.pack(len(body), crc32c.crc32c(body)) + body
+
+
+def decode_all(data: bytes) -> tuple[list[Record], int]:
+    """Records in ``data`` up to the first torn or corrupt one; also the valid length."""
+    out, pos = [], 0
+    while pos + _HEAD.size <= len(data):
+        length, crc = _HEAD.unpack_from(data, pos)
+        start, end = pos + _HEAD.size, pos + _HEAD.size + length
+        if length < _BODY.size or length > _MAX_BODY or end > len(data):
+            break
+        body = data[start:end]
+        if crc32c.crc32c(body) != crc:
+            break
+        kind, seq, slot, csum, algo, key_type = _BODY.unpack_from(body)
+        key_bytes = body[_BODY.size:]
+        try:
+            key = key_bytes.decode("utf-8") if key_type == 0 else key_bytes
+            out.append(Record(RecordKind(kind), seq, slot, csum, algo, key))
+        except (UnicodeDecodeError, ValueError):
+            break
+        pos = end
+    return out, pos
+
+
+class Journal:
+    """Append-only, checksummed record log in one file."""
+
+    def __init__(self, path: str, *, sync: bool) -> None:
+        self.path = path
+        self.sync = sync
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        self.records_written = 0
+        self.seq = 0
+
+    def replay(self) -> tuple[dict[Hashable, Record], int]:
+        """Live pages by key after applying every valid record; cuts a torn tail.
+
+        Returns (live, number of records read).
+        """
+        with open(self.path, "rb") as f:
+            data = f.read()
+        records, valid = decode_all(data)
+        if valid < len(data):
+            log.warning("journal %s: ignoring %d bytes of torn or corrupt tail after %d records",
+                        self.path, len(data) - valid, len(records))
+            os.ftruncate(self._fd, valid)
+        live: dict[Hashable, Record] = {}
+        for rec in records:
+            if rec.kind == RecordKind.COMMIT:
+                live[rec.key] = rec
+            elif (cur := live.get(rec.key)) is not None and cur.slot == rec.slot:
+                del live[rec.key]
+            self.seq = max(self.seq, rec.seq)
+        self.records_written = len(records)
+        return live, len(records)
+
+    def append(self, records: Iterable[Record]) -> None:
+        records = list(records)
+        if not records:
+            return
+        data = b"".join(encode(r) for r in records)
+        view = memoryview(data)
+        while view:
+            n = os.write(self._fd, view)
+            view = view[n:]
+        if self.sync:
+            os.fdatasync(self._fd)
+        self.records_written += len(records)
+
+    def next_seq(self) -> int:
+        self.seq += 1
+        return self.seq
+
+    def rewrite(self, live: list[Record]) -> None:
+        """Replace the journal with just ``live`` records (crash-safe)."""
+        tmp = self.path + ".tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            data = b"".join(encode(r) for r in live)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, self.path)
+        self.records_written = len(live)
+        dfd = os.open(os.path.dirname(self.path) or ".", os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+        os.close(self._fd)
+        self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CLOEXEC, 0o600)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1

@@ -1,0 +1,25 @@
+"""Counters the tier keeps (thread-safe) and the derived rates it reports."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+
+
+class TierStats:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: Counter = Counter()
+
+    def add(self, **amounts: float) -> None:
+        with self._lock:
+            self._counts.update(amounts)
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            c = dict(self._counts)
+        for direction in ("write", "read"):
+            secs = c.get(f"{direction}_seconds", 0.0)
+            nbytes = c.get(f"bytes_{'written' if direction == 'write' else 'read'}", 0)
+            c[f"{direction}_gbps"] = nbytes / secs / 1e9 if secs else 0.0
+        return c

@@ -1,0 +1,271 @@
+"""The slab store: a manifest and a few large preallocated slab files cut into fixed slots.
+
+Slots are striped across files (one or more directories, e.g. one per NVMe) in units of
+``stripe_slots`` consecutive slots, so a batch of adjacent slots becomes a few large I/Os spread
+over all drives. Global slot ``g`` lives in stripe ``g // stripe_slots``; stripes rotate over the
+files. Files are opened with O_DIRECT where the file system takes it; where it is refused the
+store goes on buffered and says so (``direct_reason`` and one log line), never silently.
+
+One process owns a store at a time: an exclusive ``flock`` on ``<dir>/gdskv.lock``; a second
+opener gets :class:`StoreLockedError`.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import logging
+import mmap
+import os
+import stat
+from collections.abc import Sequence
+
+from .backends.base import Extent, SlabFile
+from .config import DirectIO, TierConfig
+from .layout import ALIGNMENT, FORMAT_VERSION, KVLayout
+
+log = logging.getLogger("gdskv.store")
+
+MANIFEST = "gdskv-manifest.json"
+LOCK = "gdskv.lock"
+JOURNAL = "gdskv-journal.log"
+
+
+class StoreError(OSError):
+    """The store directory cannot be used as asked."""
+
+
+class StoreMismatchError(StoreError):
+    """The directory holds a store written with another layout or geometry."""
+
+
+class StoreLockedError(StoreError):
+    """Another process has the store open."""
+
+
+class SlabStore:
+    """Opens or creates the store in ``config.directories`` for ``layout``."""
+
+    def __init__(self, layout: KVLayout, config: TierConfig) -> None:
+        if not config.directories:
+            raise StoreError("no store directory given (set GDSKV_DIRECTORIES or "
+                             "TierConfig(directories=...))")
+        self.layout = layout
+        self.slot_bytes = layout.slot_bytes
+        self.directories = [self._check_dir(d) for d in config.directories]
+        self._lock_fds: list[int] = []
+        self.files: list[SlabFile] = []
+        try:
+            for d in self.directories:
+                self._lock_fds.append(self._lock(d))
+            self._plan(config)
+            self._open_manifest()
+            self._open_files(config.direct_io)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- geometry ------------------------------------------------------------------------------
+    def _plan(self, config: TierConfig) -> None:
+        nfiles_wanted = len(self.directories) * config.files_per_dir
+        self.stripe_slots = max(1, config.io_chunk_size // self.slot_bytes)
+        stripe_bytes = self.stripe_slots * self.slot_bytes
+        num_stripes = config.capacity // stripe_bytes
+        if num_stripes < 1:
+            if config.capacity < self.slot_bytes:
+                raise StoreError(f"capacity {config.capacity} B is smaller than one page slot "
+                                 f"({self.slot_bytes} B)")
+            self.stripe_slots = config.capacity // self.slot_bytes
+            num_stripes = 1
+        self.num_files = min(nfiles_wanted, num_stripes)
+        num_stripes -= num_stripes % self.num_files  # equal files
+        self.num_slots = num_stripes * self.stripe_slots
+        self.file_bytes = num_stripes // self.num_files * self.stripe_slots * self.slot_bytes
+
+    def location(self, slot: int) -> tuple[int, int]:
+        """(file index, byte offset) of a global slot."""
+        stripe, within = divmod(slot, self.stripe_slots)
+        local_stripe, f = divmod(stripe, self.num_files)
+        return f, (local_stripe * self.stripe_slots + within) * self.slot_bytes
+
+    def extents(self, slots: Sequence[int]) -> list[Extent]:
+        """Extents for pages at buffer positions 0..n-1 going to ``slots``, adjacent slots in
+        the same file coalesced into one extent."""
+        out: list[Extent] = []
+        sb = self.slot_bytes
+        for pos, slot in enumerate(slots):
+            f, off = self.location(slot)
+            if out:
+                last = out[-1]
+                if last.file == f and last.file_offset + last.length == off \
+                        and last.buffer_offset + last.length == pos * sb:
+                    out[-1] = Extent(f, last.file_offset, last.length + sb, last.buffer_offset)
+                    continue
+            out.append(Extent(f, off, sb, pos * sb))
+        return out
+
+    # -- manifest ------------------------------------------------------------------------------
+    def _manifest(self, index: int) -> dict:
+        return {"format_version": FORMAT_VERSION, "fingerprint": self.layout.fingerprint,
+                "layout": self.layout.to_dict(), "slot_bytes": self.slot_bytes,
+                "num_slots": self.num_slots, "stripe_slots": self.stripe_slots,
+                "num_files": self.num_files, "file_bytes": self.file_bytes,
+                "directories": len(self.directories), "directory_index": index}
+
+    def _open_manifest(self) -> None:
+        existing = [os.path.join(d, MANIFEST) for d in self.directories]
+        found = [p for p in existing if os.path.exists(p)]
+        self.created = not found
+        if self.created:
+            for i, path in enumerate(existing):
+                _atomic_write(path, json.dumps(self._manifest(i), indent=1).encode())
+            return
+        if len(found) != len(existing):
+            raise StoreMismatchError(f"store manifest missing in {sorted(set(existing) - set(found))} "
+                                     f"but present in {found}: directories do not form one store")
+        for i, path in enumerate(existing):
+            try:
+                with open(path, "rb") as fh:
+                    have = json.load(fh)
+            except (OSError, ValueError) as exc:
+                raise StoreMismatchError(f"unreadable store manifest {path}: {exc}") from exc
+            if have.get("fingerprint") != self.layout.fingerprint:
+                raise StoreMismatchError(
+                    f"store in {os.path.dirname(path)} was written for layout "
+                    f"{have.get('fingerprint')!r}, not {self.layout.fingerprint!r}; "
+                    "use another directory for this model/sharding")
+            want = self._manifest(i)
+            diff = {k: (have.get(k), v) for k, v in want.items() if have.get(k) != v}
+            if diff:
+                raise StoreMismatchError(
+                    f"store in {os.path.dirname(path)} has another geometry (stored, asked): {diff}; "
+                    "open it with the same capacity, files_per_dir, io_chunk_size and "
+                    "directories, or use a new directory")
+
+    # -- files ---------------------------------------------------------------------------------
+    @staticmethod
+    def _check_dir(path: str) -> str:
+        path = os.path.abspath(path)
+        if not os.path.isdir(path):
+            raise StoreError(f"store directory {path!r} does not exist or is not a directory")
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise StoreError(f"store directory {path!r} is not writable")
+        return path
+
+    @staticmethod
+    def _lock(directory: str) -> int:
+        fd = os.open(os.path.join(directory, LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise StoreLockedError(f"store {directory!r} is open in another process "
+                                       "(lock held on gdskv.lock)") from None
+            raise
+        return fd
+
+    def _open_files(self, direct: DirectIO) -> None:
+        self.direct = direct != DirectIO.OFF
+        self.direct_reason = "off by config" if not self.direct else "O_DIRECT accepted"
+        for i in range(self.num_files):
+            d = self.directories[i % len(self.directories)]
+            path = os.path.join(d, f"slab-{i // len(self.directories):03d}.bin")
+            fd, is_direct, reason = self._open_one(path, direct)
+            if self.direct and not is_direct:
+                self.direct, self.direct_reason = False, reason
+                log.warning("O_DIRECT refused on %s (%s): using buffered I/O", path, reason)
+            self.files.append(SlabFile(i, path, fd, is_direct, self.file_bytes))
+
+    def _open_one(self, path: str, direct: DirectIO) -> tuple[int, bool, str]:
+        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
+        fd = os.open(path, flags, 0o600)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise StoreError(f"slab file {path!r} is not a regular file")
+            if st.st_size < self.file_bytes:
+                if not self.created and st.st_size != 0:
+                    log.warning("slab file %s is shorter than the manifest says (%d < %d): "
+                                "pages beyond its end read as misses", path, st.st_size,
+                                self.file_bytes)
+                else:
+                    _preallocate(fd, self.file_bytes, path)
+        except BaseException:
+            os.close(fd)
+            raise
+        if direct == DirectIO.OFF:
+            return fd, False, "off by config"
+        odirect = getattr(os, "O_DIRECT", 0)
+        if not odirect:
+            reason = "O_DIRECT not offered by this OS"
+        else:
+            try:
+                dfd = os.open(path, (flags & ~os.O_CREAT) | odirect)
+            except OSError as exc:
+                reason = f"open(O_DIRECT) failed: {exc.strerror}"
+            else:
+                reason = _probe_direct(dfd)
+                if reason is None:
+                    os.close(fd)
+                    return dfd, True, "O_DIRECT accepted"
+                os.close(dfd)
+        if direct == DirectIO.ON:
+            os.close(fd)
+            raise StoreError(f"direct_io=on but O_DIRECT is not usable on {path}: {reason}")
+        return fd, False, reason
+
+    def sync(self) -> None:
+        """Make written slab data durable (fdatasync every file)."""
+        for f in self.files:
+            os.fdatasync(f.fd)
+
+    def close(self) -> None:
+        for f in self.files:
+            try:
+                os.close(f.fd)
+            except OSError:
+                pass
+        self.files = []
+        for fd in self._lock_fds:
+            os.close(fd)  # closing the fd drops the flock
+        self._lock_fds = []
+
+    @property
+    def journal_path(self) -> str:
+        return os.path.join(self.directories[0], JOURNAL)
+
+
+def _atomic_write(path: str, data: bytes) -> None:
+    tmp = path + ".tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def _preallocate(fd: int, size: int, path: str) -> None:
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+            os.ftruncate(fd, size)  # sparse; space is taken on first write
+        else:
+            raise StoreError(exc.errno, f"cannot preallocate {size} B for slab file {path}: "
+                             f"{exc.strerror}") from exc
+
+
+def _probe_direct(fd: int) -> str | None:
+    """None if an aligned O_DIRECT read works on ``fd``, else why not (tmpfs, some FUSE...)."""
+    buf = mmap.mmap(-1, ALIGNMENT)
+    try:
+        os.preadv(fd, [buf], 0)
+        return None
+    except OSError as exc:
+        return f"O_DIRECT read failed: {exc.strerror}"
+    finally:
+        buf.close()

@@ -1,0 +1,481 @@
+"""The tier: spill KV pages from an engine pool to the slab store and restore them.
+
+Spill (``put``): reserve slots in the directory -> gather pages into one half of the staging
+buffer -> checksum -> ``backend.write`` -> (fdatasync per sync policy) -> journal COMMIT ->
+directory READY. While one half is being written the next chunk is gathered into the other half.
+
+Restore (``get``): pin READY pages -> ``backend.read`` chunk into a staging half -> verify
+checksums -> scatter into the engine's slots -> unpin. While one chunk is scattered the next is
+read. A page that is missing, fails I/O or fails its checksum is a miss (``False``), never an
+exception and never wrong bytes.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Hashable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from . import kernels as kd
+from .backends import create_backend
+from .backends.base import Extent, IOOutcome
+from .checksum import PageChecksummer
+from .config import ConfigError, Eviction, SyncPolicy, TierConfig
+from .directory import PageDirectory
+from .journal import Journal, Record, RecordKind
+from .layout import ALIGNMENT, KVLayout
+from .memory import alloc_host, cuda_available
+from .pool import KVPool
+from .stats import TierStats
+from .store import SlabStore
+
+log = logging.getLogger("gdskv.tier")
+
+# Fills (put) or drains (get) staging pages for the call's page indices.
+PageCopier = Callable[[torch.Tensor, list[int]], None]
+
+
+class Tier:
+    """A KV page tier over one slab store. Thread-safe; data-path calls run one at a time.
+
+    Args:
+        layout: the KV geometry this tier stores (must match an existing store's).
+        config: settings; ``None`` reads ``GDSKV_*`` from the environment.
+        device: where staging lives: the engine pool's device. Default: the current CUDA
+            device if there is one, else CPU.
+    """
+
+    def __init__(self, layout: KVLayout, config: TierConfig | None = None, *,
+                 device: torch.device | str | None = None) -> None:
+        if not isinstance(layout, KVLayout):
+            raise TypeError(f"layout must be a KVLayout, got {type(layout).__name__}")
+        self.layout = layout
+        self.config = config if config is not None else TierConfig.from_env()
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if cuda_available() \
+                else torch.device("cpu")
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self._chunk_pages = (self.config.staging_size // 2) // layout.slot_bytes
+        if self._chunk_pages < 1:
+            raise ConfigError(f"staging_size {self.config.staging_size} B must hold two page "
+                              f"slots ({2 * layout.slot_bytes} B for this layout)")
+        self._closed = True
+        self._stats = TierStats()
+        self._logged: set[str] = set()
+        self.store = SlabStore(layout, self.config)
+        try:
+            self.directory = PageDirectory(self.store.num_slots,
+                                           evict=self.config.eviction == Eviction.LRU)
+            self._checksums = PageChecksummer(layout)
+            self.journal = Journal(self.store.journal_path,
+                                   sync=self.config.sync == SyncPolicy.DATA)
+            self._recover()
+            self.backend = create_backend(self.config, self.device)
+            self.backend.attach(self.store.files)
+        except BaseException:
+            self.store.close()
+            raise
+        self._staging = self._alloc_staging()
+        # Gather/scatter run on the tier's own stream so the engine's stream is never blocked
+        # behind our I/O; the tier stream waits only for the engine work issued before a call.
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._data_lock = threading.Lock()
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="gdskv-tier")
+        self._offers: collections.OrderedDict = collections.OrderedDict()
+        self._closed = False
+        log.info("gdskv tier: %d slots of %d B in %s; backend %s; O_DIRECT %s (%s)",
+                 self.store.num_slots, layout.slot_bytes, ", ".join(self.store.directories),
+                 self.backend.name, "on" if self.store.direct else "off", self.store.direct_reason)
+
+    @classmethod
+    def from_env(cls, layout: KVLayout, *, device=None, **overrides) -> "Tier":
+        return cls(layout, TierConfig.from_env(**overrides), device=device)
+
+    # -- public API -----------------------------------------------------------------------------
+    def put(self, keys: Sequence[Hashable], kv_pool, token_slots) -> list[bool]:
+        """Store pages (gathered from ``kv_pool`` at ``token_slots``) under ``keys``.
+
+        Returns per-page success. A key already stored (or being stored) is a no-op success.
+        """
+        keys, fill = self._pool_copier(keys, kv_pool, token_slots, kd.gather_pages)
+        return self._run(self._put_locked, keys, fill, self._engine_event())
+
+    def get(self, keys: Sequence[Hashable], kv_pool, token_slots) -> list[bool]:
+        """Restore pages into ``kv_pool`` at ``token_slots``; per-page hit (True) or miss."""
+        keys, drain = self._pool_copier(keys, kv_pool, token_slots, kd.scatter_pages)
+        return self._run(self._get_locked, keys, drain, self._engine_event())
+
+    def put_async(self, keys, kv_pool, token_slots) -> Future:
+        keys, fill = self._pool_copier(keys, kv_pool, token_slots, kd.gather_pages)
+        return self._worker.submit(self._run, self._put_locked, keys, fill, self._engine_event())
+
+    def get_async(self, keys, kv_pool, token_slots) -> Future:
+        keys, drain = self._pool_copier(keys, kv_pool, token_slots, kd.scatter_pages)
+        return self._worker.submit(self._run, self._get_locked, keys, drain, self._engine_event())
+
+    def put_pages(self, keys: Sequence[Hashable], pages: Sequence[Sequence[torch.Tensor]]
+                  ) -> list[bool]:
+        """Store pages given as page-format byte regions: ``pages[i]`` is a list of 1-D uint8
+        tensors whose concatenation is page i's payload (``layout.page_bytes``)."""
+        keys, fill = self._region_copier(keys, pages, to_staging=True)
+        return self._run(self._put_locked, keys, fill, self._engine_event())
+
+    def get_pages(self, keys: Sequence[Hashable], pages: Sequence[Sequence[torch.Tensor]]
+                  ) -> list[bool]:
+        """Restore pages into page-format byte regions (see :meth:`put_pages`)."""
+        keys, drain = self._region_copier(keys, pages, to_staging=False)
+        return self._run(self._get_locked, keys, drain, self._engine_event())
+
+    def contains(self, key: Hashable) -> bool:
+        return self.directory.contains(key)
+
+    def match_prefix(self, keys: Sequence[Hashable]) -> int:
+        """How many leading keys are stored and readable."""
+        return self.directory.match_prefix(keys)
+
+    def evict(self, keys: Sequence[Hashable]) -> int:
+        """Drop pages now (pinned ones as soon as their reads finish); returns how many."""
+        keys = self._check_keys(keys)
+        before = len(self.directory)
+        self._journal_evictions(self.directory.remove(keys))
+        gone = before - len(self.directory)
+        self._stats.add(evictions=gone)
+        return gone
+
+    def clear(self) -> None:
+        """Drop every page."""
+        with self._data_lock:
+            keys = [k for k, _, _ in self.directory.ready_items()]
+            self._journal_evictions(self.directory.remove(keys))
+
+    def stats(self) -> dict:
+        s = self._stats.snapshot()
+        s.update(pages_stored=len(self.directory), bytes_stored=len(self.directory) *
+                 self.layout.page_bytes, capacity_pages=self.store.num_slots,
+                 slot_bytes=self.layout.slot_bytes, page_bytes=self.layout.page_bytes,
+                 backend=self.backend.name, gpu_direct=self.backend.gpu_direct,
+                 backend_detail=self.backend.describe(),
+                 backend_selected_because=getattr(self.backend, "selected_because", ""),
+                 o_direct=self.store.direct, o_direct_reason=self.store.direct_reason,
+                 device=str(self.device), fingerprint=self.layout.fingerprint)
+        return s
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._worker.shutdown(wait=True)
+        with self._data_lock:
+            try:
+                self.backend.close()
+                self._maybe_compact()
+            finally:
+                self.journal.close()
+                self.store.close()
+
+    def __enter__(self) -> "Tier":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- input checking -------------------------------------------------------------------------
+    @staticmethod
+    def _check_keys(keys) -> list:
+        if isinstance(keys, (str, bytes)):
+            raise TypeError("keys must be a sequence of str/bytes keys, not a single key")
+        keys = list(keys)
+        for k in keys:
+            if not isinstance(k, (str, bytes)):
+                raise TypeError(f"page keys must be str or bytes, got {type(k).__name__}: {k!r}")
+        if len(set(keys)) != len(keys):
+            dup = next(k for k, c in collections.Counter(keys).items() if c > 1)
+            raise ValueError(f"duplicate key in one call: {dup!r}")
+        return keys
+
+    def _pool_copier(self, keys, kv_pool, token_slots, copy_fn) -> tuple[list, PageCopier]:
+        keys = self._check_keys(keys)
+        pool = KVPool(self.layout, kv_pool)
+        if pool.device != self.device:
+            raise ValueError(f"KV pool is on {pool.device} but this tier stages on {self.device}")
+        slots = pool.check_token_slots(token_slots, len(keys)).view(len(keys), self.layout.page_size)
+
+        def copy(staging: torch.Tensor, page_idx: list[int]) -> None:
+            idx = torch.as_tensor(page_idx, dtype=torch.int64, device=slots.device)
+            copy_fn(pool.rows, self.layout, slots.index_select(0, idx).reshape(-1), staging)
+
+        return keys, copy
+
+    def _region_copier(self, keys, pages, *, to_staging: bool) -> tuple[list, PageCopier]:
+        keys = self._check_keys(keys)
+        if len(pages) != len(keys):
+            raise ValueError(f"got {len(pages)} page buffers for {len(keys)} keys")
+        for i, regions in enumerate(pages):
+            total = 0
+            for r in regions:
+                if not isinstance(r, torch.Tensor) or r.dtype != torch.uint8 or r.dim() != 1:
+                    raise TypeError(f"page {i}: regions must be 1-D uint8 tensors")
+                total += r.numel()
+            if total != self.layout.page_bytes:
+                raise ValueError(f"page {i}: regions hold {total} B, a page is "
+                                 f"{self.layout.page_bytes} B")
+        sb = self.layout.slot_bytes
+
+        def copy(staging: torch.Tensor, page_idx: list[int]) -> None:
+            for pos, i in enumerate(page_idx):
+                off = pos * sb
+                for r in pages[i]:
+                    dst = staging[off:off + r.numel()]
+                    if to_staging:
+                        dst.copy_(r, non_blocking=True)
+                    else:
+                        r.copy_(dst, non_blocking=True)
+                    off += r.numel()
+
+        return keys, copy
+
+    # -- data path ------------------------------------------------------------------------------
+    def _engine_event(self):
+        """An event after the caller's queued GPU work (the pool writes we are to read)."""
+        if self._stream is None:
+            return None
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
+
+    def _run(self, fn, keys, copier, engine_event=None) -> list[bool]:
+        if self._closed:
+            raise RuntimeError("tier is closed")
+        with self._data_lock:
+            if self._stream is None:
+                return fn(keys, copier)
+            with torch.cuda.stream(self._stream):
+                self._stream.wait_event(engine_event)
+                return fn(keys, copier)
+
+    def _alloc_staging(self) -> list[torch.Tensor]:
+        half = self._chunk_pages * self.layout.slot_bytes
+        if self.device.type == "cpu":
+            return [alloc_host(half), alloc_host(half)]
+        raw = torch.empty(2 * half + ALIGNMENT, dtype=torch.uint8, device=self.device)
+        skew = (-raw.data_ptr()) % ALIGNMENT
+        return [raw[skew:skew + half], raw[skew + half:skew + 2 * half]]
+
+    def _device_ready(self) -> None:
+        """Wait for the copies issued so far (before I/O threads read staging, or before a get
+        returns to the engine)."""
+        if self._stream is not None:
+            self._stream.synchronize()
+
+    def _put_locked(self, keys: list, fill: PageCopier) -> list[bool]:
+        results = [False] * len(keys)
+        admitted = self._admit(keys)
+        res = self.directory.reserve([keys[i] for i in admitted])
+        self._journal_evictions(res.evicted)
+        self._stats.add(evictions=len(res.evicted))
+        todo: list[tuple[int, int]] = []
+        for i, slot, present in zip(admitted, res.slots, res.present):
+            if present:
+                results[i] = True
+            elif slot is not None:
+                todo.append((i, slot))
+        no_room = len(admitted) - sum(res.present) - len(todo)
+        if no_room:
+            self._log_once("full", "store full and eviction cannot make room: %d pages not "
+                           "stored", no_room)
+        todo.sort(key=lambda t: t[1])  # adjacent slots coalesce into one I/O
+        chunks = [todo[k:k + self._chunk_pages] for k in range(0, len(todo), self._chunk_pages)]
+        pending: collections.deque = collections.deque()
+        done_upto = 0
+        try:
+            for n, chunk in enumerate(chunks):
+                if len(pending) == 2:  # both halves busy: finish the older write first
+                    self._finish_write(keys, *pending.popleft(), results)
+                    done_upto += 1
+                half = self._staging[n % 2]
+                fill(half, [i for i, _ in chunk])
+                sums = self._checksums.compute(half, len(chunk)) if self.config.verify \
+                    else np.zeros(len(chunk), dtype=np.uint64)
+                self._device_ready()
+                extents = self.store.extents([s for _, s in chunk])
+                pending.append((chunk, sums, extents, self.backend.write(half, extents),
+                                time.perf_counter()))
+            while pending:
+                self._finish_write(keys, *pending.popleft(), results)
+                done_upto += 1
+        except BaseException:
+            for item in pending:  # let in-flight I/O end before giving its slots back
+                item[3].exception()
+            self.directory.abort([s for c in chunks[done_upto:] for _, s in c])
+            raise
+        self._stats.add(put_pages=len(keys), put_stored=sum(results))
+        return results
+
+    def _finish_write(self, keys, chunk, sums, extents: list[Extent], fut: Future, t0: float,
+                      results: list[bool]) -> None:
+        outcome: IOOutcome = fut.result()
+        failed = self._failed_positions(outcome, extents, "write")
+        ok = [pos for pos in range(len(chunk)) if pos not in failed]
+        if ok:
+            try:
+                if self.config.sync == SyncPolicy.DATA:
+                    for fidx in {e.file for e in extents}:
+                        os.fdatasync(self.store.files[fidx].fd)
+                self.journal.append(
+                    Record(RecordKind.COMMIT, self.journal.next_seq(), chunk[pos][1],
+                           int(sums[pos]), self._checksums.algorithm, keys[chunk[pos][0]])
+                    for pos in ok)
+            except OSError as exc:
+                self._log_once(f"commit:{exc.errno}", "commit of %d pages failed: %s", len(ok), exc)
+                failed.update(ok)
+                ok = []
+        self.directory.commit([chunk[pos][1] for pos in ok], [int(sums[pos]) for pos in ok])
+        self.directory.abort([chunk[pos][1] for pos in sorted(failed)])
+        for pos in ok:
+            results[chunk[pos][0]] = True
+        self._stats.add(bytes_written=len(ok) * self.layout.page_bytes,
+                        write_seconds=time.perf_counter() - t0, write_failed=len(failed))
+
+    def _get_locked(self, keys: list, drain: PageCopier) -> list[bool]:
+        results = [False] * len(keys)
+        pins = self.directory.pin(keys)
+        todo = sorted(((i, p[0], p[1]) for i, p in enumerate(pins) if p is not None),
+                      key=lambda t: t[1])
+        chunks = [todo[k:k + self._chunk_pages] for k in range(0, len(todo), self._chunk_pages)]
+        corrupt: list = []
+        pending: collections.deque = collections.deque()
+        try:
+            for n, chunk in enumerate(chunks):
+                if len(pending) == 2:
+                    self._finish_read(keys, *pending.popleft(), drain, results, corrupt)
+                half = self._staging[n % 2]
+                extents = self.store.extents([s for _, s, _ in chunk])
+                pending.append((chunk, half, extents, self.backend.read(half, extents),
+                                time.perf_counter()))
+            while pending:
+                self._finish_read(keys, *pending.popleft(), drain, results, corrupt)
+            self._device_ready()
+        finally:
+            for item in pending:
+                item[3].exception()
+            freed = self.directory.unpin([s for _, s, _ in todo])
+            self._journal_evictions(freed)
+            if corrupt:
+                self._journal_evictions(self.directory.remove(corrupt))
+        hits = sum(results)
+        self._stats.add(get_pages=len(keys), hits=hits, misses=len(keys) - hits,
+                        corrupt_pages=len(corrupt))
+        return results
+
+    def _finish_read(self, keys, chunk, half, extents, fut: Future, t0: float, drain: PageCopier,
+                     results: list[bool], corrupt: list) -> None:
+        outcome: IOOutcome = fut.result()
+        failed = self._failed_positions(outcome, extents, "read")
+        if self.config.verify:
+            sums = self._checksums.compute(half, len(chunk))
+            for pos, (i, _, want) in enumerate(chunk):
+                if pos not in failed and int(sums[pos]) != want:
+                    failed.add(pos)
+                    corrupt.append(keys[i])
+            if corrupt:
+                self._log_once("corrupt", "checksum mismatch: %d pages dropped as misses "
+                               "(first key %r)", len(corrupt), corrupt[0])
+        good = [pos for pos in range(len(chunk)) if pos not in failed]
+        if good:
+            if len(good) == len(chunk):
+                drain(half, [i for i, _, _ in chunk])
+            else:  # only verified pages reach the engine: pack them to the front first
+                packed = torch.empty(len(good) * self.layout.slot_bytes, dtype=torch.uint8,
+                                     device=half.device)
+                sb = self.layout.slot_bytes
+                for j, pos in enumerate(good):
+                    packed[j * sb:(j + 1) * sb].copy_(half[pos * sb:(pos + 1) * sb])
+                drain(packed, [chunk[pos][0] for pos in good])
+        for pos in good:
+            results[chunk[pos][0]] = True
+        self._stats.add(bytes_read=len(good) * self.layout.page_bytes,
+                        read_seconds=time.perf_counter() - t0, read_failed=len(failed))
+
+    def _failed_positions(self, outcome: IOOutcome, extents: list[Extent], op: str) -> set[int]:
+        failed: set[int] = set()
+        sb = self.layout.slot_bytes
+        for idx, exc in outcome.errors.items():
+            e = extents[idx]
+            failed.update(range(e.buffer_offset // sb, (e.buffer_offset + e.length) // sb))
+            self._log_once(f"{op}:{type(exc).__name__}", "%s of %d pages failed: %s", op,
+                           e.length // sb, exc)
+        return failed
+
+    # -- directory persistence ------------------------------------------------------------------
+    def _recover(self) -> None:
+        t0 = time.perf_counter()
+        live, nrec = self.journal.replay()
+        by_slot: dict[int, Record] = {}
+        for rec in live.values():
+            if rec.slot >= self.store.num_slots or rec.algorithm != self._checksums.algorithm:
+                continue
+            cur = by_slot.get(rec.slot)
+            if cur is None or rec.seq > cur.seq:  # a lost EVICT: the newer commit owns the slot
+                by_slot[rec.slot] = rec
+        self.directory.load((r.key, r.slot, r.checksum) for r in by_slot.values())
+        self._live_at_open = len(by_slot)
+        if nrec > 2 * len(by_slot) + 1024:
+            self.journal.rewrite(sorted(by_slot.values(), key=lambda r: r.seq))
+        self._stats.add(recovered_pages=len(by_slot),
+                        recovery_seconds=time.perf_counter() - t0)
+        if by_slot:
+            log.info("gdskv: recovered %d pages from %s in %.3f s", len(by_slot),
+                     self.journal.path, time.perf_counter() - t0)
+
+    def _journal_evictions(self, evicted: list[tuple[Hashable, int]]) -> None:
+        if not evicted:
+            return
+        try:
+            self.journal.append(Record(RecordKind.EVICT, self.journal.next_seq(), slot, 0, 0, key)
+                                for key, slot in evicted)
+        except OSError as exc:
+            # The slot may be rewritten later; its old COMMIT then fails its checksum on replay.
+            self._log_once("evict-journal", "journaling %d evictions failed: %s", len(evicted), exc)
+
+    def _maybe_compact(self) -> None:
+        live = len(self.directory)
+        if self.journal.records_written > 2 * live + 1024:
+            items = self.directory.ready_items()
+            self.journal.rewrite([Record(RecordKind.COMMIT, n + 1, slot, csum,
+                                         self._checksums.algorithm, key)
+                                  for n, (key, slot, csum) in enumerate(items)])
+
+    def _admit(self, keys: list) -> list[int]:
+        """Indices of keys the admission filter lets in (all of them when admit_after == 1)."""
+        need = self.config.admit_after
+        if need <= 1:
+            return list(range(len(keys)))
+        out = []
+        for i, key in enumerate(keys):
+            if self.directory.contains(key):
+                out.append(i)
+                continue
+            count = self._offers.pop(key, 0) + 1
+            if count >= need:
+                out.append(i)
+            else:
+                self._offers[key] = count
+                if len(self._offers) > 4 * self.store.num_slots:
+                    self._offers.popitem(last=False)
+        self._stats.add(not_admitted=len(keys) - len(out))
+        return out
+
+    def _log_once(self, tag: str, msg: str, *args) -> None:
+        if tag not in self._logged:
+            self._logged.add(tag)
+            log.warning(msg, *args)
