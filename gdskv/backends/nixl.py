@@ -7,7 +7,8 @@ One ``nixl_agent`` per backend, created with no plugins; plugins are created exp
   one), after preloading libcudart/libcufile with ``cuda.pathfinder`` (the wheel's plugins do
   not find them otherwise). If no GDS plugin can be created, or a slab file or the staging
   buffer cannot be registered with it (cuFile error 5027 without nvidia-fs), the backend falls
-  back to ``POSIX`` and stages GPU ranges through a pinned host mirror (:class:`HostBounce`).
+  back to ``POSIX`` and stages GPU ranges through a pinned host mirror (:class:`HostMirrors`,
+  shared with the posix backend).
 * Host buffers: ``POSIX`` (queue ``config.nixl_posix_queue``: aio, uring or posix_aio).
 
 ``describe()`` gives ``{"name", "plugin", "gpu_direct", "fallback_reason", ...}``; a fallback is
@@ -45,7 +46,7 @@ import torch
 from ..config import NixlPlugin, TierConfig
 from ..memory import cuda_available
 from .base import Backend, Extent, IOOutcome, SlabFile, split_extents
-from .bounce import HostBounce, merge_ranges
+from .bounce import HostMirrors
 
 log = logging.getLogger("gdskv.nixl")
 
@@ -57,7 +58,7 @@ _MAX_REGISTRATIONS = 8  # cached memory registrations (staging buffers, bounce m
 _agent_ids = itertools.count()
 
 
-class NixlUnavailableError(RuntimeError):
+class NixlUnavailableError(ImportError):
     """NIXL is not installed (or does not import) but the nixl backend was requested."""
 
 
@@ -166,7 +167,7 @@ class NixlBackend(Backend):
         self._file_regs: dict[str, dict[int, object]] = {}    # plugin -> file index -> reg
         # (start, end, mem, plugin, reg, keepalive tensor), most recently used last
         self._mem_regs: list[tuple] = []
-        self._bounce: HostBounce | None = None
+        self._bounce: HostMirrors | None = None
         self._closed = False
         self._lock = threading.Lock()
 
@@ -316,12 +317,6 @@ class NixlBackend(Backend):
             old = self._mem_regs.pop(0)
             self._safe(self._agent.deregister_memory, old[4], backends=[old[3]])
 
-    def _forget(self, tensor: torch.Tensor) -> None:
-        """Deregister a bounce mirror that HostBounce dropped (worker thread)."""
-        for entry in [e for e in self._mem_regs if e[5] is tensor]:
-            self._mem_regs.remove(entry)
-            self._safe(self._agent.deregister_memory, entry[4], backends=[entry[3]])
-
     def _prepare_memory(self, req: _Request) -> None:
         buf = req.buffer
         if buf.device.type == "cuda" and self._direct:
@@ -333,8 +328,8 @@ class NixlBackend(Backend):
                 self._fall_back(f"GPU buffer registration failed ({type(exc).__name__}: {exc})")
         if buf.device.type == "cuda":
             if self._bounce is None:
-                self._bounce = HostBounce(on_evict=self._forget)
-            req.io, req.bounce = self._bounce.mirror(buf), True
+                self._bounce = HostMirrors()
+            req.io, req.bounce = self._bounce.host_buffer(buf), True
         req.mem, req.devid = "DRAM", 0
         self._registration(req.io, "DRAM", 0)
 
@@ -425,8 +420,7 @@ class NixlBackend(Backend):
                 req.event.synchronize()
             self._prepare_memory(req)
             if req.bounce and req.op == "WRITE":
-                self._bounce.to_host(req.buffer, req.io,
-                                     merge_ranges(req.pieces[i][1] for i in ids))
+                self._bounce.to_host(req.buffer, [req.pieces[i][1] for i in ids])
         except Exception as exc:  # noqa: BLE001 - every extent of this request fails
             for pid in ids:
                 self._piece_failed(req, pid, exc)
@@ -512,7 +506,7 @@ class NixlBackend(Backend):
         if req.bounce and req.op == "READ":
             ok = [e for i, e in enumerate(req.extents) if i not in req.errors]
             try:
-                self._bounce.to_device(req.io, req.buffer, merge_ranges(ok))
+                self._bounce.from_host(req.io, req.buffer, ok)
             except Exception as exc:  # noqa: BLE001 - the data did not reach the GPU
                 for i in range(len(req.extents)):
                     req.errors.setdefault(i, exc)
@@ -537,7 +531,7 @@ class NixlBackend(Backend):
             self._queue.put(_STOP)
         self._thread.join()
         if self._bounce is not None:
-            self._bounce.close()
+            self._bounce.clear()
         self._agent = None   # the agent's destructor frees its plugins
 
     @staticmethod
