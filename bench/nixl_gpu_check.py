@@ -27,17 +27,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from gdskv.backends.base import Extent, SlabFile  # noqa: E402
 from gdskv.backends.nixl import NixlBackend  # noqa: E402
+from gdskv.bench.cache import drop_page_cache  # noqa: E402
 from gdskv.config import TierConfig, parse_size  # noqa: E402
 
 
 def drop_caches() -> bool:
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
+    """Drop the whole page cache (root only); True if it was dropped."""
+    return drop_page_cache([])["drop_caches"]
 
 
 def prealloc(path: str, size: int) -> None:
