@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from gdskv.bench.cache import drop_page_cache  # noqa: E402
+from gdskv.bench.cache import drop_page_cache
 from gdskv.config import TierConfig, parse_size
 from gdskv.layout import KVLayout
 from gdskv.tier import Tier
