@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from gdskv.bench.cache import drop_page_cache
 from gdskv.config import TierConfig, parse_size
 from gdskv.layout import KVLayout
 from gdskv.tier import Tier
@@ -35,13 +36,8 @@ GEOMETRIES = {
 
 
 def drop_caches() -> bool:
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
+    """Drop the whole page cache (root only); True if it was dropped."""
+    return drop_page_cache([])["drop_caches"]
 
 
 def dd(directory: str, nbytes: int) -> dict:
