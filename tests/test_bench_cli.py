@@ -3,12 +3,10 @@ compare, job files, sweeps, the HiCacheFile engine glue."""
 
 from __future__ import annotations
 
-import dataclasses
 import glob
 import json
 import os
 import sys
-import types
 
 import pytest
 import torch
@@ -188,57 +186,17 @@ def test_progress_only_on_a_tty_in_normal_mode(monkeypatch):
 
 # -- SGLang HiCacheFile engine glue -------------------------------------------------------------
 
-def _stand_in_hicache() -> types.ModuleType:
-    """A stand-in for sglang.srt.mem_cache.hicache_storage with HiCacheFile's documented
-    behaviour (one file per page, ``tofile`` / ``readinto``, existing keys skipped). It tests
-    the engine glue only; real HiCacheFile numbers come from the real class (device script)."""
-    mod = types.ModuleType("sglang.srt.mem_cache.hicache_storage")
-
-    @dataclasses.dataclass
-    class HiCacheStorageConfig:
-        tp_rank: int
-        tp_size: int
-        is_mla_model: bool
-        is_page_first_layout: bool
-        model_name: str | None
-        extra_config: dict | None = None
-
-    class HiCacheFile:
-        def __init__(self, storage_config, file_path="/tmp/hicache"):
-            self.file_path = file_path
-            self.suffix = f"_{storage_config.model_name.replace('/', '-')}_0_1"
-
-        def _path(self, key):
-            return os.path.join(self.file_path, key + self.suffix + ".bin")
-
-        def exists(self, key):
-            return os.path.exists(self._path(key))
-
-        def batch_set(self, keys, values):
-            for k, v in zip(keys, values):
-                if not self.exists(k):
-                    v.contiguous().view(torch.uint8).numpy().tofile(self._path(k))
-            return True
-
-        def batch_get(self, keys, target_locations):
-            out = []
-            for k, t in zip(keys, target_locations):
-                try:
-                    with open(self._path(k), "rb", buffering=0) as f:
-                        ok = f.readinto(memoryview(t.view(torch.uint8).numpy())) == t.numel()
-                    out.append(t if ok else None)
-                except FileNotFoundError:
-                    out.append(None)
-            return out
-
-    mod.HiCacheStorageConfig = HiCacheStorageConfig
-    mod.HiCacheFile = HiCacheFile
-    return mod
+def _real_hicache_available() -> bool:
+    try:
+        import sglang.srt.mem_cache.hicache_storage  # noqa: F401
+    except Exception:  # noqa: BLE001 - any import failure means "not here"
+        return False
+    return True
 
 
-def test_hicachefile_engine_glue(tmp_path, capsys, monkeypatch):
-    monkeypatch.setitem(sys.modules, "sglang.srt.mem_cache.hicache_storage",
-                        _stand_in_hicache())
+@pytest.mark.skipif(not _real_hicache_available(),
+                    reason="needs the real sglang package (run in .venv-sglang: tests/run_sglang.sh)")
+def test_hicachefile_engine_on_the_real_class(tmp_path, capsys, monkeypatch):
     doc = run_json(capsys, SMALL + ["--size=1M", "--bs=256k", "--rw=randwrite", "--verify=1",
                                     "--ioengine=hicachefile", "--time_based", "--runtime=300ms",
                                     f"--directory={tmp_path}"])
