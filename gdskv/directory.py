@@ -234,6 +234,10 @@ class PageDirectory:
 
     def _evict_lru_locked(self, count: int, protect: set) -> list[tuple[Hashable, int]]:
         candidates = np.flatnonzero((self._state == PageState.READY) & (self._pins == 0))
+        if protect:  # drop them before choosing: a protected pick would use up the count
+            held = [self._index[k] for k in protect if k in self._index]
+            candidates = np.setdiff1d(candidates, np.asarray(held, dtype=np.int64),
+                                      assume_unique=True)
         if count <= 0 or candidates.size == 0:
             return []
         if count < candidates.size:
