@@ -87,17 +87,19 @@ def _log(fd: int, lines: list[str]) -> None:
         os.fsync(fd)
 
 
-def spill_loop(directory: str, log_path: str, seed: int, key_space: int, overrides: dict) -> None:
+def spill_loop(directory: str, log_path: str, seed: int, key_space: int, overrides: dict,
+               lru: bool = False) -> None:
     """Crash-test child: put random batches forever; log ``P key`` (fsynced) after each put that
     returned True, and ``E key`` *before* evicting it; keeps occupancy under 70% with explicit
-    evictions so LRU never drops a logged page behind the parent's back."""
+    evictions so LRU never drops a logged page behind the parent's back. With ``lru`` it
+    never evicts itself: the store stays full and every put reuses slots LRU frees."""
     from gdskv.tier import Tier
     rng = random.Random(seed)
     fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     tier = Tier(LAYOUT, small_config(directory, **overrides), device="cpu")
     cap = tier.store.num_slots
     while True:
-        if len(tier.directory) > 0.7 * cap:
+        if not lru and len(tier.directory) > 0.7 * cap:
             victims = rng.sample(ready_keys(tier), k=cap // 4)
             _log(fd, [f"E {k}" for k in victims])
             tier.evict(victims)

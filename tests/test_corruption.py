@@ -7,12 +7,13 @@ import os
 import random
 
 import pytest
+import torch
 
 from gdskv.journal import decode_all
 from gdskv.store import JOURNAL
 from gdskv.tier import Tier
-from reliability_helpers import (LAYOUT, PAGE, SLOT, check_pages, put, ready_keys, slot_location,
-                                 small_config)
+from reliability_helpers import (LAYOUT, PAGE, SLOT, check_pages, page_content, put, ready_keys,
+                                 slot_location, small_config)
 
 
 def _flip(path: str, offset: int, bit: int) -> None:
@@ -137,3 +138,24 @@ def test_journal_middle_corruption(tmp_path):
         assert put(tier, ["after"]) == [True]
     with Tier(LAYOUT, cfg, device="cpu") as tier:  # appends after the cut are reachable
         assert tier.contains("after") and not check_pages(tier, ["after"])["missed"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_staging_bit_flips_are_misses(tmp_path):
+    """Same guarantee with staging on the GPU (whatever backend auto picks there)."""
+    keys = [f"g{i}" for i in range(32)]
+    rng = random.Random(5)
+    with Tier(LAYOUT, small_config(tmp_path), device="cuda") as tier:
+        assert all(tier.put_pages(keys, [[page_content(k).cuda()] for k in keys]))
+        victims = rng.sample(keys, 8)
+        for k in victims:
+            path, off = slot_location(tier, k)
+            _flip(path, off + rng.randrange(PAGE), rng.randrange(8))
+        out = [torch.zeros(PAGE, dtype=torch.uint8, device="cuda") for _ in keys]
+        hits = tier.get_pages(keys, [[o] for o in out])
+        torch.cuda.synchronize()
+        for k, hit, o in zip(keys, hits, out):
+            assert not hit or torch.equal(o.cpu(), page_content(k)), f"wrong bytes for {k}"
+        assert {k for k, hit in zip(keys, hits) if not hit} == set(victims)
+        assert tier.stats()["corrupt_pages"] == len(victims)
