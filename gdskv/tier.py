@@ -23,10 +23,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
+from . import checksum
 from . import kernels as kd
 from .backends import create_backend
 from .backends.base import Extent, IOOutcome
-from . import checksum
 from .checksum import PageChecksummer
 from .config import ConfigError, Eviction, SyncPolicy, TierConfig
 from .directory import PageDirectory, PageState

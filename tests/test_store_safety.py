@@ -236,3 +236,13 @@ def test_pages_are_verified_with_their_recorded_algorithm(tmp_path):
         checksum._FACTORIES.pop(_Xxh64.algorithm, None)
     with Tier(LAYOUT, small_config(tmp_path), device="cpu") as tier:  # algorithm unknown here
         assert set(ready_keys(tier)) == {"new1"}
+
+
+# -- admission -------------------------------------------------------------------------------------
+def test_admission_filter_writes_only_repeated_pages(tmp_path):
+    with Tier(LAYOUT, small_config(tmp_path, admit_after=2), device="cpu") as tier:
+        assert put(tier, ["once", "twice"]) == [False, False]  # first offer: not written
+        assert put(tier, ["twice"]) == [True]
+        assert tier.contains("twice") and not tier.contains("once")
+        assert tier.stats()["not_admitted"] == 2 and tier.stats()["put_stored"] == 1
+        assert check_pages(tier, ["twice"])["hits"] == 1
