@@ -55,7 +55,8 @@ def _encode_key(key: Hashable) -> tuple[int, bytes]:
     else:
         raise TypeError(f"page keys must be str or bytes, got {type(key).__name__}")
     if len(raw) > MAX_KEY_BYTES:
-        raise ValueError(f"page key of {len(raw)} B is longer than {MAX_KEY_BYTES} B: {key[:32]!r}...")
+        raise ValueError(f"page key of {len(raw)} B is longer than {MAX_KEY_BYTES} B: "
+                         f"{key[:32]!r}...")
     return key_type, raw
 
 

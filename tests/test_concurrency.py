@@ -82,7 +82,8 @@ def test_threads_put_get_evict(tmp_path):
     w.join()
     print(counts, tier.stats().get("evictions"))
     assert not errors, errors[:5]
-    assert counts["hits"] > 0 and counts["evicts"] > 0 and tier.stats()["evictions"] > counts["evicts"]
+    assert counts["hits"] > 0 and counts["evicts"] > 0
+    assert tier.stats()["evictions"] > counts["evicts"]  # LRU evicted too
     ready = {k for k in keys if tier.contains(k)}
     tier.close()
     with Tier(LAYOUT, cfg, device="cpu") as again:

@@ -15,7 +15,8 @@ import time
 import pytest
 
 from gdskv.tier import Tier
-from reliability_helpers import LAYOUT, check_pages, forkserver, ready_keys, small_config, spill_loop
+from reliability_helpers import (LAYOUT, check_pages, forkserver, ready_keys, small_config,
+                                 spill_loop)
 
 
 def _events(log_path: str) -> tuple[set, set]:
