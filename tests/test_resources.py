@@ -176,3 +176,37 @@ def test_unreadable_slab_file(tmp_path):
     tier.close()
     with Tier(LAYOUT, cfg, device="cpu") as tier:  # a fresh descriptor reads them again
         assert check_pages(tier, keys)["hits"] == len(keys)
+
+
+def test_journal_that_cannot_cut_a_failed_append_stops_committing(tmp_path, monkeypatch):
+    """If a failed append cannot even be cut off again, later records would sit behind garbage
+    and be lost on replay: the journal refuses further appends, so puts fail instead of
+    reporting pages that a restart would not find. Reads go on."""
+    cfg = small_config(tmp_path)
+    with Tier(LAYOUT, cfg, device="cpu") as tier:
+        assert all(put(tier, ["a"]))
+        real_write, real_truncate = os.write, os.ftruncate
+        jfd = tier.journal._fd
+
+        def half_write(fd, data):
+            if fd == jfd:
+                real_write(fd, bytes(data)[: len(data) // 2])
+                raise OSError(errno.EIO, "injected write error")
+            return real_write(fd, data)
+
+        def no_truncate(fd, size):
+            if fd == jfd:
+                raise OSError(errno.EIO, "injected truncate error")
+            return real_truncate(fd, size)
+
+        monkeypatch.setattr(os, "write", half_write)
+        monkeypatch.setattr(os, "ftruncate", no_truncate)
+        assert put(tier, ["b"]) == [False]
+        monkeypatch.undo()
+        assert put(tier, ["c"]) == [False]  # refused: would be unreachable after the garbage
+        assert check_pages(tier, ["a"])["hits"] == 1
+    with Tier(LAYOUT, cfg, device="cpu") as tier:  # the torn tail is cut at open
+        assert ready_keys(tier) == ["a"]
+        assert put(tier, ["d"]) == [True]
+    with Tier(LAYOUT, cfg, device="cpu") as tier:
+        assert set(ready_keys(tier)) == {"a", "d"}
