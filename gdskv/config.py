@@ -95,11 +95,11 @@ class TierConfig:
     capacity: int = 16 << 30
     backend: BackendKind = BackendKind.AUTO
     #: bounded staging buffer (two halves for the pipeline); large batches go through in chunks
-    staging_size: int = 64 << 20
+    staging_size: int = 256 << 20
     #: threads moving bytes (POSIX thread pool, kvikio's thread pool)
-    io_threads: int = 8
+    io_threads: int = 16
     #: bytes per I/O call; large extents are cut into pieces of this size for parallelism
-    io_chunk_size: int = 8 << 20
+    io_chunk_size: int = 16 << 20
     direct_io: DirectIO = DirectIO.AUTO
     eviction: Eviction = Eviction.LRU
     sync: SyncPolicy = SyncPolicy.DATA

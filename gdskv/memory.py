@@ -20,13 +20,17 @@ def cuda_available() -> bool:
 def alloc_host(nbytes: int, *, pin: bool | None = None) -> torch.Tensor:
     """A 1-D uint8 host tensor of ``nbytes``, 4 KiB aligned, pinned when CUDA is usable.
 
-    cudaHostAlloc returns page-aligned memory; without CUDA an anonymous mmap does.
+    Pinned memory comes from torch's host allocator (sliced to alignment); without CUDA an
+    anonymous mmap is page-aligned by construction.
     """
     nbytes = max(int(nbytes), ALIGNMENT)
     if pin is None:
         pin = cuda_available()
     if pin:
-        t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        # torch's caching host allocator does not promise 4 KiB alignment: over-allocate.
+        raw = torch.empty(nbytes + ALIGNMENT, dtype=torch.uint8, pin_memory=True)
+        skew = (-raw.data_ptr()) % ALIGNMENT
+        t = raw[skew:skew + nbytes]
     else:
         # numpy keeps the mmap alive and torch keeps the array alive.
         t = torch.from_numpy(np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8))

@@ -13,6 +13,7 @@ exception and never wrong bytes.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 import threading
@@ -63,6 +64,8 @@ class Tier:
             device = torch.device("cuda", torch.cuda.current_device()) if cuda_available() \
                 else torch.device("cpu")
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self._chunk_pages = (self.config.staging_size // 2) // layout.slot_bytes
         if self._chunk_pages < 1:
             raise ConfigError(f"staging_size {self.config.staging_size} B must hold two page "
@@ -86,6 +89,9 @@ class Tier:
             self.store.close()
             raise
         self._staging = self._alloc_staging()
+        # Gather/scatter run on the tier's own stream so the engine's stream is never blocked
+        # behind our I/O; the tier stream waits only for the engine work issued before a call.
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._data_lock = threading.Lock()
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="gdskv-tier")
         self._offers: collections.OrderedDict = collections.OrderedDict()
@@ -105,33 +111,33 @@ class Tier:
         Returns per-page success. A key already stored (or being stored) is a no-op success.
         """
         keys, fill = self._pool_copier(keys, kv_pool, token_slots, kd.gather_pages)
-        return self._run(self._put_locked, keys, fill)
+        return self._run(self._put_locked, keys, fill, self._engine_event())
 
     def get(self, keys: Sequence[Hashable], kv_pool, token_slots) -> list[bool]:
         """Restore pages into ``kv_pool`` at ``token_slots``; per-page hit (True) or miss."""
         keys, drain = self._pool_copier(keys, kv_pool, token_slots, kd.scatter_pages)
-        return self._run(self._get_locked, keys, drain)
+        return self._run(self._get_locked, keys, drain, self._engine_event())
 
     def put_async(self, keys, kv_pool, token_slots) -> Future:
         keys, fill = self._pool_copier(keys, kv_pool, token_slots, kd.gather_pages)
-        return self._worker.submit(self._run, self._put_locked, keys, fill)
+        return self._worker.submit(self._run, self._put_locked, keys, fill, self._engine_event())
 
     def get_async(self, keys, kv_pool, token_slots) -> Future:
         keys, drain = self._pool_copier(keys, kv_pool, token_slots, kd.scatter_pages)
-        return self._worker.submit(self._run, self._get_locked, keys, drain)
+        return self._worker.submit(self._run, self._get_locked, keys, drain, self._engine_event())
 
     def put_pages(self, keys: Sequence[Hashable], pages: Sequence[Sequence[torch.Tensor]]
                   ) -> list[bool]:
         """Store pages given as page-format byte regions: ``pages[i]`` is a list of 1-D uint8
         tensors whose concatenation is page i's payload (``layout.page_bytes``)."""
         keys, fill = self._region_copier(keys, pages, to_staging=True)
-        return self._run(self._put_locked, keys, fill)
+        return self._run(self._put_locked, keys, fill, self._engine_event())
 
     def get_pages(self, keys: Sequence[Hashable], pages: Sequence[Sequence[torch.Tensor]]
                   ) -> list[bool]:
         """Restore pages into page-format byte regions (see :meth:`put_pages`)."""
         keys, drain = self._region_copier(keys, pages, to_staging=False)
-        return self._run(self._get_locked, keys, drain)
+        return self._run(self._get_locked, keys, drain, self._engine_event())
 
     def contains(self, key: Hashable) -> bool:
         return self.directory.contains(key)
@@ -245,11 +251,23 @@ class Tier:
         return keys, copy
 
     # -- data path ------------------------------------------------------------------------------
-    def _run(self, fn, keys, copier) -> list[bool]:
+    def _engine_event(self):
+        """An event after the caller's queued GPU work (the pool writes we are to read)."""
+        if self._stream is None:
+            return None
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
+
+    def _run(self, fn, keys, copier, engine_event=None) -> list[bool]:
         if self._closed:
             raise RuntimeError("tier is closed")
         with self._data_lock:
-            return fn(keys, copier)
+            if self._stream is None:
+                return fn(keys, copier)
+            with torch.cuda.stream(self._stream):
+                self._stream.wait_event(engine_event)
+                return fn(keys, copier)
 
     def _alloc_staging(self) -> list[torch.Tensor]:
         half = self._chunk_pages * self.layout.slot_bytes
@@ -260,9 +278,10 @@ class Tier:
         return [raw[skew:skew + half], raw[skew + half:skew + 2 * half]]
 
     def _device_ready(self) -> None:
-        """Make the copies issued so far visible to the I/O threads / the engine."""
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+        """Wait for the copies issued so far (before I/O threads read staging, or before a get
+        returns to the engine)."""
+        if self._stream is not None:
+            self._stream.synchronize()
 
     def _put_locked(self, keys: list, fill: PageCopier) -> list[bool]:
         results = [False] * len(keys)

@@ -35,29 +35,65 @@ def _widest(*tensors: torch.Tensor) -> torch.dtype:
     return torch.uint8
 
 
+def _gather_rows(dst: torch.Tensor, layer_rows: torch.Tensor, idx: torch.Tensor) -> None:
+    """dst [pages, tokens, row bytes] <- layer_rows[idx] (idx has pages*tokens entries)."""
+    wide = _widest(dst, layer_rows)
+    dst.view(wide).copy_(layer_rows.view(wide).index_select(0, idx).view(
+        dst.shape[0], dst.shape[1], -1))
+
+
+def _scatter_rows(layer_rows: torch.Tensor, idx: torch.Tensor, src: torch.Tensor) -> None:
+    """layer_rows[idx] <- src [pages, tokens, row bytes]."""
+    wide = _widest(src, layer_rows)
+    layer_rows.view(wide).index_copy_(0, idx, src.view(wide).reshape(idx.numel(), -1))
+
+
 def gather_pages_reference(rows: list[list[torch.Tensor]], layout: KVLayout,
                            token_slots: torch.Tensor, staging: torch.Tensor) -> None:
     """Copy pool rows ``rows[kv][layer][token_slots]`` into page-first staging pages."""
-    num_pages = token_slots.numel() // layout.page_size
-    dst = staging_pages_view(layout, staging, num_pages)
+    dst = staging_pages_view(layout, staging, token_slots.numel() // layout.page_size)
     idx = token_slots.to(torch.int64)
     for kv, layers in enumerate(rows):
         for layer, layer_rows in enumerate(layers):
-            out = dst[:, kv, layer]
-            wide = _widest(out, layer_rows)
-            out.view(wide).copy_(layer_rows.view(wide).index_select(0, idx).view(
-                num_pages, layout.page_size, -1))
+            _gather_rows(dst[:, kv, layer], layer_rows, idx)
 
 
 def scatter_pages_reference(rows: list[list[torch.Tensor]], layout: KVLayout,
                             token_slots: torch.Tensor, staging: torch.Tensor) -> None:
     """Copy page-first staging pages back into pool rows at ``token_slots``."""
-    num_pages = token_slots.numel() // layout.page_size
-    src = staging_pages_view(layout, staging, num_pages)
+    src = staging_pages_view(layout, staging, token_slots.numel() // layout.page_size)
     idx = token_slots.to(torch.int64)
     for kv, layers in enumerate(rows):
         for layer, layer_rows in enumerate(layers):
-            pages = src[:, kv, layer]
-            wide = _widest(pages, layer_rows)
-            layer_rows.view(wide).index_copy_(0, idx, pages.view(wide).reshape(
-                num_pages * layout.page_size, -1))
+            _scatter_rows(layer_rows, idx, src[:, kv, layer])
+
+
+def _layer_entries(layout: KVLayout, layer: int, kv: int | None) -> list[int]:
+    if not isinstance(layer, int) or not 0 <= layer < layout.num_layers:
+        raise ValueError(f"layer must be in [0, {layout.num_layers}), got {layer!r}")
+    if kv is None:
+        return list(range(layout.kv_count))
+    if not isinstance(kv, int) or not 0 <= kv < layout.kv_count:
+        raise ValueError(f"kv must be None or in [0, {layout.kv_count}), got {kv!r}")
+    return [kv]
+
+
+def gather_pages_layer_reference(rows: list[list[torch.Tensor]], layout: KVLayout,
+                                 token_slots: torch.Tensor, staging: torch.Tensor, layer: int,
+                                 kv: int | None = None) -> None:
+    """Like :func:`gather_pages_reference` for one layer (K and V, or only ``kv``)."""
+    dst = staging_pages_view(layout, staging, token_slots.numel() // layout.page_size)
+    idx = token_slots.to(torch.int64)
+    for k in _layer_entries(layout, layer, kv):
+        _gather_rows(dst[:, k, layer], rows[k][layer], idx)
+
+
+def scatter_pages_layer_reference(rows: list[list[torch.Tensor]], layout: KVLayout,
+                                  token_slots: torch.Tensor, staging: torch.Tensor, layer: int,
+                                  kv: int | None = None) -> None:
+    """Like :func:`scatter_pages_reference` for one layer (K and V, or only ``kv``): the step
+    of a layer-wise restore."""
+    src = staging_pages_view(layout, staging, token_slots.numel() // layout.page_size)
+    idx = token_slots.to(torch.int64)
+    for k in _layer_entries(layout, layer, kv):
+        _scatter_rows(rows[k][layer], idx, src[:, k, layer])

@@ -1,0 +1,419 @@
+"""Job options, named as fio names them, from the command line or from fio-style INI job files.
+
+One table (:data:`JOB_OPTIONS`) drives both argparse and the job-file reader, so a value is
+checked the same way wherever it comes from, and every error names the option and the value.
+
+Job files follow fio: ``[global]`` plus one section per job, ``key=value`` or a bare ``key``
+for a boolean, ``${VAR}`` replaced from the environment, ``#``/``;`` comments. Options given on
+the command line next to job files override the files' values (so ``--directory=...`` points a
+shared job file at a disk). Jobs always run one after the other, each its own reporting group
+(fio's ``stonewall`` on every job).
+"""
+
+from __future__ import annotations
+
+import argparse
+import configparser
+import os
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from gdskv.config import ConfigError, parse_size
+from gdskv.layout import canonical_dtype_name
+
+from .presets import PRESETS
+
+RW_MODES = ("read", "write", "randread", "randwrite", "rw", "readwrite", "randrw")
+ENGINES = ("gdskv", "raw", "hicachefile")
+OUTPUT_FORMATS = ("normal", "json", "terse")
+
+
+class OptionError(ValueError):
+    """A bad option value; the CLI prints it argparse-style and exits with status 2."""
+
+
+# -- value parsers (each raises OptionError with a short reason) ------------------------------
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text, what="size")
+    except ConfigError:
+        raise OptionError(f"bad size {text!r} (examples: 4096, 64k, 16M, 1G; k=1024, KB=1000)"
+                          ) from None
+
+
+def _positive_size(text: str) -> int:
+    n = _size(text)
+    if n <= 0:
+        raise OptionError(f"must be > 0, got {text!r}")
+    return n
+
+
+def _bool(text: str) -> bool:
+    t = str(text).strip().lower()
+    if t in ("1", "true", "yes", "on"):
+        return True
+    if t in ("0", "false", "no", "off"):
+        return False
+    raise OptionError(f"expected a boolean (1/0, true/false), got {text!r}")
+
+
+def _int_range(lo: int, hi: int | None = None) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            n = int(str(text).strip(), 0)
+        except ValueError:
+            raise OptionError(f"expected an integer, got {text!r}") from None
+        if n < lo or (hi is not None and n > hi):
+            raise OptionError(f"must be in [{lo}, {hi if hi is not None else 'inf'}], got {n}")
+        return n
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    try:
+        x = float(str(text).strip())
+    except ValueError:
+        raise OptionError(f"expected a number, got {text!r}") from None
+    if not x > 0:
+        raise OptionError(f"must be > 0, got {text!r}")
+    return x
+
+
+_TIME_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(us|ms|s|m|h|d)?\s*$", re.IGNORECASE)
+_TIME_UNITS = {None: 1.0, "us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def _time(text: str) -> float:
+    """fio time: seconds by default, or with a unit (``500ms``, ``2m``). Returns seconds."""
+    m = _TIME_RE.match(str(text))
+    if not m:
+        raise OptionError(f"bad time {text!r} (examples: 10, 10s, 500ms, 2m)")
+    unit = m.group(2).lower() if m.group(2) else None
+    return float(m.group(1)) * _TIME_UNITS[unit]
+
+
+def _choice(choices: Sequence[str]) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        t = str(text).strip().lower()
+        if t not in choices:
+            raise OptionError(f"{text!r} is not one of {', '.join(choices)}")
+        return t
+    return parse
+
+
+def _dtype(text: str) -> str:
+    try:
+        return canonical_dtype_name(str(text))
+    except ValueError as exc:
+        raise OptionError(str(exc)) from None
+
+
+def _model(text: str) -> str:
+    t = str(text).strip().lower()
+    if t not in PRESETS:
+        raise OptionError(f"unknown model {text!r}; presets: {', '.join(PRESETS)}")
+    return t
+
+
+def _name(text: str) -> str:
+    t = str(text).strip()
+    if not t or any(c in t for c in "/\\;\n"):
+        raise OptionError(f"job name must be non-empty without '/', '\\\\' or ';', got {text!r}")
+    return t
+
+
+def _str(text: str) -> str:
+    return str(text)
+
+
+# -- the option table -------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Opt:
+    name: str                       # fio spelling; job-file key (``-`` and ``_`` both accepted)
+    parse: Callable[[str], Any]
+    default: Any
+    help: str
+    flag: bool = False              # boolean: a bare ``--opt`` / bare key means 1
+    aliases: tuple[str, ...] = ()
+
+
+JOB_OPTIONS: tuple[Opt, ...] = (
+    Opt("name", _name, "gdskv", "job name"),
+    Opt("description", _str, "", "free text, shown in the report"),
+    Opt("rw", _choice(RW_MODES), "write",
+        "read|write|randread|randwrite|rw|randrw. read jobs lay out their pages first "
+        "(untimed), as fio lays out its file; rw/randrw mix reads and writes per --rwmixread"),
+    Opt("rwmixread", _int_range(0, 100), 50, "percent of reads in rw/randrw"),
+    Opt("bs", _positive_size, None,
+        "bytes per I/O = one batch of whole pages (rounded down to pages; default 16M)"),
+    Opt("size", _positive_size, 256 << 20, "bytes of KV pages per job (each numjobs clone)"),
+    Opt("numjobs", _int_range(1, 1024), 1, "clones of the job, one thread each, same tier"),
+    Opt("iodepth", _int_range(1, 4096), 1, "batches in flight per thread"),
+    Opt("runtime", _time, None, "stop after this long (seconds; 500ms, 2m...)"),
+    Opt("time_based", _bool, False, "repeat the workload until --runtime", flag=True),
+    Opt("ramp_time", _time, 0.0, "run this long before counting"),
+    Opt("directory", _str, None,
+        "store directories, ':'-separated (default: a fresh temporary directory)"),
+    Opt("direct", _bool, True,
+        "O_DIRECT where the file system takes it (default 1, unlike fio, so reads hit the disk)"),
+    Opt("ioengine", _choice(ENGINES), "gdskv",
+        "gdskv (tier put/get) | raw (one contiguous buffer, same backend, no gather, no "
+        "directory: the I/O ceiling) | hicachefile (SGLang's HiCacheFile, one file per page)"),
+    Opt("group_reporting", _bool, False, "report numjobs clones as one", flag=True),
+    Opt("verify", _bool, False,
+        "compare restored bytes with written ones (a write job then reads everything back, "
+        "as fio's verify does); misses count as failures"),
+    Opt("invalidate", _bool, True,
+        "drop the page cache of the store's files before read phases (fadvise DONTNEED, and "
+        "/proc/sys/vm/drop_caches when root)"),
+    Opt("unlink", _bool, True, "remove the files this job created when it ends", flag=True),
+    Opt("randseed", _int_range(0), 0x5EED, "seed for data and random orders"),
+    Opt("thread", _bool, True, "accepted for fio compatibility: clones are always threads",
+        flag=True),
+    Opt("stonewall", _bool, True,
+        "accepted for fio compatibility: jobs always run one after another", flag=True),
+    # KV options
+    Opt("backend", _choice(("auto", "posix", "kvikio", "nixl")), "auto",
+        "gdskv backend (auto: kvikio on a GPU, posix otherwise)"),
+    Opt("mem", _choice(("gpu", "host")), None,
+        "where the KV pool lives (default: gpu when CUDA is usable, host otherwise)"),
+    Opt("model", _model, None, f"geometry preset: {', '.join(PRESETS)}"),
+    Opt("layers", _int_range(1), None, "layers (overrides the preset)"),
+    Opt("kv_heads", _int_range(1), None, "KV heads (overrides the preset)"),
+    Opt("head_dim", _int_range(1), None, "head dim / MLA latent width (overrides the preset)"),
+    Opt("dtype", _dtype, None, "KV dtype (default bfloat16)"),
+    Opt("mla", _bool, None, "MLA: one latent row per token and layer", flag=True),
+    Opt("page_tokens", _int_range(1, 256), 16, "tokens per page"),
+    Opt("prefill_tflops", _positive_float, None,
+        "sustained prefill TFLOPS: print restore vs. recompute per token and the break-even "
+        "disk bandwidth (FLOPs/token from the model preset)"),
+)
+JOB_OPTION_NAMES = {o.name: o for o in JOB_OPTIONS}
+
+
+def _key(text: str) -> str:
+    return text.strip().lower().replace("-", "_")
+
+
+@dataclass
+class JobOptions:
+    """One job's options (fio names, ``-`` as ``_``). ``given`` records what was set."""
+    values: dict[str, Any] = field(default_factory=dict)
+    given: dict[str, str] = field(default_factory=dict)
+
+    def __getattr__(self, name: str) -> Any:
+        values = self.__dict__.get("values", {})
+        if name in values:
+            return values[name]
+        if name in JOB_OPTION_NAMES:
+            return JOB_OPTION_NAMES[name].default
+        raise AttributeError(name)
+
+    def set(self, key: str, raw: str | None, where: str = "") -> None:
+        """Parse and set one option from text (``None`` = bare key, a flag)."""
+        name = _key(key)
+        opt = JOB_OPTION_NAMES.get(name)
+        if opt is None:
+            raise OptionError(f"{where}unknown option {key!r}")
+        if raw is None:
+            if not opt.flag and opt.parse is not _bool:
+                raise OptionError(f"{where}option {key!r} needs a value")
+            raw = "1"
+        try:
+            self.values[name] = opt.parse(raw)
+        except OptionError as exc:
+            raise OptionError(f"{where}option {name}={raw}: {exc}") from None
+        self.given[name] = str(raw)
+
+    def copy(self) -> "JobOptions":
+        return JobOptions(dict(self.values), dict(self.given))
+
+    def replace(self, **values) -> "JobOptions":
+        new = self.copy()
+        for k, v in values.items():
+            new.values[_key(k)] = v
+            new.given[_key(k)] = str(v)
+        return new
+
+
+# -- job files ---------------------------------------------------------------------------------
+
+_ENV_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+
+def substitute_env(text: str, environ: Mapping[str, str], where: str = "") -> str:
+    """Replace ``${VAR}`` from the environment; an unset variable is an error, as a silent
+    empty directory or size would be worse."""
+    def repl(m: re.Match) -> str:
+        var = m.group(1)
+        if var not in environ:
+            raise OptionError(f"{where}environment variable ${{{var}}} is not set")
+        return environ[var]
+    return _ENV_RE.sub(repl, text)
+
+
+def read_job_file(path: str, environ: Mapping[str, str] | None = None) -> list[JobOptions]:
+    """Jobs of a fio-style INI file, ``[global]`` values merged under each job section."""
+    env = os.environ if environ is None else environ
+    parser = configparser.ConfigParser(allow_no_value=True, interpolation=None,
+                                       delimiters=("=",), comment_prefixes=("#", ";"),
+                                       inline_comment_prefixes=None, strict=True,
+                                       default_section="\x00none")
+    parser.optionxform = str  # keep keys as written for messages; normalised in JobOptions.set
+    try:
+        with open(path, encoding="utf-8") as f:
+            parser.read_file(f)
+    except OSError as exc:
+        raise OptionError(f"cannot read job file {path!r}: {exc.strerror}") from None
+    except configparser.Error as exc:
+        raise OptionError(f"job file {path}: {str(exc).splitlines()[0]}") from None
+    base = JobOptions()
+    jobs: list[JobOptions] = []
+    for section in parser.sections():
+        where = f"{path} [{section}] "
+        if section.lower() == "global":
+            target = base
+        else:
+            target = base.copy()
+            target.set("name", section, where)
+        for key, raw in parser.items(section):
+            value = None if raw is None else substitute_env(raw.strip(), env, where)
+            target.set(key, value, where)
+        if target is not base:
+            jobs.append(target)
+    if not jobs:
+        raise OptionError(f"job file {path}: no job sections (only [global])")
+    return jobs
+
+
+# -- command line -----------------------------------------------------------------------------
+
+@dataclass
+class Invocation:
+    """Everything the CLI was asked: jobs plus the global (non-job) options."""
+    jobs: list[JobOptions]
+    output_format: tuple[str, ...] = ("normal",)
+    output: str | None = None
+    compare: bool = False
+    sweep: tuple[str, list] | None = None
+    sweep_dir: str | None = None
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises instead of exiting, so the CLI decides how to report (status 2)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise OptionError(message)
+
+
+def _arg_type(opt: Opt) -> Callable[[str], Any]:
+    def parse(text: str):
+        try:
+            return text, opt.parse(text)  # keep the text as given, for fio's "job options"
+        except OptionError as exc:
+            raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
+    parse.__name__ = opt.name  # argparse names the type in some messages
+    return parse
+
+
+def _output_formats(text: str) -> tuple[str, ...]:
+    parts = tuple(p.strip().lower() for p in text.split(",") if p.strip())
+    bad = [p for p in parts if p not in OUTPUT_FORMATS]
+    if bad or not parts:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected a comma list of {', '.join(OUTPUT_FORMATS)}")
+    return parts
+
+
+def _sweep(text: str) -> tuple[str, list]:
+    key, sep, values = text.partition("=")
+    name = _key(key)
+    if not sep or name not in JOB_OPTION_NAMES or name in ("name", "description", "directory"):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected OPTION=V1,V2,... over a job option (e.g. bs=64k,1M,16M or "
+            "page-tokens=16,64)")
+    opt = JOB_OPTION_NAMES[name]
+    parsed = []
+    for v in values.split(","):
+        if not v.strip():
+            continue
+        try:
+            parsed.append((v.strip(), opt.parse(v)))
+        except OptionError as exc:
+            raise argparse.ArgumentTypeError(f"{text!r}: {name}={v}: {exc}") from None
+    if not parsed:
+        raise argparse.ArgumentTypeError(f"{text!r}: no values to sweep")
+    if any(isinstance(v, bool) or not isinstance(v, (int, float)) for _, v in parsed):
+        raise argparse.ArgumentTypeError(f"{text!r}: only numeric options can be swept "
+                                         "(bs, size, page-tokens, numjobs, iodepth...)")
+    return name, parsed
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="gdskv-bench", allow_abbrev=False,
+                usage="gdskv-bench [options] [jobfile ...]  (--help lists the options)",
+                description="fio-style benchmark of the gdskv KV-cache spill tier",
+                epilog="Job files: fio INI ([global] + one section per job, bare keys for "
+                       "booleans, ${ENV} substitution). Command-line job options override "
+                       "the files' values. Sizes: k/M/G = 1024^n, KB/MB/GB = 1000^n.")
+    p.add_argument("jobfiles", nargs="*", help="fio-style job files")
+    g = p.add_argument_group("job options (fio names)")
+    for opt in JOB_OPTIONS:
+        flags = ["--" + opt.name]
+        if "_" in opt.name:
+            flags.append("--" + opt.name.replace("_", "-"))
+        g.add_argument(*flags, dest=opt.name, type=_arg_type(opt), default=argparse.SUPPRESS,
+                       nargs="?" if (opt.flag or opt.parse is _bool) else None,
+                       const=("1", True) if (opt.flag or opt.parse is _bool) else None,
+                       metavar=opt.name.upper(), help=opt.help)
+    o = p.add_argument_group("output and modes")
+    o.add_argument("--output-format", "--output_format", dest="output_format",
+                   type=_output_formats, default=("normal",),
+                   help="normal|json|terse, or a comma list of them")
+    o.add_argument("--output", default=None, help="write the report to this file")
+    o.add_argument("--compare", nargs="?", const=("1", True),
+                   type=_arg_type(Opt("compare", _bool, False, "")), default=("0", False),
+        help="run each job with ioengine gdskv, raw and hicachefile (when sglang is importable)"
+             " back to back and print the ratios")
+    o.add_argument("--sweep", type=_sweep, default=None,
+                   help="OPTION=V1,V2,...: one run per value, one JSON each plus a PNG plot")
+    o.add_argument("--sweep-dir", "--sweep_dir", dest="sweep_dir", default=None,
+                   help="where sweep JSON files and the PNG go (default ./gdskv-sweep)")
+    p.add_argument("--version", action="version", version="gdskv-bench 0.1.0")
+    return p
+
+
+def parse_args(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> Invocation:
+    """Parse a command line into jobs; raises :class:`OptionError` on any bad input."""
+    ns = build_parser().parse_args(list(argv))
+    cli = JobOptions()
+    for opt in JOB_OPTIONS:
+        if hasattr(ns, opt.name):
+            text, value = getattr(ns, opt.name)
+            cli.values[opt.name] = value
+            cli.given[opt.name] = text
+    if ns.jobfiles:
+        jobs = []
+        for path in ns.jobfiles:
+            for job in read_job_file(path, environ):
+                job.values.update({k: v for k, v in cli.values.items() if k != "name"})
+                job.given.update({k: v for k, v in cli.given.items() if k != "name"})
+                jobs.append(job)
+    else:
+        jobs = [cli]
+    return Invocation(jobs=jobs, output_format=ns.output_format, output=ns.output,
+                      compare=ns.compare[1], sweep=ns.sweep, sweep_dir=ns.sweep_dir)
+
+
+def job_options_dict(job: JobOptions) -> dict[str, str]:
+    """fio's ``"job options"``: what was set for the job, as strings."""
+    return dict(job.given)
+
+
+__all__ = ["OptionError", "JobOptions", "Invocation", "JOB_OPTIONS", "parse_args",
+           "read_job_file", "substitute_env", "build_parser", "job_options_dict",
+           "RW_MODES", "ENGINES", "OUTPUT_FORMATS"]

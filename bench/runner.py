@@ -1,0 +1,452 @@
+"""Running a job: phases, ``numjobs`` threads, ``iodepth`` batches in flight, timing.
+
+Phases by ``rw`` (fio's meanings, adapted to pages that must exist before they can be read):
+
+- ``write`` / ``randwrite``: timed writes; with ``verify=1`` then a timed read-back (reported as
+  the job's read, as fio's verify reads are) and a byte comparison.
+- ``read`` / ``randread``: pages laid out first (untimed, as fio lays out its file), page cache
+  dropped, then timed reads.
+- ``rw`` / ``randrw``: layout, cache drop, then a timed mix: each batch is a read with
+  probability ``rwmixread``%, else a rewrite of that batch.
+
+``rand*`` shuffles the batch order and where pages sit (pool positions for gdskv: a scattered
+gather; store slots for raw: scattered file offsets). ``runtime`` stops early, ``time_based``
+repeats passes until ``runtime``; completions during ``ramp_time`` are not counted. Each batch's
+latency is one sample: slat = queueing before it starts (iodepth > 1), clat = the call itself.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import os
+import resource
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from gdskv.config import ConfigError, TierConfig, split_dirs
+from gdskv.layout import KVLayout
+from gdskv.memory import cuda_available
+
+from .cache import fs_type
+from .engines import Engine, EngineSpec, EngineUnavailable, make_engine, sglang_hicache
+from .options import JobOptions, OptionError, job_options_dict
+from .presets import ModelPreset, break_even, get_preset
+from .results import EIO, EILSEQ, DirStats, JobResult
+
+DEFAULT_BS = 64 << 20
+
+#: test hook: called as HOOK(engine) between a job's write phase and its read phase
+AFTER_WRITE_HOOK: Callable[[Engine], None] | None = None
+
+
+@dataclass
+class JobPlan:
+    opts: JobOptions
+    engine: str
+    layout: KVLayout
+    preset: ModelPreset | None
+    device: torch.device
+    mem: str
+    pages_per_batch: int
+    batches: int                  # per thread
+    base_dirs: list[str]
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def pages(self) -> int:
+        return self.pages_per_batch * self.batches
+
+    @property
+    def batch_bytes(self) -> int:
+        return self.pages_per_batch * self.layout.page_bytes
+
+
+def resolve(opts: JobOptions, engine: str | None = None) -> JobPlan:
+    """Check a job's options together and work out its geometry; OptionError if they clash."""
+    engine = engine or opts.ioengine
+    preset = get_preset(opts.model) if opts.model else None
+    if preset is None and None in (opts.layers, opts.head_dim):
+        raise OptionError("job %r: give --model (%s) or at least --layers and --head-dim"
+                          % (opts.name, "llama3-8b, ..."))
+    mla = opts.mla if opts.mla is not None else (preset.mla if preset else False)
+    kv_heads = opts.kv_heads if opts.kv_heads is not None else (
+        1 if mla else (preset.kv_heads if preset else None))
+    if kv_heads is None:
+        raise OptionError(f"job {opts.name!r}: --kv-heads is needed without --model")
+    try:
+        layout = KVLayout(
+            num_layers=opts.layers or preset.layers, page_size=opts.page_tokens,
+            head_dim=opts.head_dim or preset.head_dim, kv_heads=kv_heads,
+            dtype=opts.dtype or (preset.dtype if preset else "bfloat16"), mla=mla,
+            model_name=(preset.hf_name if preset else "custom"))
+    except ValueError as exc:
+        raise OptionError(f"job {opts.name!r}: {exc}") from None
+    if opts.mem == "gpu" and not cuda_available():
+        raise OptionError(f"job {opts.name!r}: option mem=gpu but no CUDA device is usable here")
+    mem = opts.mem or ("gpu" if cuda_available() else "host")
+    device = torch.device("cuda", torch.cuda.current_device()) if mem == "gpu" \
+        else torch.device("cpu")
+    notes = []
+    bs = opts.bs if opts.bs is not None else DEFAULT_BS
+    ppb = max(1, bs // layout.page_bytes)
+    if bs % layout.page_bytes:
+        notes.append(f"bs={bs} rounded to {ppb} whole page(s) of {layout.page_bytes} B")
+    if opts.size < layout.page_bytes:
+        raise OptionError(f"job {opts.name!r}: option size={opts.given.get('size', opts.size)} "
+                          f"is less than one page ({layout.page_bytes} B)")
+    if ppb * layout.page_bytes > opts.size:
+        ppb = opts.size // layout.page_bytes
+        notes.append(f"batch cut to size: {ppb} pages")
+    batches = opts.size // (ppb * layout.page_bytes)
+    if opts.time_based and not opts.runtime:
+        raise OptionError(f"job {opts.name!r}: option time_based needs --runtime")
+    if engine == "hicachefile":
+        try:
+            sglang_hicache()
+        except EngineUnavailable as exc:
+            raise OptionError(f"option ioengine=hicachefile: {exc}") from None
+    if opts.prefill_tflops and preset is None:
+        raise OptionError(f"job {opts.name!r}: option prefill_tflops needs --model (the "
+                          "preset gives FLOPs per token)")
+    dirs = list(split_dirs(opts.directory)) if opts.directory else [tempfile.gettempdir()]
+    for d in dirs:
+        if not os.path.isdir(d):
+            raise OptionError(f"option directory={opts.directory}: {d!r} is not a directory")
+    return JobPlan(opts, engine, layout, preset, device, mem, ppb, batches, dirs, notes)
+
+
+# -- running ------------------------------------------------------------------------------------
+
+class Progress:
+    """Counts bytes done; the CLI polls it to draw a progress bar."""
+
+    def __init__(self) -> None:
+        self.done = 0
+        self.total = 0
+        self.label = ""
+        self._lock = threading.Lock()
+
+    def start(self, label: str, total: int) -> None:
+        with self._lock:
+            self.label, self.total, self.done = label, total, 0
+
+    def add(self, n: int) -> None:
+        with self._lock:
+            self.done += n
+
+
+@dataclass
+class _Phase:
+    kind: str                 # "write" | "read" | "mixed"
+    timed: bool = True
+
+
+def _phases(rw: str, verify: bool) -> list[_Phase]:
+    if rw in ("write", "randwrite"):
+        return [_Phase("write")] + ([_Phase("read")] if verify else [])
+    layout = [_Phase("write", timed=False)]
+    if rw in ("read", "randread"):
+        return layout + [_Phase("read")]
+    return layout + [_Phase("mixed")]
+
+
+class _ThreadState:
+    def __init__(self) -> None:
+        self.stats = {"read": DirStats(), "write": DirStats()}
+        self.written: set[int] = set()
+        self.read_ok: set[int] = set()
+        self.read_failed_pages = 0
+
+
+def _ops(kind: str, batches: int, rng: np.random.Generator, randomize: bool, repeat: bool,
+         rwmixread: int) -> Iterator[tuple[str, int]]:
+    while True:
+        order = rng.permutation(batches) if randomize else range(batches)
+        for b in order:
+            if kind == "mixed":
+                yield ("read" if rng.random() * 100 < rwmixread else "write"), int(b)
+            else:
+                yield kind, int(b)
+        if not repeat:
+            return
+
+
+def _run_phase(engine: Engine, plan: JobPlan, phase: _Phase, states: list[_ThreadState],
+               progress: Progress | None) -> None:
+    o = plan.opts
+    threads = o.numjobs
+    ppb = plan.pages_per_batch
+    pbytes = plan.layout.page_bytes
+    timed = phase.timed
+    ramp_ns = int(o.ramp_time * 1e9) if timed else 0
+    runtime_ns = int(o.runtime * 1e9) if (timed and o.runtime) else None
+    repeat = bool(timed and o.time_based)
+    randomize = o.rw.startswith("rand")
+    barrier = threading.Barrier(threads + 1)
+    errors: list[BaseException] = []
+    if progress is not None:
+        total = (plan.batches * plan.batch_bytes * threads) if not repeat else 0
+        progress.start(f"{o.name} {engine.name} {phase.kind if timed else 'layout'}", total)
+
+    def one(op: str, t: int, b: int, t_submit: int) -> tuple[int, int, int]:
+        pages = list(range(b * ppb, (b + 1) * ppb))
+        start = time.perf_counter_ns()
+        ok = engine.write(t, pages) if op == "write" else engine.read(t, pages)
+        return start, time.perf_counter_ns(), ok
+
+    def worker(t: int) -> None:
+        st = states[t]
+        rng = np.random.default_rng((o.randseed, t, ("write", "read", "mixed").index(phase.kind)))
+        pool = ThreadPoolExecutor(o.iodepth, thread_name_prefix=f"bench-{t}") \
+            if o.iodepth > 1 else None
+        inflight: collections.deque = collections.deque()
+        last_done = [0]
+
+        def complete(item) -> None:
+            op, b, t_submit, fut = item
+            start, end, ok = fut.result() if pool else fut
+            n = ppb
+            if op == "write":
+                st.written.add(b)
+            elif ok == n:
+                st.read_ok.add(b)
+            else:
+                st.read_failed_pages += n - ok
+                st.read_ok.discard(b)
+            if progress is not None:
+                progress.add(ok * pbytes)
+            if not timed or end - t0 < ramp_ns:
+                return
+            d = st.stats[op]
+            d.add(slat=start - t_submit, clat=end - start, done=end - t0 - ramp_ns,
+                  nbytes=ok * pbytes)
+            if ok < n:
+                d.failed_ios += 1
+                d.failed_pages += n - ok
+            last_done[0] = max(last_done[0], end)
+
+        try:
+            barrier.wait()
+            t0 = time.perf_counter_ns()
+            for op, b in _ops(phase.kind, plan.batches, rng, randomize, repeat, o.rwmixread):
+                if runtime_ns is not None and time.perf_counter_ns() - t0 >= ramp_ns + runtime_ns:
+                    break
+                if any(item[1] == b for item in inflight):  # never overlap ops on one batch
+                    while inflight:
+                        complete(inflight.popleft())
+                while len(inflight) >= o.iodepth:
+                    complete(inflight.popleft())
+                if op == "write" and b in st.written:
+                    engine.forget(t, list(range(b * ppb, (b + 1) * ppb)))  # untimed
+                t_submit = time.perf_counter_ns()
+                fut = pool.submit(one, op, t, b, t_submit) if pool else one(op, t, b, t_submit)
+                inflight.append((op, b, t_submit, fut))
+                if pool is None:
+                    complete(inflight.popleft())
+            while inflight:
+                complete(inflight.popleft())
+            if timed and last_done[0]:
+                span = max(0, last_done[0] - t0 - ramp_ns)
+                kinds = ("read", "write") if phase.kind == "mixed" else (phase.kind,)
+                for k in kinds:
+                    if st.stats[k].total_ios:
+                        st.stats[k].runtime_ns += span
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the calling thread
+            errors.append(exc)
+        finally:
+            if pool is not None:
+                pool.shutdown(wait=True)
+
+    workers = [threading.Thread(target=worker, args=(t,), name=f"bench-job-{t}", daemon=True)
+               for t in range(threads)]
+    for w in workers:
+        w.start()
+    try:
+        barrier.wait()
+    except threading.BrokenBarrierError:
+        pass
+    for w in workers:
+        while w.is_alive():
+            w.join(0.1)
+            if progress is not None and getattr(progress, "tick", None):
+                progress.tick()
+    if errors:
+        raise errors[0]
+
+
+def _capacity(plan: JobPlan, config: TierConfig, ndirs: int) -> int:
+    slot = plan.layout.slot_bytes
+    stripe_slots = max(1, config.io_chunk_size // slot)
+    need = plan.pages * plan.opts.numjobs
+    stripes = math.ceil(need / stripe_slots)
+    nfiles = ndirs * config.files_per_dir
+    stripes = max(stripes, 1)
+    if stripes >= nfiles:
+        stripes = math.ceil(stripes / nfiles) * nfiles
+    return stripes * stripe_slots * slot
+
+
+def _rusage() -> tuple[float, float, int, int, int]:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime, r.ru_stime, r.ru_nvcsw + r.ru_nivcsw, r.ru_majflt, r.ru_minflt
+
+
+def run_job(plan: JobPlan, groupid: int, progress: Progress | None = None) -> list[JobResult]:
+    """Run one job to completion; returns one result per clone, or one with group_reporting."""
+    o = plan.opts
+    made: list[str] = []
+    start_wall = time.time()
+    try:
+        for d in plan.base_dirs:
+            made.append(tempfile.mkdtemp(prefix=f"gdskv-bench-{o.name}-{plan.engine}-", dir=d))
+        try:
+            config = TierConfig.from_env(directories=tuple(made),
+                                         backend=o.backend,
+                                         direct_io="auto" if o.direct else "off")
+            config = config.replace(capacity=_capacity(plan, config, len(made)))
+        except ConfigError as exc:
+            raise OptionError(f"job {o.name!r}: {exc}") from None
+        spec = EngineSpec(name=o.name, layout=plan.layout, config=config, device=plan.device,
+                          threads=o.numjobs, pages=plan.pages, seed=o.randseed,
+                          randomize=o.rw.startswith("rand"), verify=o.verify,
+                          batch_pages=plan.pages_per_batch)
+        engine = make_engine(plan.engine, spec)
+        try:
+            engine.open()
+            return _run_phases(engine, plan, config, made, groupid, progress, start_wall)
+        finally:
+            engine.close()
+    finally:
+        if o.unlink:
+            for d in made:
+                shutil.rmtree(d, ignore_errors=True)
+
+
+def _run_phases(engine: Engine, plan: JobPlan, config: TierConfig, made: list[str],
+                groupid: int, progress: Progress | None, start_wall: float) -> list[JobResult]:
+    o = plan.opts
+    states = [_ThreadState() for _ in range(o.numjobs)]
+    invalidations = []
+    wall, cpu0 = 0.0, None
+    usr = sys_ = 0.0
+    ctx = majf = minf = 0
+    wrote = False
+    for phase in _phases(o.rw, o.verify):
+        if phase.kind in ("read", "mixed"):
+            if wrote and AFTER_WRITE_HOOK is not None:
+                AFTER_WRITE_HOOK(engine)
+            if hasattr(engine, "reset_read_buffers"):
+                engine.reset_read_buffers()
+            if o.invalidate:
+                invalidations.append(engine.invalidate())
+        cpu0 = _rusage()
+        t = time.perf_counter()
+        _run_phase(engine, plan, phase, states, progress)
+        if phase.timed:
+            wall += time.perf_counter() - t
+            cpu1 = _rusage()
+            usr += cpu1[0] - cpu0[0]
+            sys_ += cpu1[1] - cpu0[1]
+            ctx += cpu1[2] - cpu0[2]
+            majf += cpu1[3] - cpu0[3]
+            minf += cpu1[4] - cpu0[4]
+        wrote = wrote or phase.kind in ("write", "mixed")
+    elapsed = time.time() - start_wall
+
+    # -- verify -----------------------------------------------------------------------------
+    verify = None
+    if o.verify:
+        checked = mismatched = 0
+        missing = sum(s.read_failed_pages for s in states)
+        for t, st in enumerate(states):
+            pages = [p for b in sorted(st.read_ok)
+                     for p in range(b * plan.pages_per_batch, (b + 1) * plan.pages_per_batch)]
+            checked += len(pages)
+            if pages:
+                mismatched += engine.verify(t, pages)
+        verify = {"ok": mismatched == 0 and missing == 0 and checked > 0,
+                  "pages_checked": checked, "mismatched": mismatched, "missing": missing}
+
+    # -- the gdskv object ---------------------------------------------------------------------
+    info = engine.info()
+    lay = plan.layout
+    g: dict[str, Any] = {
+        "engine": plan.engine, "backend": info.get("backend"),
+        "gpu_direct": bool(info.get("gpu_direct")), "compat_mode": info.get("compat_mode", "n/a"),
+        "o_direct": bool(info.get("o_direct")), "o_direct_reason": info.get("o_direct_reason"),
+        "backend_detail": info.get("backend_detail", {}),
+        "backend_selected_because": info.get("backend_selected_because", ""),
+        "mem": plan.mem, "device": str(plan.device),
+        "directories": made, "fs_types": sorted({fs_type(d) for d in made}),
+        "layout": lay.to_dict(), "model": o.model,
+        "page_bytes": lay.page_bytes, "slot_bytes": lay.slot_bytes,
+        "bytes_per_token": lay.page_bytes // lay.page_size,
+        "pages_per_batch": plan.pages_per_batch, "batch_bytes": plan.batch_bytes,
+        "pages_per_thread": plan.pages, "iodepth": o.iodepth, "numjobs": o.numjobs,
+        "config": {"backend": config.backend.value, "direct_io": config.direct_io.value,
+                   "sync": config.sync.value, "verify_checksums": config.verify,
+                   "io_threads": config.io_threads, "io_chunk_size": config.io_chunk_size,
+                   "staging_size": config.staging_size, "files_per_dir": config.files_per_dir,
+                   "capacity": config.capacity},
+        "invalidate": _merge_invalidations(invalidations, o.invalidate),
+        "verify": verify,
+    }
+    notes = list(plan.notes)
+    if info.get("note"):
+        notes.append(info["note"])
+    if plan.engine == "gdskv" and (o.numjobs > 1 or o.iodepth > 1):
+        notes.append("the tier runs data-path calls one at a time: numjobs/iodepth > 1 queue "
+                     "batches, the tier's own pipeline and I/O threads give the parallelism")
+    if "tier_stats" in info:
+        g["tier_stats"] = info["tier_stats"]
+    g["note"] = "; ".join(notes)
+
+    # -- results ------------------------------------------------------------------------------
+    error = 0
+    if any(s.stats["write"].failed_pages or s.stats["read"].failed_pages for s in states):
+        error = EIO
+    if verify is not None and not verify["ok"]:
+        error = EILSEQ if verify["mismatched"] else EIO
+    cpu_wall = max(wall, 1e-9)
+
+    def result(name_states: list[_ThreadState], clone: int | None) -> JobResult:
+        return JobResult(
+            name=o.name, groupid=groupid, jobs=len(name_states),
+            read=DirStats.merge([s.stats["read"] for s in name_states]),
+            write=DirStats.merge([s.stats["write"] for s in name_states]),
+            options=job_options_dict(o), gdskv=dict(g), error=error, elapsed_s=elapsed,
+            usr_cpu=100.0 * usr / cpu_wall, sys_cpu=100.0 * sys_ / cpu_wall, ctx=ctx,
+            majf=majf, minf=minf, start_time=start_wall, description=o.description,
+            clone=clone)
+
+    if o.group_reporting or o.numjobs == 1:
+        results = [result(states, None)]
+    else:
+        results = [result([s], t) for t, s in enumerate(states)]
+    if o.prefill_tflops and plan.preset is not None:
+        read_bw = DirStats.merge([s.stats["read"] for s in states]).bw_bytes or None
+        be = break_even(lay, plan.preset.flops_per_token, o.prefill_tflops, read_bw).to_dict()
+        for r in results:
+            r.gdskv["break_even"] = be
+    return results
+
+
+def _merge_invalidations(items: list[dict], asked: bool) -> dict[str, Any] | None:
+    if not asked:
+        return {"done": False, "summary": "not asked (invalidate=0)"}
+    if not items:
+        return None
+    last = dict(items[-1])
+    last["done"] = all(i.get("done") for i in items)
+    last["times"] = len(items)
+    return last

@@ -1,0 +1,128 @@
+"""Page checksums: a position-dependent 64-bit hash of each page, computed where the page is.
+
+This is part of the on-disk format (format version 1); changing any step below changes stored
+checksums. For one page of ``page_bytes`` bytes:
+
+1. Split the page into ``n = ceil(page_bytes / 4)`` 32-bit words ``w_0 .. w_{n-1}``, each read
+   little-endian from bytes ``[4i, 4i + 4)``; a last partial word is zero-padded (bytes past
+   ``page_bytes`` -- slot padding -- never count).
+2. For every word: ``x_i = (i << 32) | w_i`` (a 64-bit value; pages are < 16 GiB so ``i`` fits),
+   ``h_i = fmix(x_i)``.
+3. ``S = (h_0 + h_1 + ... + h_{n-1}) mod 2**64``.
+4. ``checksum = fmix((S + page_bytes * GOLDEN) mod 2**64)``.
+
+``fmix`` is the SplitMix64 finalizer, a bijection of 64-bit words (all arithmetic mod 2**64,
+``>>`` logical)::
+
+    z ^= z >> 30; z *= 0xBF58476D1CE4E5B9; z ^= z >> 27; z *= 0x94D049BB133111EB; z ^= z >> 31
+
+and ``GOLDEN = 0x9E3779B97F4A7C15``. The result is the uint64 bit pattern, returned in an int64
+tensor (values >= 2**63 read as negative).
+
+Why this shape: every word is hashed independently, so the GPU computes it at memory speed
+with no sequential dependency (a sum is order-free); ``x_i`` is injective in ``(i, w_i)`` and
+``fmix`` is a bijection, so any change confined to one word (e.g. one flipped bit) changes ``S``
+by ``fmix(x') - fmix(x) != 0`` and is always detected; swapping two different words or moving
+data to another position changes ``S`` unless a 64-bit coincidence happens (probability about
+2**-64). The final mix folds in the length and spreads ``S`` over all bits.
+
+:func:`page_checksums_reference` is the pure-torch definition (runs on any device, used on CPU
+to verify pages a GPU wrote); :func:`page_checksums` runs the Triton kernel on CUDA tensors (or
+under ``TRITON_INTERPRET=1`` on CPU) and the reference otherwise. Both give identical bits.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+__all__ = ["page_checksums", "page_checksums_reference", "fmix64_torch", "GOLDEN", "FMIX_C1",
+           "FMIX_C2"]
+
+GOLDEN = 0x9E3779B97F4A7C15
+FMIX_C1 = 0xBF58476D1CE4E5B9
+FMIX_C2 = 0x94D049BB133111EB
+
+
+def _signed(v: int) -> int:
+    """The int64 with the same bits as uint64 ``v`` (torch has no full uint64 arithmetic)."""
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
+def _shr(z: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns."""
+    return (z >> s) & ((1 << (64 - s)) - 1)
+
+
+def fmix64_torch(z: torch.Tensor) -> torch.Tensor:
+    """SplitMix64 finalizer on int64 tensors holding uint64 bit patterns (wrapping multiply)."""
+    z = z ^ _shr(z, 30)
+    z = z * _signed(FMIX_C1)
+    z = z ^ _shr(z, 27)
+    z = z * _signed(FMIX_C2)
+    return z ^ _shr(z, 31)
+
+
+def _check_args(staging: torch.Tensor, num_pages: int, page_bytes: int, slot_bytes: int) -> None:
+    if not isinstance(staging, torch.Tensor) or staging.dtype != torch.uint8 or staging.dim() != 1:
+        raise ValueError(f"staging must be a 1-D uint8 tensor, got "
+                         f"{getattr(staging, 'dtype', type(staging).__name__)} "
+                         f"{tuple(getattr(staging, 'shape', ()))}")
+    for name, v in (("num_pages", num_pages), ("page_bytes", page_bytes),
+                    ("slot_bytes", slot_bytes)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"{name} must be a non-negative int, got {v!r}")
+    if page_bytes == 0 or page_bytes >= 1 << 34:
+        raise ValueError(f"page_bytes must be in [1, 2**34), got {page_bytes}")
+    if slot_bytes < page_bytes or (num_pages > 1 and slot_bytes % 4):
+        raise ValueError(f"slot_bytes must be >= page_bytes ({page_bytes}) and a multiple of 4, "
+                         f"got {slot_bytes}")
+    need = (num_pages - 1) * slot_bytes + page_bytes if num_pages else 0
+    if staging.numel() < need:
+        raise ValueError(f"staging holds {staging.numel()} bytes, {num_pages} pages of "
+                         f"{page_bytes} at a {slot_bytes}-byte pitch need {need}")
+
+
+def finalize(sums: torch.Tensor, page_bytes: int) -> torch.Tensor:
+    """Step 4 of the algorithm on per-page word-hash sums (int64 bit patterns)."""
+    return fmix64_torch(sums + _signed((page_bytes * GOLDEN) % (1 << 64)))
+
+
+def page_checksums_reference(staging: torch.Tensor, num_pages: int, page_bytes: int,
+                             slot_bytes: int) -> torch.Tensor:
+    """Checksums of pages ``staging[p * slot_bytes : p * slot_bytes + page_bytes]`` -> int64
+    ``[num_pages]`` (uint64 bit patterns). Pure torch, on staging's device."""
+    _check_args(staging, num_pages, page_bytes, slot_bytes)
+    n_words = -(-page_bytes // 4)
+    idx = torch.arange(n_words, dtype=torch.int64, device=staging.device) << 32
+    out = torch.empty(num_pages, dtype=torch.int64, device=staging.device)
+    shifts = torch.tensor([0, 8, 16, 24], dtype=torch.int64, device=staging.device)
+    for p in range(num_pages):  # one page at a time bounds the int64 temporaries
+        page = staging[p * slot_bytes:p * slot_bytes + page_bytes]
+        if page_bytes % 4:
+            page = torch.cat([page, page.new_zeros(4 - page_bytes % 4)])
+        # Assemble little-endian words from bytes: independent of the host's byte order.
+        words = (page.view(n_words, 4).to(torch.int64) << shifts).sum(1)
+        out[p] = fmix64_torch(idx | words).sum()
+    return finalize(out, page_bytes)
+
+
+def _use_triton(staging: torch.Tensor) -> bool:
+    if staging.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    try:
+        from . import triton_checksum  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def page_checksums(staging: torch.Tensor, num_pages: int, page_bytes: int,
+                   slot_bytes: int) -> torch.Tensor:
+    """Checksums of ``num_pages`` pages of ``staging`` (see the module docstring), int64."""
+    if isinstance(staging, torch.Tensor) and _use_triton(staging) and staging.data_ptr() % 4 == 0 \
+            and (num_pages <= 1 or slot_bytes % 4 == 0):
+        from .triton_checksum import page_checksums_triton
+        return page_checksums_triton(staging, num_pages, page_bytes, slot_bytes)
+    return page_checksums_reference(staging, num_pages, page_bytes, slot_bytes)

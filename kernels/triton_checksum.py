@@ -1,0 +1,122 @@
+"""Triton kernel for the page checksum of :mod:`.checksum` (the algorithm is documented there).
+
+Each program hashes one chunk of one page and writes the wrapping sum of its word hashes; a
+second small launch sums each page's chunks (mod 2**64, order-free) and applies the final mix. CUDA tensors run compiled; CPU tensors run under Triton's interpreter.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.jit import JITFunction
+
+from .checksum import GOLDEN, _check_args, _signed
+
+__all__ = ["page_checksums_triton", "BLOCK", "ITERS"]
+
+# tl.sum's own combine function: the kernel avoids tl.zeros/tl.sum (themselves @jit functions,
+# which only run under the interpreter when TRITON_INTERPRET was set before triton was
+# imported), and the interpreter recognizes this combine function and reduces with numpy.
+_SUM = tl.standard._sum_combine
+
+
+def page_hash_kernel(words_ptr, bytes_ptr, partial_ptr, n_full, tail_bytes, slot_words,
+                     n_chunks, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+    """Sum of ``fmix((i << 32) | w_i)`` over one chunk (``BLOCK * ITERS`` words) of one page.
+
+    ``n_full``: whole 32-bit words in a page (left to Triton's integer specialization: when it
+    is a multiple of 16 the word loads vectorize); ``tail_bytes`` (0..3): bytes of a last partial
+    word, hashed by the page's last chunk.
+    """
+    page = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1).to(tl.int64)
+    base = page * slot_words
+    acc = tl.full([BLOCK], 0, tl.uint64)
+    start = chunk * (BLOCK * ITERS)
+    for it in tl.static_range(ITERS):
+        i = start + it * BLOCK + tl.arange(0, BLOCK)
+        m = i < n_full
+        word = tl.load(words_ptr + base + i, mask=m, other=0).to(tl.uint32, bitcast=True)
+        z = (i.to(tl.uint64) << 32) | word.to(tl.uint64)
+        z = z ^ (z >> 30)
+        z = z * 0xBF58476D1CE4E5B9
+        z = z ^ (z >> 27)
+        z = z * 0x94D049BB133111EB
+        z = z ^ (z >> 31)
+        acc += tl.where(m, z, 0)
+    s = tl.reduce(acc, 0, _SUM)
+    if (tail_bytes > 0) & (chunk == n_chunks - 1):
+        j = tl.arange(0, 4)
+        b = tl.load(bytes_ptr + base * 4 + n_full * 4 + j, mask=j < tail_bytes, other=0)
+        tail_word = tl.reduce(b.to(tl.uint64) << (j * 8).to(tl.uint64), 0, _SUM)
+        # (n_full may be specialized to a constant; adding a tensor zero keeps it a tensor)
+        y = ((chunk * 0 + n_full).to(tl.uint64) << 32) | tail_word
+        y = y ^ (y >> 30)
+        y = y * 0xBF58476D1CE4E5B9
+        y = y ^ (y >> 27)
+        y = y * 0x94D049BB133111EB
+        y = y ^ (y >> 31)
+        s += y
+    tl.store(partial_ptr + page * n_chunks + chunk, s.to(tl.int64, bitcast=True))
+
+
+def page_hash_finalize_kernel(partial_ptr, out_ptr, n_chunks, length_term,
+                              BLOCK: tl.constexpr):
+    """Per page: ``fmix(sum of its chunk sums + length_term)`` (step 4 of the algorithm);
+    ``length_term`` = ``page_bytes * GOLDEN mod 2**64`` as an int64 bit pattern."""
+    page = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, BLOCK)  # BLOCK >= n_chunks: one masked load, no loop
+    acc = tl.load(partial_ptr + page * n_chunks + i, mask=i < n_chunks, other=0).to(
+        tl.uint64, bitcast=True)
+    z = tl.reduce(acc, 0, _SUM) + length_term.to(tl.uint64, bitcast=True)
+    z = z ^ (z >> 30)
+    z = z * 0xBF58476D1CE4E5B9
+    z = z ^ (z >> 27)
+    z = z * 0x94D049BB133111EB
+    z = z ^ (z >> 31)
+    tl.store(out_ptr + page, z.to(tl.int64, bitcast=True))
+
+
+_final_cuda = JITFunction(page_hash_finalize_kernel, do_not_specialize=["n_chunks", "length_term"])
+_final_interp = InterpretedFunction(page_hash_finalize_kernel)
+_hash_cuda = JITFunction(page_hash_kernel, do_not_specialize=["tail_bytes", "n_chunks"])
+_hash_interp = InterpretedFunction(page_hash_kernel)
+
+#: Words per step, steps per program (32 KiB of page per program) and warps; tuned in bench/.
+BLOCK = 2048
+ITERS = 4
+NUM_WARPS = 8
+
+
+def page_checksums_triton(staging: torch.Tensor, num_pages: int, page_bytes: int,
+                          slot_bytes: int, block: int = BLOCK, iters: int = ITERS,
+                          num_warps: int = NUM_WARPS) -> torch.Tensor:
+    """Checksums of ``num_pages`` pages at a ``slot_bytes`` pitch -> int64 ``[num_pages]``.
+
+    Needs ``staging`` 4-byte aligned and ``slot_bytes % 4 == 0`` (staging buffers are 4 KiB
+    aligned); :func:`.checksum.page_checksums` falls back to the reference otherwise.
+    """
+    _check_args(staging, num_pages, page_bytes, slot_bytes)
+    if staging.data_ptr() % 4 or (num_pages > 1 and slot_bytes % 4):
+        raise ValueError(f"staging address ({staging.data_ptr():#x}) and slot_bytes "
+                         f"({slot_bytes}) must be multiples of 4 for the Triton checksum")
+    if num_pages == 0:
+        return torch.empty(0, dtype=torch.int64, device=staging.device)
+    n_full, tail = divmod(page_bytes, 4)
+    n_chunks = max(1, triton.cdiv(-(-page_bytes // 4), block * iters))
+    if n_chunks > 65535:
+        raise ValueError(f"page of {page_bytes} bytes needs {n_chunks} chunks; raise iters")
+    words = staging[:staging.numel() // 4 * 4].view(torch.int32)
+    partial = torch.empty(num_pages, n_chunks, dtype=torch.int64, device=staging.device)
+    kernel = _hash_interp if staging.device.type == "cpu" else _hash_cuda
+    kwargs = {} if staging.device.type == "cpu" else {"num_warps": num_warps}
+    pitch = slot_bytes // 4 if num_pages > 1 else 0
+    kernel[(num_pages, n_chunks)](words, staging, partial, n_full, tail, pitch,
+                                  n_chunks, BLOCK=block, ITERS=iters, **kwargs)
+    out = torch.empty(num_pages, dtype=torch.int64, device=staging.device)
+    final = _final_interp if staging.device.type == "cpu" else _final_cuda
+    final[(num_pages,)](partial, out, n_chunks, _signed(page_bytes * GOLDEN % (1 << 64)),
+                        BLOCK=triton.next_power_of_2(n_chunks))
+    return out

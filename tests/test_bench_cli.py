@@ -1,0 +1,276 @@
+"""gdskv-bench end to end on tiny sizes: modes, verify (incl. a deliberately corrupted page),
+compare, job files, sweeps, the HiCacheFile engine glue."""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import os
+import sys
+import types
+
+import pytest
+import torch
+
+from gdskv.bench import cli, runner
+from gdskv.bench.results import EILSEQ, EIO
+
+# 2 layers x 2 heads x 128 dim bf16, 16 tokens: 32 KiB pages
+SMALL = ["--layers=2", "--kv-heads=2", "--head-dim=128", "--page-tokens=16", "--mem=host"]
+
+
+def run_json(capsys, argv, status=0) -> dict:
+    rc = cli.main(argv + ["--output-format=json"])
+    out, err = capsys.readouterr()
+    assert rc == status, err + out
+    return json.loads(out)
+
+
+def test_readme_command_writes_reads_and_verifies(tmp_path, capsys):
+    # The README's command, at a CI-sized size.
+    doc = run_json(capsys, ["--name=llama3-8b", "--model=llama3-8b", "--page-tokens=16",
+                            "--size=8M", "--bs=4M", "--rw=write", "--verify=1", "--mem=host",
+                            f"--directory={tmp_path}"])
+    (job,) = doc["jobs"]
+    assert job["error"] == 0 and job["jobname"] == "llama3-8b"
+    for direction in ("write", "read"):
+        d = job[direction]
+        assert d["io_bytes"] == 8 << 20 and d["total_ios"] == 2 and d["bw_bytes"] > 0
+        assert d["clat_ns"]["N"] == 2 and d["clat_ns"]["min"] > 0
+    g = job["gdskv"]
+    assert g["verify"] == {"ok": True, "pages_checked": 4, "mismatched": 0, "missing": 0}
+    assert g["engine"] == "gdskv" and g["backend"] == "posix" and g["gpu_direct"] is False
+    assert g["page_bytes"] == 2 << 20 and g["layout"]["num_layers"] == 32
+    assert "summary" in g["invalidate"] and isinstance(g["invalidate"]["done"], bool)
+    assert os.listdir(tmp_path) == []  # unlink=1 removed the job's store
+
+
+def _flip_every_slot(engine) -> None:
+    """Flip bytes in every page slot of every data file (between write and read phases)."""
+    slot = engine.spec.layout.slot_bytes
+    for path in engine.files():
+        fd = os.open(path, os.O_RDWR)
+        try:
+            size = os.fstat(fd).st_size
+            for off in range(0, size, slot):
+                b = os.pread(fd, 16, off + 4096)
+                os.pwrite(fd, bytes(x ^ 0xFF for x in b), off + 4096)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+@pytest.mark.parametrize("engine, tier_checksums, error, field", [
+    ("gdskv", "1", EIO, "missing"),        # the tier's checksum turns it into a miss
+    ("gdskv", "0", EILSEQ, "mismatched"),  # checksums off: wrong bytes reach the pool
+    ("raw", "1", EILSEQ, "mismatched"),
+])
+def test_verify_detects_corrupted_pages(tmp_path, capsys, monkeypatch, engine, tier_checksums,
+                                        error, field):
+    monkeypatch.setenv("GDSKV_VERIFY", tier_checksums)
+    monkeypatch.setattr(runner, "AFTER_WRITE_HOOK", _flip_every_slot)
+    doc = run_json(capsys, SMALL + ["--size=1M", "--bs=256k", "--rw=write", "--verify=1",
+                                    f"--ioengine={engine}", f"--directory={tmp_path}"], status=1)
+    job = doc["jobs"][0]
+    v = job["gdskv"]["verify"]
+    assert v["ok"] is False and v[field] == 32, v
+    assert job["error"] == error
+
+
+def test_verify_failure_in_normal_output(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(runner, "AFTER_WRITE_HOOK", _flip_every_slot)
+    rc = cli.main(SMALL + ["--size=512k", "--rw=write", "--verify=1", "--ioengine=raw",
+                           f"--directory={tmp_path}"])
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert "verify: FAILED" in out and f"err={EILSEQ}" in out
+
+
+@pytest.mark.parametrize("rw", ["read", "randread", "randwrite", "rw", "randrw"])
+def test_modes_with_clones_and_depth(tmp_path, capsys, rw):
+    doc = run_json(capsys, SMALL + [f"--rw={rw}", "--size=1M", "--bs=128k", "--numjobs=2",
+                                    "--iodepth=2", "--rwmixread=50", "--verify=1",
+                                    "--ioengine=raw", f"--directory={tmp_path}"])
+    assert [j["jobname"] for j in doc["jobs"]] == ["gdskv", "gdskv"]  # one per clone
+    for job in doc["jobs"]:
+        assert job["error"] == 0, job["gdskv"]
+        r, w = job["read"]["io_bytes"], job["write"]["io_bytes"]
+        if rw in ("read", "randread"):
+            assert r == 1 << 20 and w == 0
+        elif rw == "randwrite":
+            assert w == 1 << 20 and r == 1 << 20  # verify reads back
+        else:
+            assert r + w == 1 << 20 and job["read"]["runtime"] == job["write"]["runtime"]
+
+
+def test_time_based_runtime_and_ramp(tmp_path, capsys):
+    doc = run_json(capsys, SMALL + ["--rw=randread", "--size=512k", "--bs=64k", "--time_based",
+                                    "--runtime=600ms", "--ramp_time=100ms",
+                                    "--group_reporting", "--numjobs=2",
+                                    f"--directory={tmp_path}"])
+    (job,) = doc["jobs"]
+    rd = job["read"]
+    assert rd["io_bytes"] > 512 << 10  # more than one pass over the pages
+    assert 300 <= rd["runtime"] <= 2500
+    assert job["error"] == 0
+
+
+def test_compare_prints_ratios_and_names_engines(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "sglang", None)  # hicachefile absent: skipped, said so
+    rc = cli.main(SMALL + ["--size=1M", "--rw=write", "--verify=1", "--compare",
+                           f"--directory={tmp_path}"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "gdskv.gdskv: (groupid=0" in out and "gdskv.raw: (groupid=1" in out
+    assert "hicachefile skipped" in out
+    assert "Compare gdskv:" in out and "gdskv/raw=" in out
+    doc = run_json(capsys, SMALL + ["--size=1M", "--rw=write", "--compare",
+                                    f"--directory={tmp_path}"])
+    (cmp_,) = doc["gdskv_compare"]
+    assert set(cmp_["bw_bytes"]["write"]) == {"gdskv", "raw"}
+    assert cmp_["ratios"]["write: gdskv/raw"] > 0
+
+
+def test_job_file_output_file_and_formats(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("BENCH_DIR", str(tmp_path))
+    jobs = tmp_path / "j.ini"
+    jobs.write_text("[global]\nlayers=2\nkv_heads=1\nhead_dim=128\nmem=host\n"
+                    "directory=${BENCH_DIR}\nsize=512k\nbs=128k\n"
+                    "[w]\nrw=write\n[r]\nrw=read\nioengine=raw\n")
+    out_file = tmp_path / "report.txt"
+    rc = cli.main([str(jobs), "--output-format=terse,json", f"--output={out_file}"])
+    assert rc == 0
+    assert capsys.readouterr().out == ""
+    text = out_file.read_text()
+    terse, rest = text.split("\n", 2)[:2], text.split("\n", 2)[2]
+    assert [t.split(";")[2] for t in terse] == ["w", "r"]
+    doc = json.loads(rest)
+    assert [j["jobname"] for j in doc["jobs"]] == ["w", "r"]
+    assert [j["groupid"] for j in doc["jobs"]] == [0, 1]
+    assert doc["jobs"][1]["gdskv"]["engine"] == "raw"
+    assert doc["jobs"][0]["job options"]["size"] == "512k"
+
+
+def test_sweep_writes_json_per_point_and_png(tmp_path, capsys):
+    sweep_dir = tmp_path / "sweep"
+    rc = cli.main(SMALL + ["--size=512k", "--rw=write", "--sweep=bs=64k,256k",
+                           f"--sweep-dir={sweep_dir}", f"--directory={tmp_path}"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    files = sorted(os.listdir(sweep_dir))
+    assert files == ["sweep-bs.png", "sweep-bs=256k.json", "sweep-bs=64k.json"]
+    doc = json.loads((sweep_dir / "sweep-bs=64k.json").read_text())
+    assert doc["gdskv_sweep"] == {"key": "bs", "value": "64k"}
+    assert doc["jobs"][0]["gdskv"]["pages_per_batch"] == 2
+    assert "Sweep over bs" in out and "gdskv/posix write" in out
+
+
+def test_break_even_in_report(tmp_path, capsys):
+    doc = run_json(capsys, ["--model=qwen2.5-7b", "--layers=2", "--page-tokens=16",
+                            "--size=1M", "--rw=write", "--verify=1", "--mem=host",
+                            "--prefill-tflops=300", f"--directory={tmp_path}"])
+    be = doc["jobs"][0]["gdskv"]["break_even"]
+    # FLOPs per token come from the full preset (7.62e9 params), bytes from the layout used
+    assert be["flops_per_token"] == pytest.approx(2 * 7.62e9)
+    assert be["recompute_us_per_token"] == pytest.approx(2 * 7.62e9 / 300e12 * 1e6)
+    assert be["restore_us_per_token"] > 0 and be["break_even_bytes_per_s"] > 0
+
+
+def test_progress_only_on_a_tty_in_normal_mode(monkeypatch):
+    from gdskv.bench.options import parse_args
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    assert cli._make_progress(parse_args([]))[0] is not None
+    assert cli._make_progress(parse_args(["--output-format=json"]))[0] is None
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
+    assert cli._make_progress(parse_args([]))[0] is None
+
+
+# -- SGLang HiCacheFile engine glue -------------------------------------------------------------
+
+def _stand_in_hicache() -> types.ModuleType:
+    """A stand-in for sglang.srt.mem_cache.hicache_storage with HiCacheFile's documented
+    behaviour (one file per page, ``tofile`` / ``readinto``, existing keys skipped). It tests
+    the engine glue only; real HiCacheFile numbers come from the real class (device script)."""
+    mod = types.ModuleType("sglang.srt.mem_cache.hicache_storage")
+
+    @dataclasses.dataclass
+    class HiCacheStorageConfig:
+        tp_rank: int
+        tp_size: int
+        is_mla_model: bool
+        is_page_first_layout: bool
+        model_name: str | None
+        extra_config: dict | None = None
+
+    class HiCacheFile:
+        def __init__(self, storage_config, file_path="/tmp/hicache"):
+            self.file_path = file_path
+            self.suffix = f"_{storage_config.model_name.replace('/', '-')}_0_1"
+
+        def _path(self, key):
+            return os.path.join(self.file_path, key + self.suffix + ".bin")
+
+        def exists(self, key):
+            return os.path.exists(self._path(key))
+
+        def batch_set(self, keys, values):
+            for k, v in zip(keys, values):
+                if not self.exists(k):
+                    v.contiguous().view(torch.uint8).numpy().tofile(self._path(k))
+            return True
+
+        def batch_get(self, keys, target_locations):
+            out = []
+            for k, t in zip(keys, target_locations):
+                try:
+                    with open(self._path(k), "rb", buffering=0) as f:
+                        ok = f.readinto(memoryview(t.view(torch.uint8).numpy())) == t.numel()
+                    out.append(t if ok else None)
+                except FileNotFoundError:
+                    out.append(None)
+            return out
+
+    mod.HiCacheStorageConfig = HiCacheStorageConfig
+    mod.HiCacheFile = HiCacheFile
+    return mod
+
+
+def test_hicachefile_engine_glue(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "sglang.srt.mem_cache.hicache_storage",
+                        _stand_in_hicache())
+    doc = run_json(capsys, SMALL + ["--size=1M", "--bs=256k", "--rw=randwrite", "--verify=1",
+                                    "--ioengine=hicachefile", "--time_based", "--runtime=300ms",
+                                    f"--directory={tmp_path}"])
+    job = doc["jobs"][0]
+    assert job["error"] == 0 and job["gdskv"]["verify"]["ok"] is True
+    assert job["write"]["io_bytes"] >= 1 << 20 and "HiCacheFile" in job["gdskv"]["backend"]
+    # corruption of a page file is caught too (HiCacheFile has no checksum)
+    monkeypatch.setattr(runner, "AFTER_WRITE_HOOK", lambda e: [
+        open(p, "r+b").write(b"\xff" * 64) for p in glob.glob(os.path.join(e.path, "*.bin"))])
+    doc = run_json(capsys, SMALL + ["--size=512k", "--rw=write", "--verify=1",
+                                    "--ioengine=hicachefile", f"--directory={tmp_path}"],
+                   status=1)
+    assert doc["jobs"][0]["gdskv"]["verify"]["mismatched"] == 16
+
+
+def test_a_job_that_cannot_run_is_reported_and_others_go_on(tmp_path, capsys, monkeypatch):
+    real = runner.make_engine
+
+    def make_engine(kind, spec):
+        if spec.name == "bad":
+            raise RuntimeError("backend 'nixl' is not available: no agent")
+        return real(kind, spec)
+
+    monkeypatch.setattr(runner, "make_engine", make_engine)
+    jobs = tmp_path / "j.ini"
+    jobs.write_text(f"[global]\nlayers=2\nkv_heads=1\nhead_dim=128\nmem=host\n"
+                    f"directory={tmp_path}\nsize=256k\nrw=write\n[bad]\n[good]\n")
+    rc = cli.main([str(jobs), "--output-format=json"])
+    out, err = capsys.readouterr()
+    doc = json.loads(out)
+    assert rc == 1
+    bad, good = doc["jobs"]
+    assert bad["error"] != 0 and "not available" in bad["gdskv"]["failed"]
+    assert "job 'bad'" in err and "not available" in err
+    assert good["error"] == 0 and good["write"]["io_bytes"] == 256 << 10

@@ -1,0 +1,152 @@
+"""gdskv-bench option parsing: fio names, job files, and one clear error (status 2) per bad input."""
+
+from __future__ import annotations
+
+import glob
+import os
+import sys
+
+import pytest
+
+from gdskv.bench import cli
+from gdskv.bench.options import OptionError, parse_args, read_job_file
+from gdskv.bench.runner import resolve
+
+JOBS_DIR = os.path.join(os.path.dirname(__file__), "..", "bench", "jobs")
+
+
+def _error(capsys, argv) -> str:
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("gdskv-bench: error:")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def test_fio_names_and_kv_options():
+    inv = parse_args(["--name=j", "--rw=randread", "--bs=1M", "--size=64M", "--numjobs=2",
+                      "--iodepth=4", "--runtime=500ms", "--time_based", "--ramp-time=1",
+                      "--direct=0", "--group_reporting", "--model=llama3-8b",
+                      "--page-tokens=64", "--kv_heads=4", "--output-format=json,terse"])
+    (job,) = inv.jobs
+    assert (job.name, job.rw, job.bs, job.size) == ("j", "randread", 1 << 20, 64 << 20)
+    assert (job.numjobs, job.iodepth, job.runtime, job.ramp_time) == (2, 4, 0.5, 1.0)
+    assert job.time_based is True and job.direct is False and job.group_reporting is True
+    assert (job.model, job.page_tokens, job.kv_heads) == ("llama3-8b", 64, 4)
+    assert inv.output_format == ("json", "terse")
+    # fio's "job options" keep the text as given
+    assert job.given["bs"] == "1M" and job.given["runtime"] == "500ms"
+    assert job.rwmixread == 50 and job.ioengine == "gdskv"  # defaults
+
+
+def test_sizes_follow_fio_units():
+    assert parse_args(["--bs=4k"]).jobs[0].bs == 4096
+    assert parse_args(["--bs=4KiB"]).jobs[0].bs == 4096
+    assert parse_args(["--bs=4KB"]).jobs[0].bs == 4000
+    assert parse_args(["--size=1G"]).jobs[0].size == 1 << 30
+
+
+@pytest.mark.parametrize("argv, names", [
+    (["--frobnicate=3"], ["--frobnicate=3"]),
+    (["--bs=12X"], ["--bs", "'12X'"]),
+    (["--size=1.5.5G"], ["--size", "'1.5.5G'"]),
+    (["--rwmixread=101"], ["--rwmixread", "101"]),
+    (["--rwmixread=-1"], ["--rwmixread", "-1"]),
+    (["--rw=sideways"], ["--rw", "sideways"]),
+    (["--ioengine=libaio"], ["--ioengine", "libaio"]),
+    (["--model=gpt5"], ["--model", "gpt5"]),
+    (["--output-format=xml"], ["--output-format", "xml"]),
+    (["--sweep=bs"], ["--sweep", "bs"]),
+    (["--sweep=rw=read,write"], ["--sweep", "numeric"]),
+])
+def test_bad_options_exit_2_naming_option_and_value(capsys, argv, names):
+    line = _error(capsys, argv)
+    for n in names:
+        assert n in line, line
+
+
+def test_hicachefile_without_sglang_is_refused(capsys, monkeypatch):
+    # None in sys.modules makes `import sglang` fail even where sglang is installed.
+    monkeypatch.setitem(sys.modules, "sglang", None)
+    line = _error(capsys, ["--ioengine=hicachefile", "--model=llama3-8b", "--size=8M"])
+    assert "ioengine=hicachefile" in line and "sglang" in line
+
+
+def test_semantic_errors_name_the_option(capsys):
+    assert "time_based" in _error(capsys, ["--model=llama3-8b", "--time_based"])
+    assert "--model" in _error(capsys, ["--layers=4"])  # no geometry
+    assert "size" in _error(capsys, ["--model=llama3-8b", "--size=4k"])  # below one page
+    assert "prefill_tflops" in _error(capsys, ["--layers=2", "--head-dim=64", "--kv-heads=1",
+                                               "--prefill-tflops=100"])
+
+
+def test_job_file_global_sections_bare_keys_env(tmp_path, monkeypatch):
+    monkeypatch.setenv("BENCH_DIR", str(tmp_path))
+    monkeypatch.setenv("BENCH_SIZE", "32M")
+    path = tmp_path / "jobs.ini"
+    path.write_text(
+        "; a fio-style job file\n"
+        "[global]\n"
+        "model=llama3-8b\n"
+        "directory=${BENCH_DIR}\n"
+        "size=${BENCH_SIZE}\n"
+        "group_reporting\n"
+        "# comment\n"
+        "[spill]\n"
+        "rw=write\n"
+        "time-based\n"
+        "runtime=2\n"
+        "[restore]\n"
+        "rw=read\n"
+        "page_tokens=64\n")
+    a, b = read_job_file(str(path))
+    assert (a.name, a.rw, a.size, a.directory) == ("spill", "write", 32 << 20, str(tmp_path))
+    assert a.group_reporting is True and a.time_based is True and a.runtime == 2.0
+    assert (b.name, b.rw, b.page_tokens, b.time_based) == ("restore", "read", 64, False)
+    # command-line job options override the file
+    inv = parse_args([str(path), "--size=16M"])
+    assert [j.size for j in inv.jobs] == [16 << 20, 16 << 20]
+    assert [j.name for j in inv.jobs] == ["spill", "restore"]
+
+
+@pytest.mark.parametrize("body, needle", [
+    ("[j]\nbogus=1\n", "unknown option 'bogus'"),
+    ("[j]\nbs=9Q\n", "bs=9Q"),
+    ("[j]\ndirectory=${GDSKV_BENCH_SURELY_UNSET}\n", "GDSKV_BENCH_SURELY_UNSET"),
+    ("[global]\nsize=1M\n", "no job sections"),
+    ("[j]\nrwmixread=200\n", "rwmixread=200"),
+    ("[j]\nsize\n", "needs a value"),
+])
+def test_job_file_errors(tmp_path, capsys, body, needle):
+    path = tmp_path / "bad.ini"
+    path.write_text(body)
+    with pytest.raises(OptionError) as info:
+        read_job_file(str(path))
+    assert needle in str(info.value)
+    line = _error(capsys, [str(path)])
+    assert needle in line
+
+
+def test_example_job_files_parse_and_resolve(tmp_path, monkeypatch):
+    for var, value in (("DIR", str(tmp_path)), ("MODEL", "llama3-8b"), ("PAGES", "16"),
+                       ("SIZE", "64M"), ("BS", "16M"), ("MEM", "host")):
+        monkeypatch.setenv(var, value)
+    files = sorted(glob.glob(os.path.join(JOBS_DIR, "*.ini")))
+    assert len(files) >= 3
+    for path in files:
+        for job in read_job_file(path):
+            plan = resolve(job.replace(mem="host") if job.mem == "gpu" else job,
+                           "gdskv" if job.ioengine == "hicachefile" else None)
+            assert plan.batches >= 1 and plan.pages_per_batch >= 1
+
+
+def test_resolve_geometry_from_preset_and_overrides():
+    plan = resolve(parse_args(["--model=llama3-8b", "--page-tokens=16", "--bs=16M",
+                               "--size=64M"]).jobs[0])
+    assert plan.layout.page_bytes == 2 * 32 * 16 * 8 * 128 * 2  # 2 MiB
+    assert (plan.pages_per_batch, plan.batches) == (8, 4)
+    plan = resolve(parse_args(["--model=deepseek-v3", "--size=64M"]).jobs[0])
+    assert plan.layout.mla and plan.layout.page_bytes == 61 * 16 * 576 * 2
+    plan = resolve(parse_args(["--model=llama3-8b", "--layers=2", "--dtype=fp8",
+                               "--size=8M"]).jobs[0])
+    assert plan.layout.num_layers == 2 and plan.layout.itemsize == 1

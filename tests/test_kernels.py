@@ -1,0 +1,384 @@
+"""The Triton gather/scatter and checksum kernels against the torch reference, bit for bit.
+
+On CPU the kernels run under Triton's interpreter (tiny shapes: it is slow); on a CUDA machine
+the same tests also run the compiled kernels. The kernel modules pick compiled vs interpreted
+per call from the tensors' device, so no TRITON_INTERPRET is needed here (and none leaks into
+other tests); the dispatcher test sets it with monkeypatch only.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gdskv.layout import KVLayout
+from gdskv.pool import KVPool
+from kernels import (gather_pages, page_checksums_reference, scatter_pages, triton_available,
+                     uses_triton)
+from kernels.checksum import FMIX_C1, FMIX_C2, GOLDEN
+from kernels.reference import (gather_pages_layer_reference, gather_pages_reference,
+                               scatter_pages_layer_reference, scatter_pages_reference)
+
+pytestmark = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+
+if triton_available():
+    from kernels.triton_checksum import page_checksums_triton
+    from kernels.triton_gather import (LaunchConfig, RowTable, gather_pages_layer_triton,
+                                       gather_pages_triton, row_table,
+                                       scatter_pages_layer_triton, scatter_pages_triton)
+
+DEVICES = [
+    pytest.param("cpu", id="cpu-interpreter"),
+    pytest.param("cuda", id="cuda", marks=[
+        pytest.mark.gpu,
+        pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]),
+]
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+def random_bytes(shape, dtype, gen, device) -> torch.Tensor:
+    """Random bit patterns of ``dtype`` (NaNs included: the copies are byte-wise)."""
+    *lead, last = shape
+    raw = torch.randint(0, 256, (*lead, last * dtype.itemsize), dtype=torch.uint8, generator=gen)
+    return raw.view(dtype).to(device)
+
+
+def make_pool(layout: KVLayout, num_slots: int, form: str, gen, device):
+    """An engine pool in one of the accepted forms.
+
+    stacked: one [layers, slots, heads, dim] tensor per K/V; list: a separate allocation per
+    layer; strided: K and V interleaved per token, so the token stride is twice the row.
+    """
+    h, d, L = layout.kv_heads, layout.head_dim, layout.num_layers
+    dt = layout.torch_dtype
+    if form == "stacked":
+        parts = [random_bytes((L, num_slots, h, d), dt, gen, device)
+                 for _ in range(layout.kv_count)]
+    elif form == "list":
+        parts = [[random_bytes((num_slots, h, d), dt, gen, device) for _ in range(L)]
+                 for _ in range(layout.kv_count)]
+    elif form == "strided":
+        both = random_bytes((L, num_slots, 2, h, d), dt, gen, device)
+        parts = [both[:, :, i] for i in range(layout.kv_count)]
+    else:
+        raise AssertionError(form)
+    return parts[0] if layout.mla else tuple(parts)
+
+
+def pool_rows(layout, num_slots, form, gen, device):
+    return KVPool(layout, make_pool(layout, num_slots, form, gen, device)).rows
+
+
+def clone_rows(rows):
+    """Fresh copies of every row view (same values, new memory) for a reference run."""
+    return [[r.clone() for r in layers] for layers in rows]
+
+
+def rows_equal(a, b) -> bool:
+    return all(torch.equal(x, y) for xs, ys in zip(a, b) for x, y in zip(xs, ys))
+
+
+# (mla, page_size, head_dim, kv_heads, dtype, slot dtype, pool form); rows of 3, 6, 20 bytes hit
+# the byte/halfword paths and masked row tails; 1152 is the MLA row of DeepSeek (576 x bf16).
+CASES = [
+    (False, 1, 8, 2, torch.bfloat16, torch.int64, "stacked"),
+    (False, 3, 8, 2, torch.float16, torch.int32, "list"),
+    (False, 16, 4, 2, torch.float32, torch.int64, "strided"),
+    (False, 64, 16, 1, torch.float8_e4m3fn, torch.int32, "stacked"),
+    (False, 3, 3, 1, torch.float8_e5m2, torch.int64, "list"),
+    (False, 16, 3, 1, torch.float16, torch.int32, "strided"),
+    (False, 1, 10, 1, torch.bfloat16, torch.int32, "stacked"),
+    (True, 1, 576, 1, torch.bfloat16, torch.int64, "stacked"),
+    (True, 3, 20, 1, torch.float8_e4m3fn, torch.int32, "list"),
+    (True, 16, 5, 1, torch.float32, torch.int64, "strided"),
+    (True, 64, 576, 1, torch.bfloat16, torch.int32, "list"),
+]
+
+
+def case_id(case) -> str:
+    mla, ps, d, h, dt, sdt, form = case
+    return f"{'mla' if mla else 'mha'}-p{ps}-d{d}x{h}-{str(dt)[6:]}-{str(sdt)[6:]}-{form}"
+
+
+def setup_case(case, device, seed=0, num_layers=2, num_pages=3):
+    mla, ps, d, h, dt, sdt, form = case
+    gen = torch.Generator().manual_seed(seed)
+    layout = KVLayout(num_layers=num_layers, page_size=ps, head_dim=d, kv_heads=h, dtype=dt,
+                      mla=mla)
+    num_slots = num_pages * ps + 5
+    rows = pool_rows(layout, num_slots, form, gen, device)
+    slots = torch.randperm(num_slots, generator=gen)[:num_pages * ps].to(sdt).to(device)
+    staging = torch.randint(0, 256, (num_pages * layout.slot_bytes + 64,), dtype=torch.uint8,
+                            generator=gen).to(device)
+    return layout, rows, slots, staging
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_gather_matches_reference(case, device):
+    layout, rows, slots, staging = setup_case(case, device)
+    expected = staging.clone()
+    gather_pages_reference(rows, layout, slots, expected)
+    gather_pages_triton(rows, layout, slots, staging)
+    # Whole buffer: page payloads equal, slot padding and bytes past the batch untouched.
+    assert torch.equal(staging, expected)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_scatter_matches_reference(case, device):
+    layout, rows, slots, staging = setup_case(case, device, seed=1)
+    expected = clone_rows(rows)
+    before = staging.clone()
+    scatter_pages_reference(expected, layout, slots, staging)
+    scatter_pages_triton(rows, layout, slots, staging)
+    assert rows_equal(rows, expected)
+    assert torch.equal(staging, before)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_round_trip_restores_into_other_slots(device):
+    case = (False, 16, 8, 2, torch.bfloat16, torch.int64, "list")
+    layout, rows, slots, staging = setup_case(case, device, seed=2, num_pages=2)
+    gather_pages_triton(rows, layout, slots, staging)
+    gen = torch.Generator().manual_seed(3)
+    target = pool_rows(layout, 64, "stacked", gen, device)
+    new_slots = torch.randperm(64, generator=gen)[:slots.numel()].to(device)
+    scatter_pages_triton(target, layout, new_slots, staging)
+    for kv in range(layout.kv_count):
+        for layer in range(layout.num_layers):
+            assert torch.equal(target[kv][layer][new_slots], rows[kv][layer][slots])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kv", [None, 0, 1])
+@pytest.mark.parametrize("case", [CASES[1], CASES[2], CASES[8]], ids=case_id)
+def test_layer_variant_matches_reference(case, kv, device):
+    layout, rows, slots, staging = setup_case(case, device, seed=4, num_layers=3)
+    if kv is not None and kv >= layout.kv_count:
+        with pytest.raises(ValueError, match="kv must be"):
+            gather_pages_layer_triton(rows, layout, slots, staging, 1, kv)
+        return
+    expected = staging.clone()
+    gather_pages_layer_reference(rows, layout, slots, expected, 1, kv)
+    gather_pages_layer_triton(rows, layout, slots, staging, 1, kv)
+    assert torch.equal(staging, expected)
+
+    staging = torch.randint(0, 256, staging.shape, dtype=torch.uint8).to(device)
+    expected_rows = clone_rows(rows)
+    scatter_pages_layer_reference(expected_rows, layout, slots, staging, 2, kv)
+    scatter_pages_layer_triton(rows, layout, slots, staging, 2, kv)
+    assert rows_equal(rows, expected_rows)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("config", [(1, 1), (2, 4), (4, 64)])
+def test_other_tile_shapes(config, device):
+    """Small tiles split rows into column tiles and pages into token blocks (tails masked)."""
+    case = (True, 3, 20, 1, torch.bfloat16, torch.int32, "list")  # rows of 40 B = 10 words
+    layout, rows, slots, staging = setup_case(case, device, seed=5)
+    expected = staging.clone()
+    gather_pages_reference(rows, layout, slots, expected)
+    gather_pages_triton(rows, layout, slots, staging, config=LaunchConfig(*config))
+    assert torch.equal(staging, expected)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_unaligned_staging_uses_narrow_words(device):
+    case = (False, 3, 8, 1, torch.float16, torch.int64, "stacked")
+    layout, rows, slots, staging = setup_case(case, device, seed=6)
+    view = staging[1:1 + 3 * layout.slot_bytes]  # odd address: byte-wide copies
+    expected = view.clone()
+    gather_pages_reference(rows, layout, slots, expected)
+    gather_pages_triton(rows, layout, slots, view)
+    assert torch.equal(view, expected)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty_batch_is_a_no_op(device):
+    layout, rows, _, staging = setup_case(CASES[0], device)
+    before = staging.clone()
+    gather_pages_triton(rows, layout, torch.empty(0, dtype=torch.int64, device=device), staging)
+    assert torch.equal(staging, before)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_row_table_is_cached_and_rebuilt_when_the_pool_changes(device):
+    layout, rows, slots, staging = setup_case(CASES[1], device, seed=8)
+    table = row_table(rows, layout)
+    assert row_table(rows, layout) is table  # same list, same tensors: cached
+    expected = staging.clone()
+    gather_pages_reference(rows, layout, slots, expected)
+    gather_pages_triton(table, layout, slots, staging)  # an explicit RowTable works too
+    assert torch.equal(staging, expected)
+
+    rows[0][1] = rows[0][1].clone()  # engine swapped one layer's tensor: table is stale
+    fresh = row_table(rows, layout)
+    assert fresh is not table and fresh.table[1, 0] == rows[0][1].data_ptr()
+
+    other = RowTable(clone_rows(rows), layout)  # its tensors die with the temporary list
+    with pytest.raises(ValueError, match="freed"):
+        gather_pages_triton(other, layout, slots, staging)
+
+
+def test_bad_inputs_raise_clear_errors():
+    layout, rows, slots, staging = setup_case(CASES[1], "cpu")
+    with pytest.raises(TypeError, match="int32 or int64"):
+        gather_pages_triton(rows, layout, slots.float(), staging)
+    with pytest.raises(ValueError, match="not a multiple of page_size"):
+        gather_pages_triton(rows, layout, slots[:-1], staging)
+    with pytest.raises(ValueError, match="staging must be"):
+        gather_pages_triton(rows, layout, slots, staging[:layout.slot_bytes])
+    with pytest.raises(ValueError, match=r"rows\[0\] has 1 layers"):
+        gather_pages_triton([rows[0][:1], rows[1][:1]], layout, slots, staging)
+    with pytest.raises(ValueError, match="layer must be"):
+        scatter_pages_layer_triton(rows, layout, slots, staging, 7)
+
+
+def test_dispatcher_follows_device_and_env(monkeypatch):
+    layout, rows, slots, staging = setup_case(CASES[2], "cpu", seed=7)
+    expected = staging.clone()
+    gather_pages_reference(rows, layout, slots, expected)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert not uses_triton(torch.device("cpu"))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert uses_triton(torch.device("cpu"))
+    gather_pages(rows, layout, slots, staging)
+    assert torch.equal(staging, expected)
+    fresh = clone_rows(rows)
+    for layers in fresh:
+        for r in layers:
+            r.zero_()
+    scatter_pages(fresh, layout, slots, staging)
+    for kv in range(layout.kv_count):
+        for layer in range(layout.num_layers):
+            assert torch.equal(fresh[kv][layer][slots.long()], rows[kv][layer][slots.long()])
+
+
+# -- checksums ---------------------------------------------------------------------------------
+
+M64 = (1 << 64) - 1
+
+
+def _fmix(z: int) -> int:
+    z ^= z >> 30
+    z = (z * FMIX_C1) & M64
+    z ^= z >> 27
+    z = (z * FMIX_C2) & M64
+    return z ^ (z >> 31)
+
+
+def checksum_python(data: bytes) -> int:
+    """The documented algorithm in plain Python integers: the independent oracle."""
+    padded = data + b"\0" * (-len(data) % 4)
+    s = 0
+    for i in range(len(padded) // 4):
+        s += _fmix((i << 32) | int.from_bytes(padded[4 * i:4 * i + 4], "little"))
+    h = _fmix((s + len(data) * GOLDEN) & M64)
+    return h - (1 << 64) if h >= 1 << 63 else h
+
+
+@pytest.mark.parametrize("page_bytes,slot_bytes,num_pages",
+                         [(4096, 4096, 3), (1001, 1004, 2), (7, 8, 3), (5, 5, 1), (12, 4096, 2)])
+def test_checksum_reference_matches_python_oracle(page_bytes, slot_bytes, num_pages):
+    gen = torch.Generator().manual_seed(page_bytes)
+    buf = torch.randint(0, 256, (num_pages * slot_bytes,), dtype=torch.uint8, generator=gen)
+    got = page_checksums_reference(buf, num_pages, page_bytes, slot_bytes).tolist()
+    want = [checksum_python(bytes(buf[p * slot_bytes:p * slot_bytes + page_bytes].tolist()))
+            for p in range(num_pages)]
+    assert got == want
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("page_bytes,slot_bytes,num_pages,block,iters",
+                         [(4096, 4096, 3, 256, 2), (1001, 1004, 4, 64, 2), (7, 8, 3, 64, 1),
+                          (40000, 40960, 2, 1024, 8), (20480, 20480, 2, 256, 4)])
+def test_checksum_kernel_matches_reference(page_bytes, slot_bytes, num_pages, block, iters,
+                                           device):
+    gen = torch.Generator().manual_seed(page_bytes + 1)
+    buf = torch.randint(0, 256, (num_pages * slot_bytes,), dtype=torch.uint8,
+                        generator=gen).to(device)
+    want = page_checksums_reference(buf, num_pages, page_bytes, slot_bytes)
+    got = page_checksums_triton(buf, num_pages, page_bytes, slot_bytes, block=block, iters=iters)
+    assert got.dtype == torch.int64 and got.device == buf.device
+    assert torch.equal(got, want)
+    # The default tile (what page_checksums uses) too.
+    assert torch.equal(page_checksums_triton(buf, num_pages, page_bytes, slot_bytes), want)
+
+
+def test_checksum_detects_every_single_bit_flip():
+    gen = torch.Generator().manual_seed(11)
+    page = torch.randint(0, 256, (61,), dtype=torch.uint8, generator=gen)
+    base = int(page_checksums_reference(page, 1, 61, 61))
+    seen = {base}
+    for bit in range(61 * 8):
+        flipped = page.clone()
+        flipped[bit // 8] ^= 1 << (bit % 8)
+        seen.add(int(page_checksums_reference(flipped, 1, 61, 61)))
+    assert len(seen) == 61 * 8 + 1  # every flip gives its own checksum
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_checksum_kernel_detects_flips_swaps_and_ignores_padding(device):
+    gen = torch.Generator().manual_seed(12)
+    page_bytes, slot_bytes = 8192, 12288
+    buf = torch.randint(0, 256, (2 * slot_bytes,), dtype=torch.uint8, generator=gen).to(device)
+    base = page_checksums_triton(buf, 2, page_bytes, slot_bytes)
+    assert base[0] != base[1]
+    for byte, bit in [(0, 0), (4097, 7), (page_bytes - 1, 3)]:
+        flipped = buf.clone()
+        flipped[slot_bytes + byte] ^= 1 << bit
+        got = page_checksums_triton(flipped, 2, page_bytes, slot_bytes)
+        assert got[0] == base[0] and got[1] != base[1]
+    swapped = buf.clone()
+    words = swapped[:page_bytes].view(torch.int32)
+    assert words[3] != words[1000]
+    words[[3, 1000]] = words[[1000, 3]]
+    assert page_checksums_triton(swapped, 2, page_bytes, slot_bytes)[0] != base[0]
+    padded = buf.clone()
+    padded[page_bytes:slot_bytes] ^= 0xFF  # slot padding is not part of the page
+    assert torch.equal(page_checksums_triton(padded, 2, page_bytes, slot_bytes), base)
+    zeros = torch.zeros(2 * slot_bytes, dtype=torch.uint8, device=device)
+    z = page_checksums_triton(zeros, 2, page_bytes, slot_bytes)
+    assert z[0] == z[1] != 0 and z[0] != page_checksums_triton(zeros, 1, page_bytes - 4, page_bytes)[0]
+
+
+def test_checksum_bad_inputs():
+    buf = torch.zeros(100, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="staging holds"):
+        page_checksums_reference(buf, 2, 64, 64)
+    with pytest.raises(ValueError, match="slot_bytes must be"):
+        page_checksums_reference(buf, 2, 40, 30)
+    with pytest.raises(ValueError, match="staging must be"):
+        page_checksums_reference(buf.view(torch.int32), 1, 4, 4)
+
+
+# -- GPU: full-size geometries -----------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("mla,page_size", [(False, 16), (False, 64), (True, 64)])
+def test_cuda_model_geometries(mla, page_size):
+    layout = (KVLayout(num_layers=61, page_size=page_size, head_dim=576, mla=True) if mla else
+              KVLayout(num_layers=32, page_size=page_size, head_dim=128, kv_heads=8))
+    gen = torch.Generator().manual_seed(13)
+    num_pages, num_slots = 24, 4096
+    rows = pool_rows(layout, num_slots, "list", gen, "cuda")
+    slots = torch.randperm(num_slots, generator=gen)[:num_pages * page_size].cuda()
+    staging = torch.zeros(num_pages * layout.slot_bytes, dtype=torch.uint8, device="cuda")
+    expected = staging.clone()
+    gather_pages_reference(rows, layout, slots, expected)
+    gather_pages_triton(rows, layout, slots, staging)
+    assert torch.equal(staging, expected)
+    target = clone_rows(rows)
+    for layers in target:
+        for r in layers:
+            r.zero_()
+    scatter_pages_triton(target, layout, slots, staging)
+    for kv in range(layout.kv_count):
+        for layer in range(layout.num_layers):
+            assert torch.equal(target[kv][layer][slots], rows[kv][layer][slots])
+    sums = page_checksums_triton(staging, num_pages, layout.page_bytes, layout.slot_bytes)
+    assert torch.equal(sums.cpu(), page_checksums_reference(staging.cpu(), num_pages,
+                                                            layout.page_bytes, layout.slot_bytes))

@@ -1,0 +1,95 @@
+"""SlabStore: geometry, striping, extent coalescing, O_DIRECT fallback reporting, locking."""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+
+import pytest
+
+from gdskv import store as store_mod
+from gdskv.backends.base import Extent
+from gdskv.config import TierConfig
+from gdskv.layout import KVLayout
+from gdskv.store import SlabStore, StoreError, StoreLockedError
+
+LAYOUT = KVLayout(num_layers=1, page_size=1, head_dim=1024, kv_heads=1, dtype="fp16")  # 4 KiB
+
+
+def cfg(*dirs, **kw) -> TierConfig:
+    base = dict(directories=tuple(str(d) for d in dirs), capacity=64 * 4096,
+                io_chunk_size=4 * 4096, files_per_dir=2)
+    base.update(kw)
+    return TierConfig(**base)
+
+
+def test_striping_and_coalescing(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    s = SlabStore(LAYOUT, cfg(a, b))
+    try:
+        assert s.num_slots == 64 and s.num_files == 4 and s.stripe_slots == 4
+        # stripes of 4 slots rotate over 4 files in two directories
+        assert [s.location(g)[0] for g in (0, 3, 4, 8, 12, 16)] == [0, 0, 1, 2, 3, 0]
+        assert s.location(16) == (0, 4 * 4096)
+        assert {os.path.dirname(f.path) for f in s.files} == {str(a), str(b)}
+        ext = s.extents([0, 1, 2, 3, 4, 5, 9])
+        assert ext == [Extent(0, 0, 4 * 4096, 0), Extent(1, 0, 2 * 4096, 4 * 4096),
+                       Extent(2, 4096, 4096, 6 * 4096)]
+        assert s.extents([2, 1]) == [Extent(0, 8192, 4096, 0), Extent(0, 4096, 4096, 4096)]
+        for f in s.files:
+            assert os.fstat(f.fd).st_size == s.file_bytes == 16 * 4096
+            assert stat.S_IMODE(os.stat(f.path).st_mode) == 0o600
+    finally:
+        s.close()
+
+
+def test_second_open_is_refused_until_close(tmp_path):
+    s = SlabStore(LAYOUT, cfg(tmp_path))
+    with pytest.raises(StoreLockedError, match="another process"):
+        SlabStore(LAYOUT, cfg(tmp_path))
+    s.close()
+    SlabStore(LAYOUT, cfg(tmp_path)).close()
+
+
+def test_capacity_smaller_than_a_slot(tmp_path):
+    with pytest.raises(StoreError, match="smaller than one page slot"):
+        SlabStore(LAYOUT, cfg(tmp_path, capacity=100))
+
+
+def test_odirect_refusal_falls_back_and_says_so(tmp_path, monkeypatch, caplog):
+    real_open = os.open
+
+    def refusing_open(path, flags, *args):
+        if flags & getattr(os, "O_DIRECT", 0):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(store_mod.os, "open", refusing_open)
+    with caplog.at_level("WARNING", logger="gdskv.store"):
+        s = SlabStore(LAYOUT, cfg(tmp_path))
+    try:
+        assert s.direct is False and "O_DIRECT" in s.direct_reason
+        assert not any(f.direct for f in s.files)
+        assert sum("O_DIRECT refused" in r.message for r in caplog.records) == 1  # once, not per file
+    finally:
+        s.close()
+
+
+def test_direct_io_on_fails_loudly_when_refused(tmp_path, monkeypatch):
+    real_open = os.open
+    monkeypatch.setattr(store_mod.os, "open", lambda p, f, *a: (_ for _ in ()).throw(
+        OSError(errno.EINVAL, "Invalid argument")) if f & getattr(os, "O_DIRECT", 0)
+        else real_open(p, f, *a))
+    with pytest.raises(StoreError, match="direct_io=on"):
+        SlabStore(LAYOUT, cfg(tmp_path, direct_io="on"))
+
+
+def test_direct_io_off(tmp_path):
+    s = SlabStore(LAYOUT, cfg(tmp_path, direct_io="off"))
+    try:
+        assert s.direct is False and s.direct_reason == "off by config"
+    finally:
+        s.close()

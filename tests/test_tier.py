@@ -1,0 +1,259 @@
+"""Round trips through the tier on every backend this machine runs, plus the tier's contract:
+re-put no-op, misses, prefix match, eviction at capacity, bad input leaves the store unchanged."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from gdskv.config import ConfigError
+from gdskv.layout import KVLayout
+from gdskv.store import StoreError, StoreMismatchError
+from gdskv.tier import Tier
+
+from conftest import assert_same_rows, empty_like_pool, random_pool
+
+LAYOUTS = {
+    "mha-bf16-p16": KVLayout(num_layers=3, page_size=16, head_dim=32, kv_heads=2, dtype="bf16"),
+    "mha-fp16-p1": KVLayout(num_layers=2, page_size=1, head_dim=64, kv_heads=4, dtype="fp16"),
+    "mha-fp32-p64": KVLayout(num_layers=2, page_size=64, head_dim=16, kv_heads=1, dtype="fp32"),
+    "mha-fp8e4m3-p16": KVLayout(num_layers=2, page_size=16, head_dim=48, kv_heads=2,
+                                dtype="float8_e4m3fn"),
+    "mha-fp8e5m2-p1": KVLayout(num_layers=3, page_size=1, head_dim=40, kv_heads=3,
+                               dtype="float8_e5m2"),
+    "mla-bf16-p64": KVLayout(num_layers=3, page_size=64, head_dim=72, mla=True, dtype="bf16"),
+    "mla-fp8-p1": KVLayout(num_layers=2, page_size=1, head_dim=576, mla=True, dtype="fp8"),
+    "mla-fp32-p16": KVLayout(num_layers=2, page_size=16, head_dim=36, mla=True, dtype="fp32"),
+}
+
+
+def scattered(num_pages: int, layout: KVLayout, num_slots: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randperm(num_slots, generator=g)[:num_pages * layout.page_size]
+
+
+@pytest.mark.parametrize("stacked", [True, False], ids=["stacked", "per-layer"])
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_round_trip_bit_exact(name, stacked, make_config, device):
+    layout = LAYOUTS[name]
+    pages = 13
+    slots = pages * layout.page_size + 37
+    src_pool = random_pool(layout, slots, stacked=stacked, device=device, seed=1)
+    dst_pool = empty_like_pool(src_pool)
+    src = scattered(pages, layout, slots, seed=2)
+    dst = scattered(pages, layout, slots, seed=3).to(torch.int32)
+    keys = [f"page-{i}" for i in range(pages)]
+    # staging holds ~2 pages per half: the batch goes through in many chunks
+    config = make_config(staging_size=max(4 * layout.slot_bytes, 8192))
+    with Tier(layout, config, device=device) as tier:
+        assert tier.put(keys, src_pool, src) == [True] * pages
+        assert tier.match_prefix(keys) == pages
+        assert tier.get(keys, dst_pool, dst) == [True] * pages
+        assert_same_rows(src_pool, src, dst_pool, dst)
+        s = tier.stats()
+        assert s["hits"] == pages and s["pages_stored"] == pages and s["corrupt_pages"] == 0
+
+
+def test_async_and_partial_hits(make_config, device):
+    layout = LAYOUTS["mha-bf16-p16"]
+    pool = random_pool(layout, 256, device=device)
+    out = empty_like_pool(pool)
+    slots = scattered(8, layout, 256, seed=5)
+    keys = [f"k{i}" for i in range(8)]
+    with Tier(layout, make_config(), device=device) as tier:
+        assert tier.put_async(keys[:5], pool, slots[:5 * 16]).result() == [True] * 5
+        got = tier.get_async(keys, out, slots).result()
+        assert got == [True] * 5 + [False] * 3
+        assert_same_rows(pool, slots[:80], out, slots[:80])
+        # misses leave the engine's slots untouched
+        assert not out[0][:, slots[80:].long()].view(torch.uint8).any()
+        assert tier.match_prefix(keys) == 5 and tier.match_prefix(["x"] + keys) == 0
+        assert tier.contains("k0") and not tier.contains("k7")
+        s = tier.stats()
+        assert (s["hits"], s["misses"]) == (5, 3)
+
+
+def test_reput_is_noop(make_config, device):
+    layout = LAYOUTS["mla-bf16-p64"]
+    pool = random_pool(layout, 512, device=device)
+    slots = scattered(4, layout, 512, seed=1)
+    with Tier(layout, make_config(), device=device) as tier:
+        tier.put(["a", "b", "c", "d"], pool, slots)
+        written = tier.stats()["bytes_written"]
+        other = random_pool(layout, 512, device=device, seed=9)
+        assert tier.put(["a", "b", "c", "d"], other, slots) == [True] * 4
+        assert tier.stats()["bytes_written"] == written  # nothing written again
+        out = empty_like_pool(pool)
+        tier.get(["a", "b", "c", "d"], out, slots)
+        assert_same_rows(pool, slots, out, slots)  # the first version stays
+
+
+def test_lru_eviction_at_capacity(make_config, device):
+    layout = LAYOUTS["mha-fp16-p1"]  # slot = 4 KiB
+    pool = random_pool(layout, 64, device=device)
+    config = make_config(capacity=8 * layout.slot_bytes, io_chunk_size=4096, files_per_dir=1)
+    with Tier(layout, config, device=device) as tier:
+        assert tier.store.num_slots == 8
+        keys = [f"k{i}" for i in range(12)]
+        for i in range(8):
+            tier.put([keys[i]], pool, torch.tensor([i]))
+        tier.get([keys[0]], empty_like_pool(pool), torch.tensor([0]))  # k0 becomes most recent
+        assert tier.put(keys[8:10], pool, torch.tensor([8, 9])) == [True, True]
+        assert tier.contains("k0") and not tier.contains("k1") and not tier.contains("k2")
+        assert tier.stats()["evictions"] == 2 and tier.stats()["pages_stored"] == 8
+        assert tier.evict(["k0", "nope"]) == 1 and not tier.contains("k0")
+
+
+def test_no_eviction_policy_fails_pages(make_config, device):
+    layout = LAYOUTS["mha-fp16-p1"]
+    pool = random_pool(layout, 64, device=device)
+    config = make_config(capacity=4 * layout.slot_bytes, io_chunk_size=4096, files_per_dir=1,
+                         eviction="none")
+    with Tier(layout, config, device=device) as tier:
+        res = tier.put([f"k{i}" for i in range(6)], pool, torch.arange(6))
+        assert res == [True] * 4 + [False] * 2
+        assert tier.match_prefix([f"k{i}" for i in range(6)]) == 4
+
+
+def test_put_pages_get_pages(make_config, device):
+    layout = LAYOUTS["mha-bf16-p16"]
+    n = 5
+    g = torch.Generator().manual_seed(3)
+    pages = torch.randint(0, 256, (n, layout.page_bytes), dtype=torch.uint8, generator=g)
+    half = layout.page_bytes // 2  # K region then V region, as SGLang's page_first_direct
+    with Tier(layout, make_config(), device="cpu") as tier:
+        regions = [[pages[i, :half], pages[i, half:]] for i in range(n)]
+        assert tier.put_pages([f"p{i}" for i in range(n)], regions) == [True] * n
+        out = torch.zeros_like(pages)
+        got = tier.get_pages([f"p{i}" for i in range(n)] + ["zz"],
+                             [[out[i]] for i in range(n)] + [[torch.zeros(layout.page_bytes,
+                                                                          dtype=torch.uint8)]])
+        assert got == [True] * n + [False]
+        assert torch.equal(out, pages)
+
+
+def test_put_pages_match_pool_format(make_config):
+    """Pages stored from a pool read back as page-format bytes equal to the reference gather."""
+    from gdskv.kernels import gather_pages_reference
+    from gdskv.pool import KVPool
+    layout = LAYOUTS["mla-fp32-p16"]
+    pool = random_pool(layout, 100)
+    slots = scattered(3, layout, 100, seed=4)
+    expect = torch.zeros(3 * layout.slot_bytes, dtype=torch.uint8)
+    gather_pages_reference(KVPool(layout, pool).rows, layout, slots, expect)
+    with Tier(layout, make_config(), device="cpu") as tier:
+        tier.put(["a", "b", "c"], pool, slots)
+        out = torch.zeros(3, layout.page_bytes, dtype=torch.uint8)
+        assert tier.get_pages(["a", "b", "c"], [[out[i]] for i in range(3)]) == [True] * 3
+    assert torch.equal(out, expect.view(3, layout.slot_bytes)[:, :layout.page_bytes])
+
+
+BAD_CALLS = {
+    "wrong dtype": (TypeError, lambda pool, t: t.put(["a"], tuple(p.float() for p in pool),
+                                                     torch.arange(16))),
+    "wrong shape": (ValueError, lambda pool, t: t.put(["a"], tuple(p[:, :, :1] for p in pool),
+                                                      torch.arange(16))),
+    "slot count != pages*page_size": (ValueError, lambda pool, t: t.put(["a", "b"], pool,
+                                                                        torch.arange(16))),
+    "slot out of range": (ValueError, lambda pool, t: t.put(["a"], pool, torch.arange(16) + 999)),
+    "float slots": (TypeError, lambda pool, t: t.put(["a"], pool, torch.arange(16.0))),
+    "duplicate keys": (ValueError, lambda pool, t: t.put(["a", "a"], pool, torch.arange(32))),
+    "non-str key": (TypeError, lambda pool, t: t.put([1], pool, torch.arange(16))),
+    "single str as keys": (TypeError, lambda pool, t: t.put("a", pool, torch.arange(16))),
+    "MHA pool without V": (TypeError, lambda pool, t: t.put(["a"], pool[0], torch.arange(16))),
+    "wrong layer count": (ValueError, lambda pool, t: t.put(["a"], (pool[0][:2], pool[1][:2]),
+                                                            torch.arange(16))),
+    "region size": (ValueError, lambda pool, t: t.put_pages(["a"], [[torch.zeros(5,
+                                                                     dtype=torch.uint8)]])),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CALLS))
+def test_bad_input_raises_and_leaves_store_unchanged(case, make_config):
+    exc_type, call = BAD_CALLS[case]
+    layout = LAYOUTS["mha-bf16-p16"]
+    pool = random_pool(layout, 100)
+    with Tier(layout, make_config(), device="cpu") as tier:
+        tier.put(["keep"], pool, torch.arange(16))
+        before = (tier.stats()["pages_stored"], tier.directory.free_slots)
+        with pytest.raises(exc_type):
+            call(pool, tier)
+        assert (tier.stats()["pages_stored"], tier.directory.free_slots) == before
+        assert not tier.contains("a") and tier.contains("keep")
+
+
+def test_layout_mismatch_refused(make_config):
+    layout = LAYOUTS["mha-bf16-p16"]
+    config = make_config()
+    Tier(layout, config, device="cpu").close()
+    with pytest.raises(StoreMismatchError, match="written for layout"):
+        Tier(layout.replace(page_size=32), config, device="cpu")
+    with pytest.raises(StoreMismatchError, match="written for layout"):
+        Tier(layout.replace(tp_rank=1, tp_size=2), config, device="cpu")
+    with pytest.raises(StoreMismatchError, match="geometry"):
+        Tier(layout, config.replace(capacity="128MiB"), device="cpu")
+    Tier(layout, config, device="cpu").close()  # the original still opens
+
+
+def test_directory_errors(tmp_path):
+    layout = LAYOUTS["mha-bf16-p16"]
+    with pytest.raises(StoreError, match="does not exist"):
+        Tier(layout, _cfg(tmp_path / "missing"), device="cpu")
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    os.chmod(ro, 0o500)
+    try:
+        if os.access(ro, os.W_OK):
+            pytest.skip("running as root: a 0500 directory is still writable")
+        with pytest.raises(StoreError, match="not writable"):
+            Tier(layout, _cfg(ro), device="cpu")
+    finally:
+        os.chmod(ro, 0o700)
+    with pytest.raises(StoreError, match="no store directory"):
+        Tier(layout, _cfg(None), device="cpu")
+    with pytest.raises(ConfigError, match="staging_size"):
+        Tier(layout, _cfg(tmp_path).replace(staging_size=layout.slot_bytes), device="cpu")
+
+
+def test_unknown_backend_rejected():
+    with pytest.raises(ConfigError, match="backend"):
+        from gdskv.config import TierConfig
+        TierConfig(backend="floppy")
+
+
+def test_reopen_recovers_pages(make_config, device):
+    layout = LAYOUTS["mha-bf16-p16"]
+    pool = random_pool(layout, 200, device=device)
+    slots = scattered(6, layout, 200, seed=8)
+    keys = [f"r{i}" for i in range(6)]
+    config = make_config()
+    with Tier(layout, config, device=device) as tier:
+        tier.put(keys, pool, slots)
+        tier.evict(["r2"])
+    with Tier(layout, config, device=device) as tier:
+        assert tier.stats()["recovered_pages"] == 5
+        out = empty_like_pool(pool)
+        assert tier.get(keys, out, slots) == [True, True, False, True, True, True]
+        keep = torch.cat([slots[:32], slots[48:]])
+        assert_same_rows(pool, keep, out, keep)
+
+
+def test_stats_report_io_and_backend(make_config, device):
+    layout = LAYOUTS["mha-bf16-p16"]
+    pool = random_pool(layout, 64, device=device)
+    with Tier(layout, make_config(), device=device) as tier:
+        tier.put(["a", "b"], pool, torch.arange(32))
+        tier.get(["a", "b"], empty_like_pool(pool), torch.arange(32))
+        s = tier.stats()
+    assert s["bytes_written"] == s["bytes_read"] == 2 * layout.page_bytes
+    assert s["write_gbps"] > 0 and s["read_gbps"] > 0
+    assert s["backend"] in ("posix", "nixl", "kvikio") and isinstance(s["gpu_direct"], bool)
+    assert isinstance(s["o_direct"], bool) and s["o_direct_reason"]
+
+
+def _cfg(d):
+    from gdskv.config import TierConfig
+    return TierConfig(directories=() if d is None else (str(d),), capacity="16MiB",
+                      staging_size="1MiB", io_chunk_size="64KiB", backend="posix")
