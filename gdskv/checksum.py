@@ -1,11 +1,18 @@
 """Page payload checksums: computed when a page is written, verified on every read.
 
 Algorithm 1 (``XXH3``): xxh3_64 of the page payload (``page_bytes``, padding excluded), from the
-``xxhash`` package; used for host staging buffers. The algorithm id is journaled with every
-commit; a store reopened with another algorithm treats those pages as misses.
+``xxhash`` package; used for host staging buffers. Algorithm 2 (``GPU_PAGE``) is reserved for
+the GPU page checksum kernel.
+
+The algorithm id is journaled with every commit and kept per page in the directory, and a page
+is always verified with the algorithm that made its checksum (:func:`checksummer`), whatever
+the tier writes with now. A page whose algorithm this process does not have (not registered)
+is dropped at recovery: it cannot be verified, so it is a miss, never unchecked bytes.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -15,6 +22,7 @@ from .layout import KVLayout
 from .memory import host_numpy
 
 XXH3 = 1
+GPU_PAGE = 2  # reserved for the GPU page checksum kernel (registered where it is implemented)
 
 
 class PageChecksummer:
@@ -44,3 +52,30 @@ class PageChecksummer:
             self._host = torch.empty(staging.numel(), dtype=torch.uint8, pin_memory=True)
         self._host[:n].copy_(staging[:n])
         return self._host
+
+
+_FACTORIES: dict[int, Callable[[KVLayout], "PageChecksummer"]] = {XXH3: PageChecksummer}
+
+
+def register(algorithm: int, factory: Callable[[KVLayout], object]) -> None:
+    """Make ``algorithm`` verifiable: ``factory(layout)`` returns an object with the
+    :class:`PageChecksummer` interface (``algorithm``, ``compute(staging, num_pages)``)."""
+    if not 0 < algorithm < 256:
+        raise ValueError(f"checksum algorithm id must be in 1..255 (journaled as a byte), "
+                         f"got {algorithm}")
+    _FACTORIES[algorithm] = factory
+
+
+def known(algorithm: int) -> bool:
+    """Whether pages checksummed with ``algorithm`` can be verified in this process."""
+    return algorithm in _FACTORIES
+
+
+def checksummer(algorithm: int, layout: KVLayout):
+    """A checksummer for ``algorithm`` (ValueError if it is not registered)."""
+    try:
+        factory = _FACTORIES[algorithm]
+    except KeyError:
+        raise ValueError(f"unknown page checksum algorithm {algorithm}; known: "
+                         f"{sorted(_FACTORIES)}") from None
+    return factory(layout)

@@ -105,8 +105,13 @@ class TierConfig:
     sync: SyncPolicy = SyncPolicy.DATA
     #: slab files per directory (more files = more parallel queues on one drive)
     files_per_dir: int = 4
-    #: verify page checksums on every read (a mismatch is a miss, never wrong data)
+    #: verify page checksums on every read (a mismatch is a miss, never wrong data); off trusts
+    #: the disk: bit rot, a damaged journal or a replaced file can then return wrong bytes
     verify: bool = True
+    #: reserve the slab files' full size on disk when the store is created (posix_fallocate),
+    #: so a full disk shows up at creation; off: files grow as pages are written and a write
+    #: that finds no space (ENOSPC/EFBIG) fails just those pages
+    preallocate: bool = True
     #: admission filter: store a page only once it has been offered this many times (1 = always)
     admit_after: int = 1
     nixl_plugin: NixlPlugin = NixlPlugin.AUTO

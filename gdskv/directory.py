@@ -1,6 +1,7 @@
 """The page directory: which key lives in which slot, in what state. Metadata only, no I/O.
 
-Per-slot state is kept in numpy arrays (state, pin count, last use, checksum) and a list of
+Per-slot state is kept in numpy arrays (state, pin count, last use, checksum and the id of the
+checksum algorithm that made it) and a list of
 keys by slot, plus one dict key -> slot: about 70-80 bytes per page beside the key itself
 (measured in tests/test_directory.py), where an object per page would cost several hundred.
 
@@ -53,6 +54,7 @@ class PageDirectory:
         self._pins = np.zeros(num_slots, dtype=np.uint16)
         self._last_use = np.zeros(num_slots, dtype=np.uint64)
         self._checksum = np.zeros(num_slots, dtype=np.uint64)
+        self._algorithm = np.zeros(num_slots, dtype=np.uint8)
         self._clock = 0
         self._free = list(range(num_slots))  # a heap: lowest slot first keeps batches contiguous
         self._ready = 0
@@ -86,6 +88,17 @@ class PageDirectory:
             return [(k, s, int(self._checksum[s])) for k, s in self._index.items()
                     if self._state[s] == PageState.READY]
 
+    def ready_entries(self) -> list[tuple[Hashable, int, int, int]]:
+        """(key, slot, checksum, checksum algorithm) of every READY page (for compaction)."""
+        with self._lock:
+            return [(k, s, int(self._checksum[s]), int(self._algorithm[s]))
+                    for k, s in self._index.items() if self._state[s] == PageState.READY]
+
+    def algorithms(self, slots: Sequence[int]) -> np.ndarray:
+        """Checksum algorithm id of each (pinned or READY) slot."""
+        with self._lock:
+            return self._algorithm[np.asarray(slots, dtype=np.int64)]
+
     @property
     def free_slots(self) -> int:
         with self._lock:
@@ -117,13 +130,15 @@ class PageDirectory:
                 slots.append(slot)
             return Reservation(slots, present, evicted)
 
-    def commit(self, slots: Sequence[int], checksums: Sequence[int]) -> None:
-        """WRITING -> READY once the data is durable and journaled."""
+    def commit(self, slots: Sequence[int], checksums: Sequence[int], algorithm: int = 1) -> None:
+        """WRITING -> READY once the data is durable and journaled (checksums made with
+        ``algorithm``, see gdskv.checksum)."""
         with self._lock:
             for slot, csum in zip(slots, checksums):
                 assert self._state[slot] == PageState.WRITING, f"commit of slot {slot} not WRITING"
                 self._state[slot] = PageState.READY
                 self._checksum[slot] = csum
+                self._algorithm[slot] = algorithm
                 self._touch_locked(slot)
                 self._ready += 1
 
@@ -134,22 +149,37 @@ class PageDirectory:
                 assert self._state[slot] == PageState.WRITING, f"abort of slot {slot} not WRITING"
                 self._free_locked(slot)
 
-    def load(self, entries: Iterable[tuple[Hashable, int, int]]) -> None:
-        """Install READY pages recovered from the journal: (key, slot, checksum)."""
+    def load(self, keys: Sequence[Hashable], slots: Sequence[int], checksums: Sequence[int],
+             algorithms: Sequence[int] | None = None) -> None:
+        """Install READY pages recovered from the journal into an empty directory, given as
+        columns (key, slot, checksum, checksum algorithm id) in LRU order, oldest first."""
+        # Vectorised: a restart loads 100k+ pages and is budgeted in seconds.
+        n = len(keys)
+        slots = np.asarray(slots, dtype=np.int64).reshape(n)
+        sums = np.asarray(checksums, dtype=np.uint64).reshape(n)
+        algos = np.ones(n, dtype=np.uint8) if algorithms is None else \
+            np.asarray(algorithms, dtype=np.uint8).reshape(n)
         with self._lock:
-            taken = set()
-            for key, slot, csum in entries:
-                if not 0 <= slot < self.num_slots or slot in taken or key in self._index:
-                    raise ValueError(f"bad recovered entry: key {key!r} slot {slot}")
-                taken.add(slot)
-                self._index[key] = slot
+            if self._index:
+                raise RuntimeError("load() needs an empty directory")
+            if n and (slots.min() < 0 or slots.max() >= self.num_slots):
+                bad = int(np.flatnonzero((slots < 0) | (slots >= self.num_slots))[0])
+                raise ValueError(f"bad recovered entry: key {keys[bad]!r} slot {slots[bad]}")
+            taken = np.zeros(self.num_slots, dtype=bool)
+            taken[slots] = True
+            index = dict(zip(keys, slots.tolist()))
+            if len(index) != n or int(np.count_nonzero(taken)) != n:
+                raise ValueError("bad recovered entries: a key or slot appears twice")
+            self._index = index
+            for key, slot in index.items():
                 self._keys[slot] = key
-                self._state[slot] = PageState.READY
-                self._checksum[slot] = csum
-                self._touch_locked(slot)
-            self._ready = len(taken)
-            self._free = [s for s in range(self.num_slots) if s not in taken]
-            heapq.heapify(self._free)
+            self._state[slots] = PageState.READY
+            self._checksum[slots] = sums
+            self._algorithm[slots] = algos
+            self._last_use[slots] = np.arange(self._clock + 1, self._clock + 1 + n, dtype=np.uint64)
+            self._clock += n
+            self._ready = n
+            self._free = np.flatnonzero(~taken).tolist()  # ascending: already a heap
 
     # -- reads --------------------------------------------------------------------------------
     def pin(self, keys: Sequence[Hashable]) -> list[tuple[int, int] | None]:
@@ -204,6 +234,10 @@ class PageDirectory:
 
     def _evict_lru_locked(self, count: int, protect: set) -> list[tuple[Hashable, int]]:
         candidates = np.flatnonzero((self._state == PageState.READY) & (self._pins == 0))
+        if protect:  # drop them before choosing: a protected pick would use up the count
+            held = [self._index[k] for k in protect if k in self._index]
+            candidates = np.setdiff1d(candidates, np.asarray(held, dtype=np.int64),
+                                      assume_unique=True)
         if count <= 0 or candidates.size == 0:
             return []
         if count < candidates.size:
@@ -234,4 +268,5 @@ class PageDirectory:
         self._state[slot] = PageState.FREE
         self._pins[slot] = 0
         self._checksum[slot] = 0
+        self._algorithm[slot] = 0
         heapq.heappush(self._free, slot)

@@ -4,7 +4,9 @@ Each record is ``[u32 body length][u32 crc32c(body)][body]``; the body is
 ``[u8 kind][u64 seq][u64 slot][u64 page checksum][u8 checksum algorithm][u8 key type][key]``.
 ``COMMIT`` says "key is READY in slot with this payload checksum"; ``EVICT`` says "key left
 slot". Replay stops at the first short or corrupt record (a torn tail from a crash) and cuts
-the file there. :meth:`Journal.rewrite` compacts the journal to one COMMIT per live page
+the file there. An append that fails part way (ENOSPC, EIO) is cut off again at once, so the
+records appended after it stay reachable; if even that cut fails the journal refuses further
+appends (puts fail, reads go on). :meth:`Journal.rewrite` compacts the journal to one COMMIT per live page
 (temp file + fsync + rename, so a crash leaves either the old or the new journal).
 """
 
@@ -14,8 +16,9 @@ import enum
 import logging
 import os
 import struct
+import threading
 from collections.abc import Hashable, Iterable
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import crc32c
 
@@ -24,6 +27,9 @@ log = logging.getLogger("gdskv.journal")
 _HEAD = struct.Struct("<II")
 _BODY = struct.Struct("<BQQQBB")
 _MAX_BODY = 1 << 20
+#: longest key a record can hold (replay treats longer bodies as garbage)
+MAX_KEY_BYTES = 64 << 10
+_OPEN_FLAGS = os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)  # a symlinked journal is refused
 
 
 class RecordKind(enum.IntEnum):
@@ -31,8 +37,8 @@ class RecordKind(enum.IntEnum):
     EVICT = 2
 
 
-@dataclass(frozen=True)
-class Record:
+class Record(NamedTuple):
+    """One journal record (a NamedTuple: replay builds 100k of them per second of budget)."""
     kind: RecordKind
     seq: int
     slot: int
@@ -43,10 +49,23 @@ class Record:
 
 def _encode_key(key: Hashable) -> tuple[int, bytes]:
     if isinstance(key, str):
-        return 0, key.encode("utf-8")
-    if isinstance(key, bytes):
-        return 1, key
-    raise TypeError(f"page keys must be str or bytes, got {type(key).__name__}")
+        key_type, raw = 0, key.encode("utf-8")  # lone surrogates raise UnicodeEncodeError
+    elif isinstance(key, bytes):
+        key_type, raw = 1, key
+    else:
+        raise TypeError(f"page keys must be str or bytes, got {type(key).__name__}")
+    if len(raw) > MAX_KEY_BYTES:
+        raise ValueError(f"page key of {len(raw)} B is longer than {MAX_KEY_BYTES} B: "
+                         f"{key[:32]!r}...")
+    return key_type, raw
+
+
+def check_key(key: Hashable) -> None:
+    """Raise TypeError/ValueError if ``key`` cannot be journaled."""
+    try:
+        _encode_key(key)
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"page key {key!r} is not valid UTF-8 text: {exc.reason}") from None
 
 
 def encode(rec: Record) -> bytes:
@@ -55,24 +74,33 @@ def encode(rec: Record) -> bytes:
     return _HEAD.pack(len(body), crc32c.crc32c(body)) + body
 
 
+_KINDS = {k.value: k for k in RecordKind}
+
+
 def decode_all(data: bytes) -> tuple[list[Record], int]:
     """Records in ``data`` up to the first torn or corrupt one; also the valid length."""
-    out, pos = [], 0
-    while pos + _HEAD.size <= len(data):
-        length, crc = _HEAD.unpack_from(data, pos)
-        start, end = pos + _HEAD.size, pos + _HEAD.size + length
-        if length < _BODY.size or length > _MAX_BODY or end > len(data):
+    # The loop is the restart-recovery hot path: locals instead of attribute lookups.
+    out, pos, size = [], 0, len(data)
+    view, head, body_fields, crc_of = memoryview(data), _HEAD.unpack_from, _BODY.unpack_from, \
+        crc32c.crc32c
+    hsize, bsize, new = _HEAD.size, _BODY.size, Record._make
+    while pos + hsize <= size:
+        length, crc = head(data, pos)
+        start = pos + hsize
+        end = start + length
+        if length < bsize or length > _MAX_BODY or end > size or crc_of(view[start:end]) != crc:
             break
-        body = data[start:end]
-        if crc32c.crc32c(body) != crc:
+        kind, seq, slot, csum, algo, key_type = body_fields(data, start)
+        kind = _KINDS.get(kind)
+        key = data[start + bsize:end]
+        if kind is None or key_type > 1:
             break
-        kind, seq, slot, csum, algo, key_type = _BODY.unpack_from(body)
-        key_bytes = body[_BODY.size:]
-        try:
-            key = key_bytes.decode("utf-8") if key_type == 0 else key_bytes
-            out.append(Record(RecordKind(kind), seq, slot, csum, algo, key))
-        except (UnicodeDecodeError, ValueError):
-            break
+        if key_type == 0:
+            try:
+                key = key.decode("utf-8")
+            except UnicodeDecodeError:
+                break
+        out.append(new((kind, seq, slot, csum, algo, key)))
         pos = end
     return out, pos
 
@@ -83,70 +111,98 @@ class Journal:
     def __init__(self, path: str, *, sync: bool) -> None:
         self.path = path
         self.sync = sync
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | _OPEN_FLAGS, 0o600)
         self.records_written = 0
         self.seq = 0
+        self._lock = threading.Lock()  # evict() journals from caller threads beside the data path
+        self._size = os.fstat(self._fd).st_size  # end of the last whole, durable append
+        self._broken: OSError | None = None
 
     def replay(self) -> tuple[dict[Hashable, Record], int]:
         """Live pages by key after applying every valid record; cuts a torn tail.
 
         Returns (live, number of records read).
         """
-        with open(self.path, "rb") as f:
-            data = f.read()
+        data = os.pread(self._fd, os.fstat(self._fd).st_size, 0)
         records, valid = decode_all(data)
         if valid < len(data):
             log.warning("journal %s: ignoring %d bytes of torn or corrupt tail after %d records",
                         self.path, len(data) - valid, len(records))
             os.ftruncate(self._fd, valid)
+        self._size = valid
         live: dict[Hashable, Record] = {}
+        commit = RecordKind.COMMIT
         for rec in records:
-            if rec.kind == RecordKind.COMMIT:
+            if rec.kind is commit:
                 live[rec.key] = rec
             elif (cur := live.get(rec.key)) is not None and cur.slot == rec.slot:
                 del live[rec.key]
-            self.seq = max(self.seq, rec.seq)
+        # seqs are taken before the append lock, so file order is not seq order: take the max
+        self.seq = max(self.seq, max((r.seq for r in records), default=0))
         self.records_written = len(records)
         return live, len(records)
 
     def append(self, records: Iterable[Record]) -> None:
+        """Append records (durably when ``sync``); all of them or, on OSError, none."""
         records = list(records)
         if not records:
             return
         data = b"".join(encode(r) for r in records)
-        view = memoryview(data)
-        while view:
-            n = os.write(self._fd, view)
-            view = view[n:]
-        if self.sync:
-            os.fdatasync(self._fd)
-        self.records_written += len(records)
+        with self._lock:
+            if self._broken is not None:
+                raise OSError(self._broken.errno, f"journal {self.path} is unusable since a failed "
+                              f"append could not be cut off: {self._broken}")
+            try:
+                view = memoryview(data)
+                while view:
+                    n = os.write(self._fd, view)
+                    view = view[n:]
+                if self.sync:
+                    os.fdatasync(self._fd)
+            except OSError:
+                # A partial record left here would end replay early and hide every later one.
+                try:
+                    os.ftruncate(self._fd, self._size)
+                except OSError as exc:
+                    self._broken = exc
+                    log.error("journal %s: cannot cut a failed append (%s); no more commits",
+                              self.path, exc)
+                raise
+            self._size += len(data)
+            self.records_written += len(records)
 
     def next_seq(self) -> int:
-        self.seq += 1
-        return self.seq
+        with self._lock:
+            self.seq += 1
+            return self.seq
 
     def rewrite(self, live: list[Record]) -> None:
         """Replace the journal with just ``live`` records (crash-safe)."""
         tmp = self.path + ".tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _OPEN_FLAGS, 0o600)
         try:
             data = b"".join(encode(r) for r in live)
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view):]
             os.fsync(fd)
-        finally:
+        except BaseException:
             os.close(fd)
-        os.replace(tmp, self.path)
-        self.records_written = len(live)
+            os.unlink(tmp)
+            raise
+        os.close(fd)
+        with self._lock:
+            os.replace(tmp, self.path)
+            os.close(self._fd)
+            self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND | _OPEN_FLAGS, 0o600)
+            self.records_written = len(live)
+            self._size = len(data)
+            self._broken = None
         dfd = os.open(os.path.dirname(self.path) or ".", os.O_RDONLY)
         try:
-            os.fsync(dfd)
+            os.fsync(dfd)  # the rename itself survives a power cut
         finally:
             os.close(dfd)
-        os.close(self._fd)
-        self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CLOEXEC, 0o600)
 
     def close(self) -> None:
         if self._fd >= 0:

@@ -7,7 +7,18 @@ files. Files are opened with O_DIRECT where the file system takes it; where it i
 store goes on buffered and says so (``direct_reason`` and one log line), never silently.
 
 One process owns a store at a time: an exclusive ``flock`` on ``<dir>/gdskv.lock``; a second
-opener gets :class:`StoreLockedError`.
+opener gets :class:`StoreLockedError` (no shared mode: the directory and journal live in one
+process's memory). The lock goes with the process, so a killed owner leaves no stale lock.
+
+Files and trust. Keys never reach file names (the store has a fixed set of names). Files are
+created 0600 and opened with O_NOFOLLOW. The store creates no directories; the given directory
+(symlinks are followed, e.g. to a mount point, and the resolved path is used from then on) must
+belong to this user or root (someone else's directory is refused) and gets a warning when
+others may write to it. A store file that is a symlink, not a regular file or owned by another
+user is refused (:class:`StoreError`): writing through it could clobber a file elsewhere. The
+manifest records each slab file's inode; a slab file replaced since (restored from a copy,
+deleted and recreated) keeps the store usable but its pages are dropped at recovery
+(``replaced_files``), and every page is checksummed on read anyway.
 """
 
 from __future__ import annotations
@@ -30,6 +41,7 @@ log = logging.getLogger("gdskv.store")
 MANIFEST = "gdskv-manifest.json"
 LOCK = "gdskv.lock"
 JOURNAL = "gdskv-journal.log"
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
 class StoreError(OSError):
@@ -56,12 +68,15 @@ class SlabStore:
         self.directories = [self._check_dir(d) for d in config.directories]
         self._lock_fds: list[int] = []
         self.files: list[SlabFile] = []
+        #: indices of slab files replaced since the store was last open: their pages are gone
+        self.replaced_files: set[int] = set()
         try:
             for d in self.directories:
                 self._lock_fds.append(self._lock(d))
             self._plan(config)
             self._open_manifest()
-            self._open_files(config.direct_io)
+            self._open_files(config.direct_io, config.preallocate)
+            self._check_identity()
         except BaseException:
             self.close()
             raise
@@ -115,8 +130,11 @@ class SlabStore:
 
     def _open_manifest(self) -> None:
         existing = [os.path.join(d, MANIFEST) for d in self.directories]
-        found = [p for p in existing if os.path.exists(p)]
+        found = [p for p in existing if os.path.lexists(p)]
         self.created = not found
+        self._stored: list[dict] = []
+        for d in self.directories:
+            _check_store_file(os.path.join(d, JOURNAL))
         if self.created:
             for i, path in enumerate(existing):
                 _atomic_write(path, json.dumps(self._manifest(i), indent=1).encode())
@@ -125,11 +143,13 @@ class SlabStore:
             raise StoreMismatchError(f"store manifest missing in {sorted(set(existing) - set(found))} "
                                      f"but present in {found}: directories do not form one store")
         for i, path in enumerate(existing):
+            _check_store_file(path)
             try:
-                with open(path, "rb") as fh:
+                with open(os.open(path, os.O_RDONLY | os.O_CLOEXEC | _NOFOLLOW), "rb") as fh:
                     have = json.load(fh)
             except (OSError, ValueError) as exc:
                 raise StoreMismatchError(f"unreadable store manifest {path}: {exc}") from exc
+            self._stored.append(have)
             if have.get("fingerprint") != self.layout.fingerprint:
                 raise StoreMismatchError(
                     f"store in {os.path.dirname(path)} was written for layout "
@@ -149,13 +169,25 @@ class SlabStore:
         path = os.path.abspath(path)
         if not os.path.isdir(path):
             raise StoreError(f"store directory {path!r} does not exist or is not a directory")
-        if not os.access(path, os.W_OK | os.X_OK):
+        real = os.path.realpath(path)
+        if real != path:
+            log.info("store directory %s resolves to %s", path, real)
+        st = os.stat(real)
+        if st.st_uid not in (os.geteuid(), 0):
+            raise StoreError(f"store directory {path!r} ({real!r}) belongs to uid {st.st_uid}, "
+                             f"not to this user (uid {os.geteuid()}) or root: refusing a "
+                             "directory someone else controls")
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            log.warning("store directory %s is writable by other users (mode %o): they could "
+                        "replace store files; a 0700 directory is safer", real,
+                        stat.S_IMODE(st.st_mode))
+        if not os.access(real, os.W_OK | os.X_OK):
             raise StoreError(f"store directory {path!r} is not writable")
-        return path
+        return real
 
     @staticmethod
     def _lock(directory: str) -> int:
-        fd = os.open(os.path.join(directory, LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fd = _open_store_file(os.path.join(directory, LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
@@ -166,26 +198,27 @@ class SlabStore:
             raise
         return fd
 
-    def _open_files(self, direct: DirectIO) -> None:
+    def _open_files(self, direct: DirectIO, preallocate: bool) -> None:
         self.direct = direct != DirectIO.OFF
         self.direct_reason = "off by config" if not self.direct else "O_DIRECT accepted"
         for i in range(self.num_files):
             d = self.directories[i % len(self.directories)]
             path = os.path.join(d, f"slab-{i // len(self.directories):03d}.bin")
-            fd, is_direct, reason = self._open_one(path, direct)
+            fd, is_direct, reason = self._open_one(path, direct, preallocate)
             if self.direct and not is_direct:
                 self.direct, self.direct_reason = False, reason
                 log.warning("O_DIRECT refused on %s (%s): using buffered I/O", path, reason)
             self.files.append(SlabFile(i, path, fd, is_direct, self.file_bytes))
+        if self.created:
+            for d in self.directories:
+                _fsync_dir(d)  # new files' names survive a power cut
 
-    def _open_one(self, path: str, direct: DirectIO) -> tuple[int, bool, str]:
-        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
-        fd = os.open(path, flags, 0o600)
+    def _open_one(self, path: str, direct: DirectIO, preallocate: bool) -> tuple[int, bool, str]:
+        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | _NOFOLLOW
+        fd = _open_store_file(path, flags)
         try:
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise StoreError(f"slab file {path!r} is not a regular file")
-            if st.st_size < self.file_bytes:
+            if st.st_size < self.file_bytes and preallocate:
                 if not self.created and st.st_size != 0:
                     log.warning("slab file %s is shorter than the manifest says (%d < %d): "
                                 "pages beyond its end read as misses", path, st.st_size,
@@ -207,6 +240,8 @@ class SlabStore:
                 reason = f"open(O_DIRECT) failed: {exc.strerror}"
             else:
                 reason = _probe_direct(dfd)
+                if reason is None and os.fstat(dfd).st_ino != st.st_ino:
+                    reason = "the file was replaced while being opened"
                 if reason is None:
                     os.close(fd)
                     return dfd, True, "O_DIRECT accepted"
@@ -236,16 +271,76 @@ class SlabStore:
     def journal_path(self) -> str:
         return os.path.join(self.directories[0], JOURNAL)
 
+    def _check_identity(self) -> None:
+        """Compare the slab files' inodes with the manifest's; record the current ones."""
+        inodes = [os.fstat(f.fd).st_ino for f in self.files]
+        had = self._stored[0].get("slab_inodes") if self._stored else None
+        if isinstance(had, list) and len(had) == len(inodes):
+            self.replaced_files = {i for i, (a, b) in enumerate(zip(had, inodes)) if a != b}
+            if self.replaced_files:
+                log.warning("slab files %s were replaced since the store was last open (inode "
+                            "changed): their pages are dropped",
+                            [self.files[i].path for i in sorted(self.replaced_files)])
+        elif not self.created:
+            self.replaced_files = set(range(len(inodes)))  # unknown identity: trust nothing
+            log.warning("store manifest has no slab file identities: recovered pages dropped")
+        if had != inodes:
+            for i, d in enumerate(self.directories):
+                _atomic_write(os.path.join(d, MANIFEST),
+                              json.dumps(dict(self._manifest(i), slab_inodes=inodes),
+                                         indent=1).encode())
+
+
+def _open_store_file(path: str, flags: int) -> int:
+    """Open a store file (creating it 0600); refuse symlinks, non-regular files, other owners."""
+    try:
+        fd = os.open(path, flags | _NOFOLLOW, 0o600)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise StoreError(errno.ELOOP, f"store file {path!r} is a symlink: refusing to "
+                             "write through it") from None
+        raise
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+        os.close(fd)
+        what = "not a regular file" if not stat.S_ISREG(st.st_mode) else \
+            f"owned by uid {st.st_uid}, not this user"
+        raise StoreError(f"store file {path!r} is {what}: refusing it")
+    return fd
+
+
+def _check_store_file(path: str) -> None:
+    """If ``path`` exists it must be a regular file of ours, not a symlink."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISLNK(st.st_mode):
+        raise StoreError(errno.ELOOP, f"store file {path!r} is a symlink: refusing it")
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+        raise StoreError(f"store file {path!r} is not a regular file of this user: refusing it")
+
+
+def _fsync_dir(path: str) -> None:
+    dfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
 
 def _atomic_write(path: str, data: bytes) -> None:
     tmp = path + ".tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | _NOFOLLOW, 0o600)
     try:
-        os.write(fd, data)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
         os.fsync(fd)
     finally:
         os.close(fd)
     os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(path))
 
 
 def _preallocate(fd: int, size: int, path: str) -> None:

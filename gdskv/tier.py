@@ -24,13 +24,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
+from . import checksum
 from . import kernels as kd
 from .backends import create_backend
 from .backends.base import Extent, IOOutcome
 from .checksum import PageChecksummer
 from .config import ConfigError, Eviction, SyncPolicy, TierConfig
-from .directory import PageDirectory
-from .journal import Journal, Record, RecordKind
+from .directory import PageDirectory, PageState
+from .journal import Journal, Record, RecordKind, check_key
 from .layout import ALIGNMENT, KVLayout
 from .memory import alloc_host, cuda_available
 from .pool import KVPool
@@ -77,6 +78,8 @@ class Tier:
             self.directory = PageDirectory(self.store.num_slots,
                                            evict=self.config.eviction == Eviction.LRU)
             self._checksums = PageChecksummer(layout)
+            # pages are verified with the algorithm that made their checksum (see checksum.py)
+            self._verifiers = {self._checksums.algorithm: self._checksums}
             self.journal = Journal(self.store.journal_path,
                                    sync=self.config.sync == SyncPolicy.DATA)
             self._recover()
@@ -146,9 +149,8 @@ class Tier:
     def evict(self, keys: Sequence[Hashable]) -> int:
         """Drop pages now (pinned ones as soon as their reads finish); returns how many."""
         keys = self._check_keys(keys)
-        before = len(self.directory)
-        self._journal_evictions(self.directory.remove(keys))
-        gone = before - len(self.directory)
+        gone = sum(self.directory.state(k) == PageState.READY for k in keys)  # not len() deltas:
+        self._journal_evictions(self.directory.remove(keys))  # other threads put meanwhile
         self._stats.add(evictions=gone)
         return gone
 
@@ -178,7 +180,10 @@ class Tier:
         with self._data_lock:
             try:
                 self.backend.close()
-                self._maybe_compact()
+                try:
+                    self._maybe_compact()
+                except OSError as exc:  # e.g. ENOSPC: the long journal is still valid
+                    log.warning("gdskv: journal compaction at close failed: %s", exc)
             finally:
                 self.journal.close()
                 self.store.close()
@@ -198,6 +203,7 @@ class Tier:
         for k in keys:
             if not isinstance(k, (str, bytes)):
                 raise TypeError(f"page keys must be str or bytes, got {type(k).__name__}: {k!r}")
+            check_key(k)  # before any I/O: a key the journal cannot record fails the call
         if len(set(keys)) != len(keys):
             dup = next(k for k, c in collections.Counter(keys).items() if c > 1)
             raise ValueError(f"duplicate key in one call: {dup!r}")
@@ -339,7 +345,8 @@ class Tier:
                 self._log_once(f"commit:{exc.errno}", "commit of %d pages failed: %s", len(ok), exc)
                 failed.update(ok)
                 ok = []
-        self.directory.commit([chunk[pos][1] for pos in ok], [int(sums[pos]) for pos in ok])
+        self.directory.commit([chunk[pos][1] for pos in ok], [int(sums[pos]) for pos in ok],
+                              self._checksums.algorithm)
         self.directory.abort([chunk[pos][1] for pos in sorted(failed)])
         for pos in ok:
             results[chunk[pos][0]] = True
@@ -382,7 +389,7 @@ class Tier:
         outcome: IOOutcome = fut.result()
         failed = self._failed_positions(outcome, extents, "read")
         if self.config.verify:
-            sums = self._checksums.compute(half, len(chunk))
+            sums = self._verify_sums(half, chunk)
             for pos, (i, _, want) in enumerate(chunk):
                 if pos not in failed and int(sums[pos]) != want:
                     failed.add(pos)
@@ -406,6 +413,19 @@ class Tier:
         self._stats.add(bytes_read=len(good) * self.layout.page_bytes,
                         read_seconds=time.perf_counter() - t0, read_failed=len(failed))
 
+    def _verify_sums(self, half: torch.Tensor, chunk) -> np.ndarray:
+        """Checksums of the chunk's pages, each made with the algorithm its stored one used."""
+        algos = self.directory.algorithms([s for _, s, _ in chunk])
+        if (algos == self._checksums.algorithm).all():
+            return self._checksums.compute(half, len(chunk))
+        sums = np.zeros(len(chunk), dtype=np.uint64)
+        for algo in np.unique(algos).tolist():
+            if algo not in self._verifiers:
+                self._verifiers[algo] = checksum.checksummer(algo, self.layout)
+            mask = algos == algo
+            sums[mask] = np.asarray(self._verifiers[algo].compute(half, len(chunk)))[mask]
+        return sums
+
     def _failed_positions(self, outcome: IOOutcome, extents: list[Extent], op: str) -> set[int]:
         failed: set[int] = set()
         sb = self.layout.slot_bytes
@@ -421,16 +441,29 @@ class Tier:
         t0 = time.perf_counter()
         live, nrec = self.journal.replay()
         by_slot: dict[int, Record] = {}
+        replaced, unknown = self.store.replaced_files, 0
         for rec in live.values():
-            if rec.slot >= self.store.num_slots or rec.algorithm != self._checksums.algorithm:
+            if rec.slot >= self.store.num_slots or \
+                    (replaced and self.store.location(rec.slot)[0] in replaced):
+                continue
+            if not checksum.known(rec.algorithm):  # cannot be verified: a miss, not a risk
+                unknown += 1
                 continue
             cur = by_slot.get(rec.slot)
             if cur is None or rec.seq > cur.seq:  # a lost EVICT: the newer commit owns the slot
                 by_slot[rec.slot] = rec
-        self.directory.load((r.key, r.slot, r.checksum) for r in by_slot.values())
+        if unknown:
+            log.warning("gdskv: dropped %d pages checksummed with an algorithm this process "
+                        "cannot verify", unknown)
+        recovered = sorted(by_slot.values(), key=lambda r: r.seq)  # LRU order: oldest first
+        self.directory.load([r.key for r in recovered], [r.slot for r in recovered],
+                            [r.checksum for r in recovered], [r.algorithm for r in recovered])
         self._live_at_open = len(by_slot)
         if nrec > 2 * len(by_slot) + 1024:
-            self.journal.rewrite(sorted(by_slot.values(), key=lambda r: r.seq))
+            try:
+                self.journal.rewrite(recovered)
+            except OSError as exc:  # e.g. ENOSPC: the long journal is still valid
+                log.warning("gdskv: journal compaction at open failed: %s", exc)
         self._stats.add(recovered_pages=len(by_slot),
                         recovery_seconds=time.perf_counter() - t0)
         if by_slot:
@@ -450,10 +483,9 @@ class Tier:
     def _maybe_compact(self) -> None:
         live = len(self.directory)
         if self.journal.records_written > 2 * live + 1024:
-            items = self.directory.ready_items()
-            self.journal.rewrite([Record(RecordKind.COMMIT, n + 1, slot, csum,
-                                         self._checksums.algorithm, key)
-                                  for n, (key, slot, csum) in enumerate(items)])
+            items = self.directory.ready_entries()
+            self.journal.rewrite([Record(RecordKind.COMMIT, n + 1, slot, csum, algo, key)
+                                  for n, (key, slot, csum, algo) in enumerate(items)])
 
     def _admit(self, keys: list) -> list[int]:
         """Indices of keys the admission filter lets in (all of them when admit_after == 1)."""
