@@ -127,6 +127,8 @@ def main(argv=None) -> int:
     ap.add_argument("--size", default="2G", help="bytes per direction per run (default 2G)")
     ap.add_argument("--geometry", action="append", choices=list(GEOMETRIES))
     ap.add_argument("--backend", default="kvikio")
+    ap.add_argument("--checksum-cost", action="store_true",
+                    help="also run the first geometry with checksums off (verify=False)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     nbytes = parse_size(args.size)
@@ -142,8 +144,12 @@ def main(argv=None) -> int:
         d = tempfile.mkdtemp(dir=base)
         entry = {"dir": base, "dd": dd(d, nbytes), "raw_kvikio": raw_kvikio(d, nbytes, cfg),
                  "tier": {}}
-        for name in args.geometry or list(GEOMETRIES):
+        names = args.geometry or list(GEOMETRIES)
+        for name in names:
             entry["tier"][name] = tier_run(d, nbytes, GEOMETRIES[name], cfg)
+        if args.checksum_cost:
+            entry["tier"][names[0] + " no-checksum"] = tier_run(
+                d, nbytes, GEOMETRIES[names[0]], cfg.replace(verify=False))
         shutil.rmtree(d)
         results["runs"].append(entry)
         raw = entry["raw_kvikio"]

@@ -13,7 +13,6 @@ exception and never wrong bytes.
 from __future__ import annotations
 
 import collections
-import contextlib
 import logging
 import os
 import threading
@@ -28,7 +27,6 @@ from . import checksum
 from . import kernels as kd
 from .backends import create_backend
 from .backends.base import Extent, IOOutcome
-from .checksum import PageChecksummer
 from .config import ConfigError, Eviction, SyncPolicy, TierConfig
 from .directory import PageDirectory, PageState
 from .journal import Journal, Record, RecordKind, check_key
@@ -77,7 +75,7 @@ class Tier:
         try:
             self.directory = PageDirectory(self.store.num_slots,
                                            evict=self.config.eviction == Eviction.LRU)
-            self._checksums = PageChecksummer(layout)
+            self._checksums = checksum.default_for(self.device, layout)
             # pages are verified with the algorithm that made their checksum (see checksum.py)
             self._verifiers = {self._checksums.algorithm: self._checksums}
             self.journal = Journal(self.store.journal_path,

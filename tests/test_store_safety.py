@@ -246,3 +246,21 @@ def test_admission_filter_writes_only_repeated_pages(tmp_path):
         assert tier.contains("twice") and not tier.contains("once")
         assert tier.stats()["not_admitted"] == 2 and tier.stats()["put_stored"] == 1
         assert check_pages(tier, ["twice"])["hits"] == 1
+
+
+def test_gpu_page_checksums_verify_on_the_host(tmp_path):
+    """Pages a GPU tier wrote (algorithm GPU_PAGE) are verified with that algorithm by a host
+    tier (torch reference of the kernel): intact pages hit, a flipped bit is a miss."""
+    cfg = small_config(tmp_path)
+    with Tier(LAYOUT, cfg, device="cpu") as tier:
+        tier._checksums = checksum.GpuPageChecksummer(LAYOUT)  # as a CUDA tier writes
+        assert all(put(tier, ["g1", "g2"]))
+    with Tier(LAYOUT, cfg, device="cpu") as tier:
+        assert list(tier.directory.algorithms([tier.directory._index[k] for k in ("g1", "g2")])) \
+            == [checksum.GPU_PAGE] * 2
+        path, off = slot_location(tier, "g2")
+        fd = os.open(path, os.O_RDWR)
+        os.pwrite(fd, bytes([os.pread(fd, 1, off + 5)[0] ^ 0x10]), off + 5)
+        os.close(fd)
+        res = check_pages(tier, ["g1", "g2"])
+        assert res["hits"] == 1 and res["missed"] == ["g2"] and not res["wrong"]
