@@ -94,8 +94,10 @@ class TierConfig:
     #: disk capacity of the store (all directories together)
     capacity: int = 16 << 30
     backend: BackendKind = BackendKind.AUTO
-    #: bounded staging buffer (two halves for the pipeline); large batches go through in chunks
+    #: bounded staging buffer on the pool's device; large batches go through it in chunks
     staging_size: int = 256 << 20
+    #: staging is cut into this many parts: one is gathered/scattered while the others' I/O runs
+    pipeline_depth: int = 4
     #: threads moving bytes (POSIX thread pool, kvikio's thread pool)
     io_threads: int = 16
     #: bytes per I/O call; large extents are cut into pieces of this size for parallelism
@@ -140,6 +142,9 @@ class TierConfig:
                                       f"{', '.join(m.value for m in enum_cls)}") from None
         for name in _SIZE_FIELDS:
             object.__setattr__(self, name, parse_size(getattr(self, name), what=name))
+        if not isinstance(self.pipeline_depth, int) or not 2 <= self.pipeline_depth <= 64:
+            raise ConfigError(f"pipeline_depth: must be an integer in 2..64, got "
+                              f"{self.pipeline_depth!r}")
         for name in ("capacity", "staging_size", "io_threads", "io_chunk_size",
                      "files_per_dir", "admit_after"):
             value = getattr(self, name)

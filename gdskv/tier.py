@@ -1,10 +1,11 @@
 """The tier: spill KV pages from an engine pool to the slab store and restore them.
 
-Spill (``put``): reserve slots in the directory -> gather pages into one half of the staging
+Spill (``put``): reserve slots in the directory -> gather pages into one part of the staging
 buffer -> checksum -> ``backend.write`` -> (fdatasync per sync policy) -> journal COMMIT ->
-directory READY. While one half is being written the next chunk is gathered into the other half.
+directory READY. The staging buffer has ``pipeline_depth`` parts: while the others' writes are
+in flight the next chunk is gathered into a free part.
 
-Restore (``get``): pin READY pages -> ``backend.read`` chunk into a staging half -> verify
+Restore (``get``): pin READY pages -> ``backend.read`` chunks into the staging parts -> verify
 checksums -> scatter into the engine's slots -> unpin. While one chunk is scattered the next is
 read. A page that is missing, fails I/O or fails its checksum is a miss (``False``), never an
 exception and never wrong bytes.
@@ -64,10 +65,12 @@ class Tier:
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self._chunk_pages = (self.config.staging_size // 2) // layout.slot_bytes
+        depth = self.config.pipeline_depth
+        self._chunk_pages = (self.config.staging_size // depth) // layout.slot_bytes
         if self._chunk_pages < 1:
-            raise ConfigError(f"staging_size {self.config.staging_size} B must hold two page "
-                              f"slots ({2 * layout.slot_bytes} B for this layout)")
+            raise ConfigError(f"staging_size {self.config.staging_size} B must hold one page "
+                              f"slot per pipeline stage ({depth} x {layout.slot_bytes} B for "
+                              f"this layout and pipeline_depth)")
         self._closed = True
         self._stats = TierStats()
         self._logged: set[str] = set()
@@ -268,12 +271,14 @@ class Tier:
                 return fn(keys, copier)
 
     def _alloc_staging(self) -> list[torch.Tensor]:
-        half = self._chunk_pages * self.layout.slot_bytes
+        """``pipeline_depth`` equal, 4 KiB-aligned parts of one staging allocation."""
+        part, depth = self._chunk_pages * self.layout.slot_bytes, self.config.pipeline_depth
         if self.device.type == "cpu":
-            return [alloc_host(half), alloc_host(half)]
-        raw = torch.empty(2 * half + ALIGNMENT, dtype=torch.uint8, device=self.device)
+            raw = alloc_host(depth * part)
+            return [raw[i * part:(i + 1) * part] for i in range(depth)]
+        raw = torch.empty(depth * part + ALIGNMENT, dtype=torch.uint8, device=self.device)
         skew = (-raw.data_ptr()) % ALIGNMENT
-        return [raw[skew:skew + half], raw[skew + half:skew + 2 * half]]
+        return [raw[skew + i * part:skew + (i + 1) * part] for i in range(depth)]
 
     def _device_ready(self) -> None:
         """Wait for the copies issued so far (before I/O threads read staging, or before a get
@@ -303,16 +308,16 @@ class Tier:
         done_upto = 0
         try:
             for n, chunk in enumerate(chunks):
-                if len(pending) == 2:  # both halves busy: finish the older write first
+                if len(pending) == len(self._staging):  # all parts busy: finish the oldest
                     self._finish_write(keys, *pending.popleft(), results)
                     done_upto += 1
-                half = self._staging[n % 2]
-                fill(half, [i for i, _ in chunk])
-                sums = self._checksums.compute(half, len(chunk)) if self.config.verify \
+                part = self._staging[n % len(self._staging)]
+                fill(part, [i for i, _ in chunk])
+                sums = self._checksums.compute(part, len(chunk)) if self.config.verify \
                     else np.zeros(len(chunk), dtype=np.uint64)
                 self._device_ready()
                 extents = self.store.extents([s for _, s in chunk])
-                pending.append((chunk, sums, extents, self.backend.write(half, extents),
+                pending.append((chunk, sums, extents, self.backend.write(part, extents),
                                 time.perf_counter()))
             while pending:
                 self._finish_write(keys, *pending.popleft(), results)
@@ -361,11 +366,11 @@ class Tier:
         pending: collections.deque = collections.deque()
         try:
             for n, chunk in enumerate(chunks):
-                if len(pending) == 2:
+                if len(pending) == len(self._staging):
                     self._finish_read(keys, *pending.popleft(), drain, results, corrupt)
-                half = self._staging[n % 2]
+                part = self._staging[n % len(self._staging)]
                 extents = self.store.extents([s for _, s, _ in chunk])
-                pending.append((chunk, half, extents, self.backend.read(half, extents),
+                pending.append((chunk, part, extents, self.backend.read(part, extents),
                                 time.perf_counter()))
             while pending:
                 self._finish_read(keys, *pending.popleft(), drain, results, corrupt)
@@ -382,12 +387,12 @@ class Tier:
                         corrupt_pages=len(corrupt))
         return results
 
-    def _finish_read(self, keys, chunk, half, extents, fut: Future, t0: float, drain: PageCopier,
+    def _finish_read(self, keys, chunk, part, extents, fut: Future, t0: float, drain: PageCopier,
                      results: list[bool], corrupt: list) -> None:
         outcome: IOOutcome = fut.result()
         failed = self._failed_positions(outcome, extents, "read")
         if self.config.verify:
-            sums = self._verify_sums(half, chunk)
+            sums = self._verify_sums(part, chunk)
             for pos, (i, _, want) in enumerate(chunk):
                 if pos not in failed and int(sums[pos]) != want:
                     failed.add(pos)
@@ -398,30 +403,30 @@ class Tier:
         good = [pos for pos in range(len(chunk)) if pos not in failed]
         if good:
             if len(good) == len(chunk):
-                drain(half, [i for i, _, _ in chunk])
+                drain(part, [i for i, _, _ in chunk])
             else:  # only verified pages reach the engine: pack them to the front first
                 packed = torch.empty(len(good) * self.layout.slot_bytes, dtype=torch.uint8,
-                                     device=half.device)
+                                     device=part.device)
                 sb = self.layout.slot_bytes
                 for j, pos in enumerate(good):
-                    packed[j * sb:(j + 1) * sb].copy_(half[pos * sb:(pos + 1) * sb])
+                    packed[j * sb:(j + 1) * sb].copy_(part[pos * sb:(pos + 1) * sb])
                 drain(packed, [chunk[pos][0] for pos in good])
         for pos in good:
             results[chunk[pos][0]] = True
         self._stats.add(bytes_read=len(good) * self.layout.page_bytes,
                         read_seconds=time.perf_counter() - t0, read_failed=len(failed))
 
-    def _verify_sums(self, half: torch.Tensor, chunk) -> np.ndarray:
+    def _verify_sums(self, part: torch.Tensor, chunk) -> np.ndarray:
         """Checksums of the chunk's pages, each made with the algorithm its stored one used."""
         algos = self.directory.algorithms([s for _, s, _ in chunk])
         if (algos == self._checksums.algorithm).all():
-            return self._checksums.compute(half, len(chunk))
+            return self._checksums.compute(part, len(chunk))
         sums = np.zeros(len(chunk), dtype=np.uint64)
         for algo in np.unique(algos).tolist():
             if algo not in self._verifiers:
                 self._verifiers[algo] = checksum.checksummer(algo, self.layout)
             mask = algos == algo
-            sums[mask] = np.asarray(self._verifiers[algo].compute(half, len(chunk)))[mask]
+            sums[mask] = np.asarray(self._verifiers[algo].compute(part, len(chunk)))[mask]
         return sums
 
     def _failed_positions(self, outcome: IOOutcome, extents: list[Extent], op: str) -> set[int]:
