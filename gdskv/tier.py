@@ -93,6 +93,8 @@ class Tier:
         # Gather/scatter run on the tier's own stream so the engine's stream is never blocked
         # behind our I/O; the tier stream waits only for the engine work issued before a call.
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        if self._stream is not None:
+            self._warm_up_kernels()
         self._data_lock = threading.Lock()
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="gdskv-tier")
         self._offers: collections.OrderedDict = collections.OrderedDict()
@@ -252,6 +254,22 @@ class Tier:
         return keys, copy
 
     # -- data path ------------------------------------------------------------------------------
+    def _warm_up_kernels(self) -> None:
+        """Compile this layout's gather/scatter/checksum kernels now (Triton JIT, about a
+        second) rather than inside the engine's first spill or restore."""
+        lay = self.layout
+        shape = (lay.num_layers, lay.page_size, lay.kv_heads, lay.head_dim)
+        parts = [torch.zeros(shape, dtype=lay.torch_dtype, device=self.device)
+                 for _ in range(lay.kv_count)]
+        rows = KVPool(lay, parts[0] if lay.mla else tuple(parts)).rows
+        with torch.cuda.stream(self._stream):
+            for dtype in (torch.int64, torch.int32):  # engines use either for slot indices
+                slots = torch.arange(lay.page_size, dtype=dtype, device=self.device)
+                kd.gather_pages(rows, lay, slots, self._staging[0])
+                self._checksums.compute(self._staging[0], 1)
+                kd.scatter_pages(rows, lay, slots, self._staging[0])
+        self._stream.synchronize()
+
     def _engine_event(self):
         """An event after the caller's queued GPU work (the pool writes we are to read)."""
         if self._stream is None:
