@@ -28,6 +28,11 @@ class PageState(enum.IntEnum):
     EVICTING = 3
 
 
+# Plain ints for the per-page hot paths: on Python 3.11 every ``PageState.X`` lookup goes
+# through the enum metaclass, which cost more than the rest of pin/commit together.
+_FREE, _WRITING, _READY, _EVICTING = (int(s) for s in PageState)
+
+
 @dataclass(frozen=True)
 class Reservation:
     """Outcome of :meth:`PageDirectory.reserve` for one batch of keys."""
@@ -69,7 +74,7 @@ class PageDirectory:
             return PageState.FREE if slot is None else PageState(int(self._state[slot]))
 
     def contains(self, key: Hashable) -> bool:
-        return self.state(key) == PageState.READY
+        return self.state(key) == _READY
 
     def match_prefix(self, keys: Iterable[Hashable]) -> int:
         """How many leading keys are READY."""
@@ -77,7 +82,7 @@ class PageDirectory:
         with self._lock:
             for key in keys:
                 slot = self._index.get(key)
-                if slot is None or self._state[slot] != PageState.READY:
+                if slot is None or self._state[slot] != _READY:
                     break
                 n += 1
         return n
@@ -86,13 +91,13 @@ class PageDirectory:
         """(key, slot, checksum) of every READY page (for snapshots)."""
         with self._lock:
             return [(k, s, int(self._checksum[s])) for k, s in self._index.items()
-                    if self._state[s] == PageState.READY]
+                    if self._state[s] == _READY]
 
     def ready_entries(self) -> list[tuple[Hashable, int, int, int]]:
         """(key, slot, checksum, checksum algorithm) of every READY page (for compaction)."""
         with self._lock:
             return [(k, s, int(self._checksum[s]), int(self._algorithm[s]))
-                    for k, s in self._index.items() if self._state[s] == PageState.READY]
+                    for k, s in self._index.items() if self._state[s] == _READY]
 
     def algorithms(self, slots: Sequence[int]) -> np.ndarray:
         """Checksum algorithm id of each (pinned or READY) slot."""
@@ -125,7 +130,7 @@ class PageDirectory:
                 slot = heapq.heappop(self._free)
                 self._index[key] = slot
                 self._keys[slot] = key
-                self._state[slot] = PageState.WRITING
+                self._state[slot] = _WRITING
                 self._pins[slot] = 0
                 slots.append(slot)
             return Reservation(slots, present, evicted)
@@ -135,8 +140,8 @@ class PageDirectory:
         ``algorithm``, see gdskv.checksum)."""
         with self._lock:
             for slot, csum in zip(slots, checksums):
-                assert self._state[slot] == PageState.WRITING, f"commit of slot {slot} not WRITING"
-                self._state[slot] = PageState.READY
+                assert self._state[slot] == _WRITING, f"commit of slot {slot} not WRITING"
+                self._state[slot] = _READY
                 self._checksum[slot] = csum
                 self._algorithm[slot] = algorithm
                 self._touch_locked(slot)
@@ -146,7 +151,7 @@ class PageDirectory:
         """Give back WRITING slots whose write failed."""
         with self._lock:
             for slot in slots:
-                assert self._state[slot] == PageState.WRITING, f"abort of slot {slot} not WRITING"
+                assert self._state[slot] == _WRITING, f"abort of slot {slot} not WRITING"
                 self._free_locked(slot)
 
     def load(self, keys: Sequence[Hashable], slots: Sequence[int], checksums: Sequence[int],
@@ -173,7 +178,7 @@ class PageDirectory:
             self._index = index
             for key, slot in index.items():
                 self._keys[slot] = key
-            self._state[slots] = PageState.READY
+            self._state[slots] = _READY
             self._checksum[slots] = sums
             self._algorithm[slots] = algos
             self._last_use[slots] = np.arange(self._clock + 1, self._clock + 1 + n, dtype=np.uint64)
@@ -188,7 +193,7 @@ class PageDirectory:
         with self._lock:
             for key in keys:
                 slot = self._index.get(key)
-                if slot is None or self._state[slot] != PageState.READY:
+                if slot is None or self._state[slot] != _READY:
                     out.append(None)
                     continue
                 self._pins[slot] += 1
@@ -203,7 +208,7 @@ class PageDirectory:
             for slot in slots:
                 assert self._pins[slot] > 0, f"unpin of unpinned slot {slot}"
                 self._pins[slot] -= 1
-                if self._pins[slot] == 0 and self._state[slot] == PageState.EVICTING:
+                if self._pins[slot] == 0 and self._state[slot] == _EVICTING:
                     freed.append((self._keys[slot], slot))
                     self._free_locked(slot)
         return freed
@@ -218,11 +223,11 @@ class PageDirectory:
         with self._lock:
             for key in keys:
                 slot = self._index.get(key)
-                if slot is None or self._state[slot] != PageState.READY:
+                if slot is None or self._state[slot] != _READY:
                     continue
                 self._ready -= 1
                 if self._pins[slot]:
-                    self._state[slot] = PageState.EVICTING
+                    self._state[slot] = _EVICTING
                 else:
                     freed.append((key, slot))
                     self._free_locked(slot, was_ready=False)
@@ -233,7 +238,7 @@ class PageDirectory:
             return self._evict_lru_locked(count, protect=set())
 
     def _evict_lru_locked(self, count: int, protect: set) -> list[tuple[Hashable, int]]:
-        candidates = np.flatnonzero((self._state == PageState.READY) & (self._pins == 0))
+        candidates = np.flatnonzero((self._state == _READY) & (self._pins == 0))
         if protect:  # drop them before choosing: a protected pick would use up the count
             held = [self._index[k] for k in protect if k in self._index]
             candidates = np.setdiff1d(candidates, np.asarray(held, dtype=np.int64),
@@ -259,13 +264,13 @@ class PageDirectory:
 
     def _free_locked(self, slot: int, was_ready: bool | None = None) -> None:
         if was_ready is None:
-            was_ready = self._state[slot] == PageState.READY
+            was_ready = self._state[slot] == _READY
         if was_ready:
             self._ready -= 1
         key = self._keys[slot]
         del self._index[key]
         self._keys[slot] = None
-        self._state[slot] = PageState.FREE
+        self._state[slot] = _FREE
         self._pins[slot] = 0
         self._checksum[slot] = 0
         self._algorithm[slot] = 0

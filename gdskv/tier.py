@@ -18,6 +18,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -41,6 +42,15 @@ log = logging.getLogger("gdskv.tier")
 
 # Fills (put) or drains (get) staging pages for the call's page indices.
 PageCopier = Callable[[torch.Tensor, list[int]], None]
+
+
+def _leaf_tensors(pool) -> list:
+    """The tensors an engine passes as its pool, flattened ((k, v), lists, stacked)."""
+    if isinstance(pool, torch.Tensor):
+        return [pool]
+    if isinstance(pool, (list, tuple)):
+        return [t for part in pool for t in _leaf_tensors(part)]
+    return [pool]
 
 
 class Tier:
@@ -98,6 +108,7 @@ class Tier:
         self._data_lock = threading.Lock()
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="gdskv-tier")
         self._offers: collections.OrderedDict = collections.OrderedDict()
+        self._pool_cache = None
         self._closed = False
         log.info("gdskv tier: %d slots of %d B in %s; backend %s; O_DIRECT %s (%s)",
                  self.store.num_slots, layout.slot_bytes, ", ".join(self.store.directories),
@@ -179,6 +190,7 @@ class Tier:
         if self._closed:
             return
         self._closed = True
+        self._pool_cache = None
         self._worker.shutdown(wait=True)
         with self._data_lock:
             try:
@@ -214,7 +226,7 @@ class Tier:
 
     def _pool_copier(self, keys, kv_pool, token_slots, copy_fn) -> tuple[list, PageCopier]:
         keys = self._check_keys(keys)
-        pool = KVPool(self.layout, kv_pool)
+        pool = self._kv_pool(kv_pool)
         if pool.device != self.device:
             raise ValueError(f"KV pool is on {pool.device} but this tier stages on {self.device}")
         slots = pool.check_token_slots(token_slots, len(keys)).view(len(keys), self.layout.page_size)
@@ -224,6 +236,27 @@ class Tier:
             copy_fn(pool.rows, self.layout, slots.index_select(0, idx).reshape(-1), staging)
 
         return keys, copy
+
+    def _kv_pool(self, kv_pool) -> KVPool:
+        """The validated view of the engine's pool, reused while the engine passes the same
+        tensors: rebuilding it (and the kernels' pointer table) cost more host time per call
+        than the copies of a typical batch. Held through weak references to the engine's
+        tensors: when the engine drops them, the cached views go too."""
+        leaves = _leaf_tensors(kv_pool)
+        if not all(isinstance(t, torch.Tensor) for t in leaves):
+            return KVPool(self.layout, kv_pool)  # raises the clear TypeError
+        key = tuple((id(t), t.data_ptr()) for t in leaves)
+        hit = self._pool_cache
+        if hit is not None and hit[0] == key and all(r() is t for r, t in zip(hit[1], leaves)):
+            return hit[2]
+        pool = KVPool(self.layout, kv_pool)
+
+        def forget(_ref, cache_key=key) -> None:
+            if self._pool_cache is not None and self._pool_cache[0] == cache_key:
+                self._pool_cache = None
+
+        self._pool_cache = (key, [weakref.ref(t, forget) for t in leaves], pool)
+        return pool
 
     def _region_copier(self, keys, pages, *, to_staging: bool) -> tuple[list, PageCopier]:
         keys = self._check_keys(keys)

@@ -1,0 +1,35 @@
+"""The tier reuses its validated view of an engine pool while the engine passes the same
+tensors, and never keeps a pool alive after the engine drops it."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import torch
+
+from gdskv.layout import KVLayout
+from gdskv.tier import Tier
+
+from conftest import random_pool
+
+LAYOUT = KVLayout(num_layers=2, page_size=4, head_dim=16, kv_heads=2, dtype="fp16")
+
+
+def test_pool_view_reused_then_released(make_config):
+    with Tier(LAYOUT, make_config(), device="cpu") as tier:
+        pool = random_pool(LAYOUT, 64)
+        tier.put(["a"], pool, torch.arange(4))
+        first = tier._pool_cache[2]
+        tier.get(["a"], pool, torch.arange(4, 8))
+        assert tier._pool_cache[2] is first  # same tensors: same view
+        other = random_pool(LAYOUT, 64, seed=3)
+        tier.put(["b"], other, torch.arange(4))
+        assert tier._pool_cache[2] is not first  # other tensors: validated again
+        ref = weakref.ref(other[0])
+        del other
+        gc.collect()
+        assert ref() is None and tier._pool_cache is None  # dropped with the engine's pool
+        # the restored bytes came from the first pool, into other slots of it
+        k = pool[0].view(torch.int16)  # raw bits (random fp16 bits include NaNs)
+        assert torch.equal(k[:, 4:8], k[:, 0:4])
