@@ -119,6 +119,10 @@ class TierConfig:
     nixl_plugin: NixlPlugin = NixlPlugin.AUTO
     #: NIXL POSIX plugin queue: aio, uring or posix_aio (where the plugin offers it)
     nixl_posix_queue: str = "aio"
+    #: follower mode: open a store another process owns and writes, read-only (no lock, no
+    #: writes; the directory follows the writer's journal). Needs verify: a slot the writer
+    #: reuses while a follower reads it then fails its checksum and is a miss
+    read_only: bool = False
 
     def __post_init__(self) -> None:
         dirs = self.directories
@@ -152,6 +156,9 @@ class TierConfig:
                 raise ConfigError(f"{name}: must be a positive integer, got {value!r}")
         if self.io_chunk_size % 4096:
             raise ConfigError(f"io_chunk_size: must be a multiple of 4096, got {self.io_chunk_size}")
+        if self.read_only and not self.verify:
+            raise ConfigError("read_only: a read-only follower needs verify=true (the writer may "
+                              "reuse a slot while it is read; only the checksum catches that)")
         if self.nixl_posix_queue not in ("aio", "uring", "posix_aio"):
             raise ConfigError(f"nixl_posix_queue: must be aio, uring or posix_aio, got "
                               f"{self.nixl_posix_queue!r}")

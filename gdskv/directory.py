@@ -47,11 +47,14 @@ class Reservation:
 class PageDirectory:
     """Thread-safe map of page keys to slots with LRU eviction and pinning."""
 
-    def __init__(self, num_slots: int, *, evict: bool = True) -> None:
+    def __init__(self, num_slots: int, *, evict: bool = True, follower: bool = False) -> None:
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         self.num_slots = num_slots
-        self.evict_enabled = evict
+        self.evict_enabled = evict and not follower
+        #: a read-only follower's directory: filled by place()/drop() from another process's
+        #: journal, never reserves, so it keeps no free list (place() stays O(1))
+        self.follower = follower
         self._lock = threading.Lock()
         self._index: dict[Hashable, int] = {}
         self._keys: list[Hashable | None] = [None] * num_slots
@@ -61,7 +64,8 @@ class PageDirectory:
         self._checksum = np.zeros(num_slots, dtype=np.uint64)
         self._algorithm = np.zeros(num_slots, dtype=np.uint8)
         self._clock = 0
-        self._free = list(range(num_slots))  # a heap: lowest slot first keeps batches contiguous
+        # a heap: lowest slot first keeps batches contiguous (a follower keeps none)
+        self._free = [] if follower else list(range(num_slots))
         self._ready = 0
 
     # -- queries ------------------------------------------------------------------------------
@@ -116,6 +120,8 @@ class PageDirectory:
         Evicts LRU unpinned READY pages when free slots run out (if eviction is on). Keys that
         find no room get ``None``; nothing is reserved for present keys.
         """
+        if self.follower:
+            raise RuntimeError("a follower's directory reserves no slots (read-only)")
         with self._lock:
             present = [k in self._index for k in keys]
             need = sum(1 for p in present if not p)
@@ -184,7 +190,42 @@ class PageDirectory:
             self._last_use[slots] = np.arange(self._clock + 1, self._clock + 1 + n, dtype=np.uint64)
             self._clock += n
             self._ready = n
-            self._free = np.flatnonzero(~taken).tolist()  # ascending: already a heap
+            self._free = [] if self.follower else np.flatnonzero(~taken).tolist()  # a heap
+
+    def place(self, key: Hashable, slot: int, checksum: int, algorithm: int) -> bool:
+        """Make ``key`` READY in ``slot`` as another process's journal says (read-only
+        followers), replacing whatever this directory had for the key or in the slot. False
+        (nothing changed) when the slot's current page is pinned by a reader."""
+        if not 0 <= slot < self.num_slots:
+            return False
+        with self._lock:
+            old = self._index.get(key)
+            if self._pins[slot] or (old is not None and old != slot and self._pins[old]):
+                return False
+            if old is not None and old != slot:
+                self._free_locked(old)
+            if self._state[slot] != _FREE:
+                self._free_locked(slot)
+            if not self.follower:
+                self._free.remove(slot)
+                heapq.heapify(self._free)
+            self._index[key] = slot
+            self._keys[slot] = key
+            self._state[slot] = _READY
+            self._checksum[slot] = checksum
+            self._algorithm[slot] = algorithm
+            self._touch_locked(slot)
+            self._ready += 1
+            return True
+
+    def drop(self, key: Hashable, slot: int) -> bool:
+        """Forget ``key`` if it is READY in ``slot`` and unpinned (a follower applying the
+        writer's EVICT record); True if it went."""
+        with self._lock:
+            if self._index.get(key) != slot or self._state[slot] != _READY or self._pins[slot]:
+                return False
+            self._free_locked(slot)
+            return True
 
     # -- reads --------------------------------------------------------------------------------
     def pin(self, keys: Sequence[Hashable]) -> list[tuple[int, int] | None]:
@@ -274,4 +315,5 @@ class PageDirectory:
         self._pins[slot] = 0
         self._checksum[slot] = 0
         self._algorithm[slot] = 0
-        heapq.heappush(self._free, slot)
+        if not self.follower:
+            heapq.heappush(self._free, slot)

@@ -8,6 +8,10 @@ the file there. An append that fails part way (ENOSPC, EIO) is cut off again at 
 records appended after it stay reachable; if even that cut fails the journal refuses further
 appends (puts fail, reads go on). :meth:`Journal.rewrite` compacts the journal to one COMMIT per live page
 (temp file + fsync + rename, so a crash leaves either the old or the new journal).
+
+:class:`JournalFollower` reads a journal another process appends to (read-only followers): it
+decodes only the bytes appended since its last call, and starts over when the file was replaced
+(compaction: new inode) or cut or rewritten below what it had read.
 """
 
 from __future__ import annotations
@@ -105,6 +109,89 @@ def decode_all(data: bytes) -> tuple[list[Record], int]:
     return out, pos
 
 
+def live_records(records: Iterable[Record]) -> dict[Hashable, Record]:
+    """Live pages by key after applying ``records`` in file order."""
+    live: dict[Hashable, Record] = {}
+    commit = RecordKind.COMMIT
+    for rec in records:
+        if rec.kind is commit:
+            live[rec.key] = rec
+        elif (cur := live.get(rec.key)) is not None and cur.slot == rec.slot:
+            del live[rec.key]
+    return live
+
+
+class JournalFollower:
+    """Reads, never writes, a journal that another process (the store's writer) appends to."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._fd = -1
+        self._ino: int | None = None
+        self.offset = 0          # end of the last whole record read
+        self._last = b""         # that record's bytes: still there means nobody rewrote the tail
+        self.resets = 0
+
+    def poll(self) -> tuple[bool, list[Record]]:
+        """(reset, records). ``reset``: the journal was replaced, cut or rewritten since the last
+        call (or this is the first); ``records`` is then all of it, else just the new ones. A
+        record still being appended is left for the next call. A missing journal (the writer
+        has not made one yet) reads as empty."""
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            reset = self._fd >= 0 or self._ino is None
+            self._drop()
+            self._ino = 0
+            return reset, []
+        reset = False
+        if self._fd < 0 or st.st_ino != self._ino or st.st_size < self.offset:
+            reset = True
+        elif st.st_size == self.offset:
+            return False, []  # the common case: one stat, nothing new
+        if not reset and self._last:
+            # One read from the start of the last record we took: a writer that cut a failed
+            # append and wrote other records over it shows up as different bytes here.
+            start = self.offset - len(self._last)
+            data = os.pread(self._fd, st.st_size - start, start)
+            if data[:len(self._last)] != self._last:
+                reset = True
+            else:
+                return False, self._take(data, start, len(self._last))
+        if reset:
+            self._reopen()
+            data = os.pread(self._fd, os.fstat(self._fd).st_size, 0)
+            return True, self._take(data, 0, 0)
+        data = os.pread(self._fd, st.st_size - self.offset, self.offset)
+        return False, self._take(data, self.offset, 0)
+
+    def _take(self, data: bytes, start: int, skip: int) -> list[Record]:
+        records, valid = decode_all(data[skip:] if skip else data)
+        if records:
+            end = start + skip + valid
+            last = encode(records[-1])
+            self._last = last
+            self.offset = end
+        elif start == 0:
+            self.offset, self._last = 0, b""
+        return records
+
+    def _reopen(self) -> None:
+        self._drop()
+        self.resets += 1
+        self._fd = os.open(self.path, os.O_RDONLY | _OPEN_FLAGS)
+        self._ino = os.fstat(self._fd).st_ino
+        self.offset, self._last = 0, b""
+
+    def _drop(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+        self._fd = -1
+
+    def close(self) -> None:
+        self._drop()
+
+
 class Journal:
     """Append-only, checksummed record log in one file."""
 
@@ -130,13 +217,7 @@ class Journal:
                         self.path, len(data) - valid, len(records))
             os.ftruncate(self._fd, valid)
         self._size = valid
-        live: dict[Hashable, Record] = {}
-        commit = RecordKind.COMMIT
-        for rec in records:
-            if rec.kind is commit:
-                live[rec.key] = rec
-            elif (cur := live.get(rec.key)) is not None and cur.slot == rec.slot:
-                del live[rec.key]
+        live = live_records(records)
         # seqs are taken before the append lock, so file order is not seq order: take the max
         self.seq = max(self.seq, max((r.seq for r in records), default=0))
         self.records_written = len(records)

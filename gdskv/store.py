@@ -9,6 +9,9 @@ store goes on buffered and says so (``direct_reason`` and one log line), never s
 One process owns a store at a time: an exclusive ``flock`` on ``<dir>/gdskv.lock``; a second
 opener gets :class:`StoreLockedError` (no shared mode: the directory and journal live in one
 process's memory). The lock goes with the process, so a killed owner leaves no stale lock.
+Read-only followers (``config.read_only``) take no lock and create, preallocate or rewrite
+nothing: they open an existing store's slab files O_RDONLY (other processes' tiers, e.g. the TP
+ranks of an MLA model that do not write, reading the one writer's pages).
 
 Files and trust. Keys never reach file names (the store has a fixed set of names). Files are
 created 0600 and opened with O_NOFOLLOW. The store creates no directories; the given directory
@@ -65,14 +68,16 @@ class SlabStore:
                              "TierConfig(directories=...))")
         self.layout = layout
         self.slot_bytes = layout.slot_bytes
-        self.directories = [self._check_dir(d) for d in config.directories]
+        self.read_only = bool(config.read_only)
+        self.directories = [self._check_dir(d, self.read_only) for d in config.directories]
         self._lock_fds: list[int] = []
         self.files: list[SlabFile] = []
         #: indices of slab files replaced since the store was last open: their pages are gone
         self.replaced_files: set[int] = set()
         try:
-            for d in self.directories:
-                self._lock_fds.append(self._lock(d))
+            if not self.read_only:  # the writer owns the lock; followers never take it
+                for d in self.directories:
+                    self._lock_fds.append(self._lock(d))
             self._plan(config)
             self._open_manifest()
             self._open_files(config.direct_io, config.preallocate)
@@ -135,6 +140,9 @@ class SlabStore:
         self._stored: list[dict] = []
         for d in self.directories:
             _check_store_file(os.path.join(d, JOURNAL))
+        if self.created and self.read_only:
+            raise StoreError(errno.ENOENT, f"read-only store in {', '.join(self.directories)} "
+                             "has no manifest: the writer has not created the store yet")
         if self.created:
             for i, path in enumerate(existing):
                 _atomic_write(path, json.dumps(self._manifest(i), indent=1).encode())
@@ -165,7 +173,7 @@ class SlabStore:
 
     # -- files ---------------------------------------------------------------------------------
     @staticmethod
-    def _check_dir(path: str) -> str:
+    def _check_dir(path: str, read_only: bool = False) -> str:
         path = os.path.abspath(path)
         if not os.path.isdir(path):
             raise StoreError(f"store directory {path!r} does not exist or is not a directory")
@@ -181,7 +189,10 @@ class SlabStore:
             log.warning("store directory %s is writable by other users (mode %o): they could "
                         "replace store files; a 0700 directory is safer", real,
                         stat.S_IMODE(st.st_mode))
-        if not os.access(real, os.W_OK | os.X_OK):
+        if read_only:
+            if not os.access(real, os.R_OK | os.X_OK):
+                raise StoreError(f"store directory {path!r} is not readable")
+        elif not os.access(real, os.W_OK | os.X_OK):
             raise StoreError(f"store directory {path!r} is not writable")
         return real
 
@@ -214,11 +225,23 @@ class SlabStore:
                 _fsync_dir(d)  # new files' names survive a power cut
 
     def _open_one(self, path: str, direct: DirectIO, preallocate: bool) -> tuple[int, bool, str]:
-        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | _NOFOLLOW
-        fd = _open_store_file(path, flags)
+        if self.read_only:
+            flags = os.O_RDONLY | os.O_CLOEXEC | _NOFOLLOW
+            try:
+                fd = _open_store_file(path, flags)
+            except FileNotFoundError:
+                raise StoreError(errno.ENOENT, f"read-only store: slab file {path!r} does not "
+                                 "exist (the writer has not created the store yet)") from None
+        else:
+            flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | _NOFOLLOW
+            fd = _open_store_file(path, flags)
         try:
             st = os.fstat(fd)
-            if st.st_size < self.file_bytes and preallocate:
+            if st.st_size < self.file_bytes and self.read_only:
+                log.info("read-only store: slab file %s is shorter than the manifest says "
+                         "(%d < %d): pages beyond its end read as misses", path, st.st_size,
+                         self.file_bytes)
+            elif st.st_size < self.file_bytes and preallocate:
                 if not self.created and st.st_size != 0:
                     log.warning("slab file %s is shorter than the manifest says (%d < %d): "
                                 "pages beyond its end read as misses", path, st.st_size,
@@ -284,7 +307,7 @@ class SlabStore:
         elif not self.created:
             self.replaced_files = set(range(len(inodes)))  # unknown identity: trust nothing
             log.warning("store manifest has no slab file identities: recovered pages dropped")
-        if had != inodes:
+        if had != inodes and not self.read_only:
             for i, d in enumerate(self.directories):
                 _atomic_write(os.path.join(d, MANIFEST),
                               json.dumps(dict(self._manifest(i), slab_inodes=inodes),

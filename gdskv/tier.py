@@ -9,6 +9,14 @@ Restore (``get``): pin READY pages -> ``backend.read`` chunks into the staging p
 checksums -> scatter into the engine's slots -> unpin. While one chunk is scattered the next is
 read. A page that is missing, fails I/O or fails its checksum is a miss (``False``), never an
 exception and never wrong bytes.
+
+Read-only followers (``config.read_only``): a tier in another process over a store some writer
+tier owns (e.g. the non-writing TP ranks of an MLA model). It takes no lock and writes nothing:
+puts return False, evict/clear only forget pages locally. Before each read call it catches up
+with the writer's journal (at most every ``FOLLOW_INTERVAL`` s: one ``stat`` and a read of the
+new bytes; the whole journal again after the writer compacted it). A slot the writer reuses
+while a follower still maps it to the old page fails its checksum on read and is a miss, which
+is why followers must verify.
 """
 
 from __future__ import annotations
@@ -31,7 +39,7 @@ from .backends import create_backend
 from .backends.base import Extent, IOOutcome
 from .config import ConfigError, Eviction, SyncPolicy, TierConfig
 from .directory import PageDirectory, PageState
-from .journal import Journal, Record, RecordKind, check_key
+from .journal import Journal, JournalFollower, Record, RecordKind, check_key, live_records
 from .layout import ALIGNMENT, KVLayout
 from .memory import alloc_host, cuda_available
 from .pool import KVPool
@@ -63,6 +71,9 @@ class Tier:
             device if there is one, else CPU.
     """
 
+    #: seconds between a read-only follower's journal catch-ups (see :meth:`refresh`)
+    FOLLOW_INTERVAL = 0.05
+
     def __init__(self, layout: KVLayout, config: TierConfig | None = None, *,
                  device: torch.device | str | None = None) -> None:
         if not isinstance(layout, KVLayout):
@@ -84,19 +95,29 @@ class Tier:
         self._closed = True
         self._stats = TierStats()
         self._logged: set[str] = set()
+        self.read_only = bool(self.config.read_only)
         self.store = SlabStore(layout, self.config)
         try:
             self.directory = PageDirectory(self.store.num_slots,
-                                           evict=self.config.eviction == Eviction.LRU)
+                                           evict=self.config.eviction == Eviction.LRU,
+                                           follower=self.read_only)
             self._checksums = checksum.default_for(self.device, layout)
             # pages are verified with the algorithm that made their checksum (see checksum.py)
             self._verifiers = {self._checksums.algorithm: self._checksums}
-            self.journal = Journal(self.store.journal_path,
-                                   sync=self.config.sync == SyncPolicy.DATA)
+            if self.read_only:
+                self.journal = JournalFollower(self.store.journal_path)
+                # seq of the COMMIT that put each slot's page there: the newest one wins
+                self._slot_seq = np.zeros(self.store.num_slots, dtype=np.uint64)
+                self._followed_at = time.monotonic()
+            else:
+                self.journal = Journal(self.store.journal_path,
+                                       sync=self.config.sync == SyncPolicy.DATA)
             self._recover()
             self.backend = create_backend(self.config, self.device)
             self.backend.attach(self.store.files)
         except BaseException:
+            if getattr(self, "journal", None) is not None:
+                self.journal.close()
             self.store.close()
             raise
         self._staging = self._alloc_staging()
@@ -110,8 +131,8 @@ class Tier:
         self._offers: collections.OrderedDict = collections.OrderedDict()
         self._pool_cache = None
         self._closed = False
-        log.info("gdskv tier: %d slots of %d B in %s; backend %s; O_DIRECT %s (%s)",
-                 self.store.num_slots, layout.slot_bytes, ", ".join(self.store.directories),
+        log.info("gdskv tier%s: %d slots of %d B in %s; backend %s; O_DIRECT %s (%s)",
+                 " (read-only follower)" if self.read_only else "", self.store.num_slots, layout.slot_bytes, ", ".join(self.store.directories),
                  self.backend.name, "on" if self.store.direct else "off", self.store.direct_reason)
 
     @classmethod
@@ -124,6 +145,8 @@ class Tier:
 
         Returns per-page success. A key already stored (or being stored) is a no-op success.
         """
+        if self.read_only:
+            return self._refuse_put(keys)
         keys, fill = self._pool_copier(keys, kv_pool, token_slots, kd.gather_pages)
         return self._run(self._put_locked, keys, fill, self._engine_event())
 
@@ -133,6 +156,10 @@ class Tier:
         return self._run(self._get_locked, keys, drain, self._engine_event())
 
     def put_async(self, keys, kv_pool, token_slots) -> Future:
+        if self.read_only:
+            fut: Future = Future()
+            fut.set_result(self._refuse_put(keys))
+            return fut
         keys, fill = self._pool_copier(keys, kv_pool, token_slots, kd.gather_pages)
         return self._worker.submit(self._run, self._put_locked, keys, fill, self._engine_event())
 
@@ -144,6 +171,8 @@ class Tier:
                   ) -> list[bool]:
         """Store pages given as page-format byte regions: ``pages[i]`` is a list of 1-D uint8
         tensors whose concatenation is page i's payload (``layout.page_bytes``)."""
+        if self.read_only:
+            return self._refuse_put(keys)
         keys, fill = self._region_copier(keys, pages, to_staging=True)
         return self._run(self._put_locked, keys, fill, self._engine_event())
 
@@ -154,11 +183,25 @@ class Tier:
         return self._run(self._get_locked, keys, drain, self._engine_event())
 
     def contains(self, key: Hashable) -> bool:
+        if self.read_only:
+            self._follow_if_idle()
         return self.directory.contains(key)
 
     def match_prefix(self, keys: Sequence[Hashable]) -> int:
         """How many leading keys are stored and readable."""
+        if self.read_only:
+            self._follow_if_idle()
         return self.directory.match_prefix(keys)
+
+    def refresh(self) -> int:
+        """Read-only follower: catch up with the writer's journal now (reads do this by
+        themselves, at most every ``FOLLOW_INTERVAL`` s); returns the records applied."""
+        if not self.read_only:
+            return 0
+        if self._closed:
+            raise RuntimeError("tier is closed")
+        with self._data_lock:
+            return self._follow(force=True)
 
     def evict(self, keys: Sequence[Hashable]) -> int:
         """Drop pages now (pinned ones as soon as their reads finish); returns how many."""
@@ -183,7 +226,8 @@ class Tier:
                  backend_detail=self.backend.describe(),
                  backend_selected_because=getattr(self.backend, "selected_because", ""),
                  o_direct=self.store.direct, o_direct_reason=self.store.direct_reason,
-                 device=str(self.device), fingerprint=self.layout.fingerprint)
+                 device=str(self.device), fingerprint=self.layout.fingerprint,
+                 read_only=self.read_only)
         return s
 
     def close(self) -> None:
@@ -196,7 +240,8 @@ class Tier:
             try:
                 self.backend.close()
                 try:
-                    self._maybe_compact()
+                    if not self.read_only:  # the journal is the writer's
+                        self._maybe_compact()
                 except OSError as exc:  # e.g. ENOSPC: the long journal is still valid
                     log.warning("gdskv: journal compaction at close failed: %s", exc)
             finally:
@@ -315,6 +360,8 @@ class Tier:
         if self._closed:
             raise RuntimeError("tier is closed")
         with self._data_lock:
+            if self.read_only:
+                self._follow()
             if self._stream is None:
                 return fn(keys, copier)
             with torch.cuda.stream(self._stream):
@@ -493,9 +540,33 @@ class Tier:
     # -- directory persistence ------------------------------------------------------------------
     def _recover(self) -> None:
         t0 = time.perf_counter()
-        live, nrec = self.journal.replay()
+        if self.read_only:  # never cut, rewrite or compact the writer's journal
+            _, records = self.journal.poll()
+            live, nrec = live_records(records), len(records)
+        else:
+            live, nrec = self.journal.replay()
+        recovered = self._newest_per_slot(live, self.store.replaced_files)
+        self.directory.load([r.key for r in recovered], [r.slot for r in recovered],
+                            [r.checksum for r in recovered], [r.algorithm for r in recovered])
+        if self.read_only:
+            self._slot_seq[[r.slot for r in recovered]] = [r.seq for r in recovered]
+        self._live_at_open = len(recovered)
+        if not self.read_only and nrec > 2 * len(recovered) + 1024:
+            try:
+                self.journal.rewrite(recovered)
+            except OSError as exc:  # e.g. ENOSPC: the long journal is still valid
+                log.warning("gdskv: journal compaction at open failed: %s", exc)
+        self._stats.add(recovered_pages=len(recovered),
+                        recovery_seconds=time.perf_counter() - t0)
+        if recovered:
+            log.info("gdskv: recovered %d pages from %s in %.3f s", len(recovered),
+                     self.journal.path, time.perf_counter() - t0)
+
+    def _newest_per_slot(self, live: dict, replaced: set[int]) -> list[Record]:
+        """The journal's live COMMITs this store can serve, the newest one per slot, oldest
+        first (LRU order)."""
         by_slot: dict[int, Record] = {}
-        replaced, unknown = self.store.replaced_files, 0
+        unknown = 0
         for rec in live.values():
             if rec.slot >= self.store.num_slots or \
                     (replaced and self.store.location(rec.slot)[0] in replaced):
@@ -507,25 +578,68 @@ class Tier:
             if cur is None or rec.seq > cur.seq:  # a lost EVICT: the newer commit owns the slot
                 by_slot[rec.slot] = rec
         if unknown:
-            log.warning("gdskv: dropped %d pages checksummed with an algorithm this process "
-                        "cannot verify", unknown)
-        recovered = sorted(by_slot.values(), key=lambda r: r.seq)  # LRU order: oldest first
-        self.directory.load([r.key for r in recovered], [r.slot for r in recovered],
-                            [r.checksum for r in recovered], [r.algorithm for r in recovered])
-        self._live_at_open = len(by_slot)
-        if nrec > 2 * len(by_slot) + 1024:
-            try:
-                self.journal.rewrite(recovered)
-            except OSError as exc:  # e.g. ENOSPC: the long journal is still valid
-                log.warning("gdskv: journal compaction at open failed: %s", exc)
-        self._stats.add(recovered_pages=len(by_slot),
-                        recovery_seconds=time.perf_counter() - t0)
-        if by_slot:
-            log.info("gdskv: recovered %d pages from %s in %.3f s", len(by_slot),
-                     self.journal.path, time.perf_counter() - t0)
+            self._log_once("unknown-algo", "gdskv: dropped %d pages checksummed with an "
+                           "algorithm this process cannot verify", unknown)
+        return sorted(by_slot.values(), key=lambda r: r.seq)  # LRU order: oldest first
+
+    # -- read-only follower ---------------------------------------------------------------------
+    def _follow_if_idle(self) -> None:
+        """Catch up before a metadata query, unless a data call (which catches up itself)
+        holds the lock: a query never waits behind I/O."""
+        if self._closed or not self._data_lock.acquire(blocking=False):
+            return
+        try:
+            self._follow()
+        finally:
+            self._data_lock.release()
+
+    def _follow(self, force: bool = False) -> int:
+        """Apply the writer's journal records appended since the last catch-up (data lock
+        held, so no page is pinned). Returns how many records were applied."""
+        now = time.monotonic()
+        if not force and now - self._followed_at < self.FOLLOW_INTERVAL:
+            return 0
+        self._followed_at = now
+        try:
+            reset, records = self.journal.poll()
+        except OSError as exc:  # the pages we know stay readable (and verified)
+            self._log_once("follow", "read-only tier: cannot read the writer's journal %s: %s",
+                           self.journal.path, exc)
+            return 0
+        if reset:  # the writer compacted (or restarted and cut) its journal: start over
+            recovered = self._newest_per_slot(live_records(records), set())
+            directory = PageDirectory(self.store.num_slots, evict=False, follower=True)
+            directory.load([r.key for r in recovered], [r.slot for r in recovered],
+                           [r.checksum for r in recovered], [r.algorithm for r in recovered])
+            self._slot_seq[:] = 0
+            self._slot_seq[[r.slot for r in recovered]] = [r.seq for r in recovered]
+            self.directory = directory
+            self._stats.add(follower_resets=1, follower_records=len(records))
+            return len(records)
+        commit, num_slots, seqs = RecordKind.COMMIT, self.store.num_slots, self._slot_seq
+        applied = 0
+        for rec in records:
+            if rec.kind is commit:
+                if rec.slot >= num_slots or rec.seq < int(seqs[rec.slot]) or \
+                        not checksum.known(rec.algorithm):
+                    continue
+                if self.directory.place(rec.key, rec.slot, rec.checksum, rec.algorithm):
+                    seqs[rec.slot] = rec.seq
+                    applied += 1
+            elif self.directory.drop(rec.key, rec.slot):
+                applied += 1
+        if records:
+            self._stats.add(follower_records=len(records))
+        return applied
+
+    def _refuse_put(self, keys) -> list[bool]:
+        keys = self._check_keys(keys)
+        self._log_once("read-only", "read-only tier: puts store nothing (the writer's process "
+                       "owns the store)")
+        return [False] * len(keys)
 
     def _journal_evictions(self, evicted: list[tuple[Hashable, int]]) -> None:
-        if not evicted:
+        if not evicted or self.read_only:  # a follower only forgets pages locally
             return
         try:
             self.journal.append(Record(RecordKind.EVICT, self.journal.next_seq(), slot, 0, 0, key)
