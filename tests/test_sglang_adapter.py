@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import time
 
 import pytest
 import torch
@@ -295,6 +296,58 @@ def test_mla_only_the_writer_rank_writes(tmp_path):
     finally:
         writer.close()
         follower.close()
+
+
+@pytest.mark.parametrize("layout", ["page_first_direct", "page_first", "layer_first"])
+def test_mla_tp2_other_rank_reads_the_writers_pages(tmp_path, monkeypatch, layout):
+    """MLA with TP=2: rank 0 writes; rank 1 (its own adapter, its own host pool) follows the
+    writer's store read-only and gets hits with bit-exact pages, including pages written after
+    it opened. SGLang takes the minimum hit count over ranks, so both must see them."""
+    import gdskv.adapters.sglang as adapter
+    monkeypatch.setattr(adapter, "FOLLOWER_RETRY_S", 0.0)  # retry the open on every call
+    n = 150
+    hashes = page_hashes(n, seed=20)
+    src_pool, dst_pool = build_pool(True, layout), build_pool(True, layout)
+    fill_random(src_pool, seed=21)
+    src_pages = list(range(n))
+    dst_pages = torch.randperm(2 * NUM_PAGES, generator=torch.Generator().manual_seed(22))[:n]
+    dst_pages = dst_pages.tolist()
+    # Rank 1 starts before rank 0 has made the store: misses, no error, no files of its own.
+    rank1 = attach(storage_config(tmp_path, mla=True, tp_rank=1, tp_size=2), dst_pool)
+    rank0 = None
+    try:
+        assert rank1.tier is None and controller_hit_query(rank1, hashes) == 0
+        assert rank1.batch_get_v1(hashes[:2], host_indices_for(dst_pages[:2])) == [False] * 2
+        shard = os.path.join(str(tmp_path / "l3"), rank1.model_name, rank1.shard_dir)
+        assert os.listdir(shard) == []  # the follower made no lock, manifest or slab file
+        rank0 = attach(storage_config(tmp_path, mla=True, tp_rank=0, tp_size=2), src_pool)
+        assert controller_backup(rank1, hashes, host_indices_for(src_pages)) == n  # no-op
+        assert controller_backup(rank0, hashes[:100], host_indices_for(src_pages[:100])) == 100
+        assert controller_hit_query(rank1, hashes) == 100  # opened the writer's store now
+        assert rank1.tier is not None and rank1.tier.read_only
+        assert rank1.tier.store.directories == rank0.tier.store.directories
+        # Pages the writer adds later show up at rank 1's next query.
+        assert controller_backup(rank0, hashes[100:], host_indices_for(src_pages[100:])) == 50
+        time.sleep(rank1.tier.FOLLOW_INTERVAL * 1.5)
+        assert controller_hit_query(rank1, hashes) == n
+        assert controller_prefetch(rank1, hashes, host_indices_for(dst_pages)) == n
+        for s_, d in zip(src_pages, dst_pages):
+            assert torch.equal(page_bytes(src_pool, s_), page_bytes(dst_pool, d))
+        st = rank1.tier_stats()
+        assert st["hits"] == n and st["corrupt_pages"] == 0 and st.get("bytes_written", 0) == 0
+        # The older per-page interface reads through the follower too.
+        target = dst_pool.get_dummy_flat_data_page()
+        assert rank1.exists(hashes[7])
+        assert rank1.get(hashes[7], target) is target
+        assert torch.equal(target.view(torch.uint8), page_bytes(src_pool, src_pages[7]))
+        # Writer evicts: rank 1 stops reporting the page.
+        rank0.tier.evict(rank0._storage_keys(hashes[:1]))
+        rank1.tier.refresh()
+        assert controller_hit_query(rank1, hashes) == 0
+    finally:
+        rank1.close()
+        if rank0 is not None:
+            rank0.close()
 
 
 def test_data_path_failures_become_false(tmp_path, caplog):

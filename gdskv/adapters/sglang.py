@@ -31,7 +31,10 @@ Sharding: each rank owns a store under ``<directory>/<model>/<shard>``; the shar
 store fingerprint carry model, TP/PP (and CP/DP where used) ranks, and keys get SGLang's
 ``_<model>_<tp_rank>_<tp_size>`` style suffix, so pages of another sharding never hit. For MLA the
 KV is the same on every TP rank: only the writer rank (``storage_config.is_storage_writer``) writes;
-the others answer ``batch_set_v1`` with success and store nothing, as SGLang's controller expects.
+the others answer ``batch_set_v1`` with success and store nothing, as SGLang's controller expects,
+and read the writer's store through a read-only follower tier (``TierConfig.read_only``), opened
+lazily: the writer may create the store after them, so until it exists their reads are misses
+and the open is retried at most every ``FOLLOWER_RETRY_S`` seconds.
 
 Data-path calls never raise and never return ``None``: a failure is logged once per kind and
 becomes a miss (``False`` / a shorter prefix), because an exception would kill SGLang's prefetch or
@@ -53,6 +56,7 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 
 from ..config import TierConfig
+from ..store import StoreError
 from ..layout import KVLayout
 from ..tier import Tier
 
@@ -67,6 +71,8 @@ _LAYOUTS = ("page_first_direct", "page_first", "layer_first")
 # One-byte KV types SGLang stores as raw bytes (fp8 caches): copies are byte-wise, so they are
 # carried under gdskv's one-byte dtype name.
 _BYTE_DTYPES = (torch.uint8, torch.int8)
+#: seconds between a non-writer MLA rank's attempts to open the writer's store
+FOLLOWER_RETRY_S = 1.0
 
 
 def _safe_name(text: str) -> str:
@@ -122,6 +128,9 @@ class GdskvHiCacheStorage(HiCacheStorage):
             (f"_dp{sc.dp_rank}" if sc.dp_rank else "")
         self.enable_metrics = bool(sc.enable_storage_metrics)
         self.tier: Optional[Tier] = None
+        self._follower_config: Optional[TierConfig] = None  # non-writer MLA ranks, until open
+        self._follower_tried = float("-inf")
+        self._follower_lock = threading.Lock()
         self.mem_pool_host = None
         self._pool_views = None
         self._logged: set[str] = set()
@@ -178,15 +187,48 @@ class GdskvHiCacheStorage(HiCacheStorage):
             os.makedirs(sub, exist_ok=True)
             dirs.append(sub)
         if self.is_mla and not self.is_writer:
-            # Nothing is written from here; the writer rank owns the store.
-            log.info("gdskv: MLA rank %d is not the storage writer: backups are skipped here",
-                     sc.tp_rank)
+            # Nothing is written from here; the writer rank owns the store and this rank
+            # follows it read-only (opened on first use: the writer may not have made it yet).
+            if not self.config.verify:
+                log.warning("gdskv: MLA rank %d is not the storage writer and verify is off: a "
+                            "read-only follower needs verify, so this rank reports misses",
+                            sc.tp_rank)
+                return
+            self._follower_config = self.config.replace(directories=tuple(dirs), read_only=True)
+            log.info("gdskv: MLA rank %d is not the storage writer: backups are skipped here, "
+                     "reads follow the writer's store in %s", sc.tp_rank, ", ".join(dirs))
+            self._open_follower()
             return
         self.tier = Tier(self.kv_layout, self.config.replace(directories=tuple(dirs)),
                          device=self.device)
         log.info("gdskv: %s pool (%s, %s), store %s, backend %s", layout_name,
                  "MLA" if self.is_mla else "MHA", self.kv_layout.fingerprint, ", ".join(dirs),
                  self.tier.backend.name)
+
+    def _open_follower(self) -> Optional[Tier]:
+        """The read-only tier over the writer rank's store, opened when the store exists."""
+        if self.tier is not None or self._follower_config is None:
+            return self.tier
+        now = time.monotonic()
+        if now - self._follower_tried < FOLLOWER_RETRY_S or \
+                not self._follower_lock.acquire(blocking=False):
+            return None
+        try:
+            if self.tier is None:
+                self._follower_tried = now
+                try:
+                    self.tier = Tier(self.kv_layout, self._follower_config, device=self.device)
+                except (StoreError, FileNotFoundError) as exc:
+                    self._log_once("follower-wait", "MLA follower: writer's store not "
+                                   "readable yet (%s); misses until it is, retrying", exc,
+                                   level=logging.INFO)
+                else:
+                    self._follower_config = None
+                    log.info("gdskv: MLA follower opened the writer's store %s (%d pages)",
+                             ", ".join(self.tier.store.directories), len(self.tier.directory))
+            return self.tier
+        finally:
+            self._follower_lock.release()
 
     def _as_pool(self, kv_layer_first: torch.Tensor):
         """(k, v) or the MLA tensor as the tier's KVPool takes it: [layers, tokens, heads, dim]."""
@@ -227,7 +269,7 @@ class GdskvHiCacheStorage(HiCacheStorage):
     def batch_exists(self, keys: List[str], extra_info=None) -> int:
         """How many leading keys are stored."""
         try:
-            if self.tier is None:
+            if self.tier is None and self._open_follower() is None:
                 return 0
             return int(self.tier.match_prefix(self._storage_keys(keys)))
         except Exception as exc:  # noqa: BLE001 - the data path never raises
@@ -239,7 +281,7 @@ class GdskvHiCacheStorage(HiCacheStorage):
         """Read pages into the host pool at ``host_indices``; per-page hit or miss."""
         n = len(keys)
         try:
-            if self.tier is None:
+            if self.tier is None and self._open_follower() is None:
                 return [False] * n
             t0 = time.perf_counter()
             skeys = self._storage_keys(keys)
@@ -279,7 +321,9 @@ class GdskvHiCacheStorage(HiCacheStorage):
     # -- the older per-page interface (SGLang's generic path) -----------------------------------
     def exists(self, key: str) -> bool:
         try:
-            return self.tier is not None and self.tier.contains(self._storage_keys([key])[0])
+            if self.tier is None and self._open_follower() is None:
+                return False
+            return self.tier.contains(self._storage_keys([key])[0])
         except Exception as exc:  # noqa: BLE001
             self._log_once("exists", "exists failed, reported as a miss: %r", exc)
             return False
@@ -296,7 +340,8 @@ class GdskvHiCacheStorage(HiCacheStorage):
                   target_sizes: Optional[Any] = None) -> List[torch.Tensor | None]:
         n = len(keys)
         try:
-            if self.tier is None or target_locations is None:
+            if target_locations is None or (self.tier is None and
+                                            self._open_follower() is None):
                 return [None] * n
             views = [self._flat_page_view(t) for t in target_locations]
             # Read into contiguous page-format buffers, then into the (maybe strided) targets.
@@ -370,10 +415,10 @@ class GdskvHiCacheStorage(HiCacheStorage):
             self._metrics[f"{kind}_pgs"].append(pages)
             self._metrics[f"{kind}_bandwidth"].append(gbps)
 
-    def _log_once(self, tag: str, msg: str, *args) -> None:
+    def _log_once(self, tag: str, msg: str, *args, level: int = logging.ERROR) -> None:
         if tag not in self._logged:
             self._logged.add(tag)
-            log.error("gdskv: " + msg, *args)
+            log.log(level, "gdskv: " + msg, *args)
 
 
 __all__ = ["GdskvHiCacheStorage"]
