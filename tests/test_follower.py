@@ -228,3 +228,36 @@ def test_follower_of_a_writer_in_another_process(store_dir):
         child.join(60)
         if child.is_alive():
             child.kill()
+
+
+def test_journal_follower_tails_and_notices_a_rewritten_tail(tmp_path):
+    from gdskv.journal import Journal, JournalFollower, Record, RecordKind, encode
+
+    path = str(tmp_path / "j.log")
+    fol = JournalFollower(path)
+    assert fol.poll() == (True, [])  # no journal yet: empty
+    j = Journal(path, sync=False)
+    recs = [Record(RecordKind.COMMIT, i + 1, i, 7, 1, f"k{i}") for i in range(3)]
+    j.append(recs[:2])
+    reset, got = fol.poll()
+    assert reset and got == recs[:2]
+    assert fol.poll() == (False, [])
+    # Half a record (an append in progress) waits for the next poll.
+    raw = encode(recs[2])
+    with open(path, "ab") as fh:
+        fh.write(raw[:5])
+    assert fol.poll() == (False, [])
+    with open(path, "ab") as fh:
+        fh.write(raw[5:])
+    assert fol.poll() == (False, [recs[2]])
+    # The writer cuts its tail (a failed append) and writes other records over it: the bytes
+    # the follower last read changed, so it starts over instead of decoding mid-record.
+    other = [Record(RecordKind.EVICT, 9, 0, 0, 0, "k0"),
+             Record(RecordKind.COMMIT, 10, 5, 8, 1, "a-much-longer-key-than-before")]
+    os.truncate(path, len(encode(recs[0])))
+    with open(path, "ab") as fh:
+        fh.write(b"".join(encode(r) for r in other))
+    reset, got = fol.poll()
+    assert reset and got == [recs[0]] + other
+    j.close()
+    fol.close()
