@@ -132,7 +132,8 @@ class Tier:
         self._pool_cache = None
         self._closed = False
         log.info("gdskv tier%s: %d slots of %d B in %s; backend %s; O_DIRECT %s (%s)",
-                 " (read-only follower)" if self.read_only else "", self.store.num_slots, layout.slot_bytes, ", ".join(self.store.directories),
+                 " (read-only follower)" if self.read_only else "", self.store.num_slots,
+                 layout.slot_bytes, ", ".join(self.store.directories),
                  self.backend.name, "on" if self.store.direct else "off", self.store.direct_reason)
 
     @classmethod
