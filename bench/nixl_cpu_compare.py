@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from gdskv.bench.cache import drop_page_cache
 from gdskv.backends.base import Extent, SlabFile
 from gdskv.backends.nixl import NixlBackend
 from gdskv.config import TierConfig, parse_size
@@ -23,13 +24,8 @@ from gdskv.memory import alloc_host, host_numpy
 
 
 def drop_caches() -> bool:
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
+    """Drop the whole page cache (root only); True if it was dropped."""
+    return drop_page_cache([])["drop_caches"]
 
 
 def open_files(d: str, n: int, per: int) -> list[SlabFile]:

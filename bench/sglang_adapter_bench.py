@@ -27,6 +27,8 @@ import time
 
 import torch
 
+from gdskv.bench.cache import drop_page_cache
+
 
 def _args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -51,13 +53,8 @@ def _args(argv=None):
 
 
 def _drop_caches() -> bool:
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
+    """Drop the whole page cache (root only); True if it was dropped."""
+    return drop_page_cache([])["drop_caches"]
 
 
 def _config(args, extra: dict):

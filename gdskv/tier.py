@@ -467,6 +467,9 @@ class Tier:
             for n, chunk in enumerate(chunks):
                 if len(pending) == len(self._staging):
                     self._finish_read(keys, *pending.popleft(), drain, results, corrupt)
+                    # The scatter just queued still reads this part: let it finish before the
+                    # backend's threads overwrite the part with the next chunk.
+                    self._device_ready()
                 part = self._staging[n % len(self._staging)]
                 extents = self.store.extents([s for _, s, _ in chunk])
                 pending.append((chunk, part, extents, self.backend.read(part, extents),
