@@ -279,43 +279,37 @@ class GdskvHiCacheStorage(HiCacheStorage):
     def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor,
                      extra_info=None) -> List[bool]:
         """Read pages into the host pool at ``host_indices``; per-page hit or miss."""
-        n = len(keys)
-        try:
-            if self.tier is None and self._open_follower() is None:
-                return [False] * n
-            t0 = time.perf_counter()
-            skeys = self._storage_keys(keys)
-            if self._pool_views is None:
-                res = self.tier.get_pages(skeys, self._page_regions(host_indices, n))
-            else:
-                res = self.tier.get(skeys, self._pool_views, host_indices)
-            self._record("prefetch", sum(res), time.perf_counter() - t0)
-            return [bool(r) for r in res]
-        except Exception as exc:  # noqa: BLE001
-            self._log_once("get", "batch_get_v1 of %d pages failed, reported as misses: %r",
-                           n, exc)
-            return [False] * n
+        if self.tier is None and self._open_follower() is None:
+            return [False] * len(keys)
+        return self._transfer("get", keys, host_indices)
 
     def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor,
                      extra_info=None) -> List[bool]:
         """Write host-pool pages at ``host_indices``; per-page success."""
-        n = len(keys)
         if self.is_mla and not self.is_writer:
-            return [True] * n  # the writer rank stores this (identical) MLA page
+            return [True] * len(keys)  # the writer rank stores this (identical) MLA page
+        return self._transfer("set", keys, host_indices)
+
+    def _transfer(self, op: str, keys: List[str], host_indices: torch.Tensor) -> List[bool]:
+        """One v1 batch through the tier; any failure is a miss / not stored, never raised."""
+        n = len(keys)
         try:
             if self.tier is None:
                 return [False] * n
             t0 = time.perf_counter()
             skeys = self._storage_keys(keys)
             if self._pool_views is None:
-                res = self.tier.put_pages(skeys, self._page_regions(host_indices, n))
+                pages = self._page_regions(host_indices, n)
+                res = (self.tier.get_pages if op == "get" else self.tier.put_pages)(skeys, pages)
             else:
-                res = self.tier.put(skeys, self._pool_views, host_indices)
-            self._record("backup", sum(res), time.perf_counter() - t0)
+                res = (self.tier.get if op == "get" else self.tier.put)(
+                    skeys, self._pool_views, host_indices)
+            self._record("prefetch" if op == "get" else "backup", sum(res),
+                         time.perf_counter() - t0)
             return [bool(r) for r in res]
-        except Exception as exc:  # noqa: BLE001
-            self._log_once("set", "batch_set_v1 of %d pages failed, reported as not stored: %r",
-                           n, exc)
+        except Exception as exc:  # noqa: BLE001 - the data path never raises
+            self._log_once(op, "batch_%s_v1 of %d pages failed, reported as %s: %r", op, n,
+                           "misses" if op == "get" else "not stored", exc)
             return [False] * n
 
     # -- the older per-page interface (SGLang's generic path) -----------------------------------
