@@ -16,6 +16,7 @@ position for gdskv/hicachefile, store slot for raw), shuffled for the ``rand*`` 
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import glob
 import hashlib
@@ -92,16 +93,24 @@ def _mismatched_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.reshape(a.shape[0], -1) != b.reshape(b.shape[0], -1)).any(dim=1)
 
 
-class Engine:
+class Engine(abc.ABC):
     name = "?"
 
     def __init__(self, spec: EngineSpec) -> None:
         self.spec = spec
         self.loc = [_locations(spec, t) for t in range(spec.threads)]
 
-    def open(self) -> None: ...
-    def write(self, thread: int, pages: Sequence[int]) -> int: ...
-    def read(self, thread: int, pages: Sequence[int]) -> int: ...
+    @abc.abstractmethod
+    def open(self) -> None:
+        """Create or attach the storage (untimed)."""
+
+    @abc.abstractmethod
+    def write(self, thread: int, pages: Sequence[int]) -> int:
+        """Store these pages; returns how many were stored."""
+
+    @abc.abstractmethod
+    def read(self, thread: int, pages: Sequence[int]) -> int:
+        """Load these pages; returns how many were loaded."""
 
     def forget(self, thread: int, pages: Sequence[int]) -> None:
         """Make the next write of these pages a real write (engines skip stored keys)."""
@@ -113,9 +122,9 @@ class Engine:
     def invalidate(self) -> dict[str, Any]:
         return drop_page_cache(self.files())
 
+    @abc.abstractmethod
     def verify(self, thread: int, pages: Sequence[int]) -> int:
         """How many of ``pages`` (read since the last write) differ from what was written."""
-        raise NotImplementedError
 
     def info(self) -> dict[str, Any]:
         return {}
