@@ -75,6 +75,19 @@ def clone_rows(rows):
     return [[r.clone() for r in layers] for layers in rows]
 
 
+def zeroed_rows(rows):
+    """Zero-filled rows of the same shapes (a scatter target)."""
+    return [[torch.zeros_like(r) for r in layers] for layers in rows]
+
+
+def assert_rows_match_at(a, b, slots) -> None:
+    """Every K/V layer of ``a`` equals ``b`` at the token ``slots``."""
+    idx = slots.long()
+    for xs, ys in zip(a, b, strict=True):
+        for x, y in zip(xs, ys, strict=True):
+            assert torch.equal(x[idx], y[idx])
+
+
 def rows_equal(a, b) -> bool:
     return all(torch.equal(x, y) for xs, ys in zip(a, b) for x, y in zip(xs, ys))
 
@@ -246,14 +259,9 @@ def test_dispatcher_follows_device_and_env(monkeypatch):
     assert uses_triton(torch.device("cpu"))
     gather_pages(rows, layout, slots, staging)
     assert torch.equal(staging, expected)
-    fresh = clone_rows(rows)
-    for layers in fresh:
-        for r in layers:
-            r.zero_()
+    fresh = zeroed_rows(rows)
     scatter_pages(fresh, layout, slots, staging)
-    for kv in range(layout.kv_count):
-        for layer in range(layout.num_layers):
-            assert torch.equal(fresh[kv][layer][slots.long()], rows[kv][layer][slots.long()])
+    assert_rows_match_at(fresh, rows, slots)
 
 
 # -- checksums ---------------------------------------------------------------------------------
@@ -371,14 +379,9 @@ def test_cuda_model_geometries(mla, page_size):
     gather_pages_reference(rows, layout, slots, expected)
     gather_pages_triton(rows, layout, slots, staging)
     assert torch.equal(staging, expected)
-    target = clone_rows(rows)
-    for layers in target:
-        for r in layers:
-            r.zero_()
+    target = zeroed_rows(rows)
     scatter_pages_triton(target, layout, slots, staging)
-    for kv in range(layout.kv_count):
-        for layer in range(layout.num_layers):
-            assert torch.equal(target[kv][layer][slots], rows[kv][layer][slots])
+    assert_rows_match_at(target, rows, slots)
     sums = page_checksums_triton(staging, num_pages, layout.page_bytes, layout.slot_bytes)
     assert torch.equal(sums.cpu(), page_checksums_reference(staging.cpu(), num_pages,
                                                             layout.page_bytes, layout.slot_bytes))
