@@ -404,9 +404,6 @@ def _run_phases(engine: Engine, plan: JobPlan, config: TierConfig, made: list[st
     notes = list(plan.notes)
     if info.get("note"):
         notes.append(info["note"])
-    if plan.engine == "gdskv" and (o.numjobs > 1 or o.iodepth > 1):
-        notes.append("the tier runs data-path calls one at a time: numjobs/iodepth > 1 queue "
-                     "batches, the tier's own pipeline and I/O threads give the parallelism")
     if "tier_stats" in info:
         g["tier_stats"] = info["tier_stats"]
     g["note"] = "; ".join(notes)

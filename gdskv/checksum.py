@@ -15,6 +15,7 @@ is dropped at recovery: it cannot be verified, so it is a miss, never unchecked 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import numpy as np
@@ -36,7 +37,7 @@ class PageChecksummer:
     def __init__(self, layout: KVLayout) -> None:
         self.page_bytes = layout.page_bytes
         self.slot_bytes = layout.slot_bytes
-        self._host: torch.Tensor | None = None
+        self._local = threading.local()  # a host copy buffer per thread: calls run concurrently
 
     def compute(self, staging: torch.Tensor, num_pages: int) -> np.ndarray:
         """uint64 checksum of each of the first ``num_pages`` pages of ``staging``."""
@@ -51,10 +52,12 @@ class PageChecksummer:
         if staging.device.type == "cpu":
             return staging
         n = num_pages * self.slot_bytes
-        if self._host is None or self._host.numel() < n:
-            self._host = torch.empty(staging.numel(), dtype=torch.uint8, pin_memory=True)
-        self._host[:n].copy_(staging[:n])
-        return self._host
+        host = getattr(self._local, "host", None)
+        if host is None or host.numel() < n:
+            host = self._local.host = torch.empty(staging.numel(), dtype=torch.uint8,
+                                                  pin_memory=True)
+        host[:n].copy_(staging[:n])
+        return host
 
 
 class GpuPageChecksummer:

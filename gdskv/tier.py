@@ -2,13 +2,19 @@
 
 Spill (``put``): reserve slots in the directory -> gather pages into one part of the staging
 buffer -> checksum -> ``backend.write`` -> (fdatasync per sync policy) -> journal COMMIT ->
-directory READY. The staging buffer has ``pipeline_depth`` parts: while the others' writes are
-in flight the next chunk is gathered into a free part.
+directory READY. The staging buffer has ``pipeline_depth`` parts (:mod:`.staging`): while the
+others' writes are in flight the next chunk is gathered into a free part.
 
 Restore (``get``): pin READY pages -> ``backend.read`` chunks into the staging parts -> verify
 checksums -> scatter into the engine's slots -> unpin. While one chunk is scattered the next is
 read. A page that is missing, fails I/O or fails its checksum is a miss (``False``), never an
 exception and never wrong bytes.
+
+Data calls from several threads run concurrently and share the staging parts (``put_async`` /
+``get_async`` run on ``pipeline_depth`` workers): one call's fixed costs (fdatasync, journal,
+verification, Python) overlap the others' I/O. A call that finds no free part finishes its own
+oldest chunk first, so calls never wait on each other in a cycle. Follower catch-up, ``clear``
+and ``close`` wait for the calls in flight and run alone.
 
 Read-only followers (``config.read_only``): a tier in another process over a store some writer
 tier owns (e.g. the non-writing TP ranks of an MLA model). It takes no lock and writes nothing:
@@ -22,6 +28,7 @@ is why followers must verify.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 import threading
@@ -40,9 +47,10 @@ from .backends.base import Extent, IOOutcome
 from .config import ConfigError, Eviction, SyncPolicy, TierConfig
 from .directory import PageDirectory, PageState
 from .journal import Journal, JournalFollower, Record, RecordKind, check_key, live_records
-from .layout import ALIGNMENT, KVLayout
-from .memory import alloc_host, cuda_available
+from .layout import KVLayout
+from .memory import cuda_available
 from .pool import KVPool
+from .staging import StagingParts
 from .stats import TierStats
 from .store import SlabStore
 
@@ -61,8 +69,61 @@ def _leaf_tensors(pool) -> list:
     return [pool]
 
 
+class _CallGate:
+    """Data calls enter shared; follower catch-up, clear and close enter alone (exclusive).
+
+    A waiting exclusive entry holds back new shared ones, so it is not starved by a stream of
+    overlapping calls."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._active = 0
+        self._alone = False
+        self._waiting = 0
+
+    @contextlib.contextmanager
+    def shared(self):
+        with self._cond:
+            while self._alone or self._waiting:
+                self._cond.wait()
+            self._active += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._active -= 1
+                if not self._active:
+                    self._cond.notify_all()
+
+    def enter_alone(self, blocking: bool = True) -> bool:
+        with self._cond:
+            if not blocking and (self._active or self._alone):
+                return False
+            self._waiting += 1
+            try:
+                while self._active or self._alone:
+                    self._cond.wait()
+            finally:
+                self._waiting -= 1
+            self._alone = True
+            return True
+
+    def leave_alone(self) -> None:
+        with self._cond:
+            self._alone = False
+            self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def alone(self):
+        self.enter_alone()
+        try:
+            yield
+        finally:
+            self.leave_alone()
+
+
 class Tier:
-    """A KV page tier over one slab store. Thread-safe; data-path calls run one at a time.
+    """A KV page tier over one slab store. Thread-safe; data calls from several threads overlap.
 
     Args:
         layout: the KV geometry this tier stores (must match an existing store's).
@@ -120,15 +181,17 @@ class Tier:
                 self.journal.close()
             self.store.close()
             raise
-        self._staging = self._alloc_staging()
+        self._staging = StagingParts(self._chunk_pages * layout.slot_bytes, depth, self.device)
         # Gather/scatter run on the tier's own stream so the engine's stream is never blocked
         # behind our I/O; the tier stream waits only for the engine work issued before a call.
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         if self._stream is not None:
             self._warm_up_kernels()
-        self._data_lock = threading.Lock()
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="gdskv-tier")
+            self._warm_up_backend()
+        self._gate = _CallGate()
+        self._worker = ThreadPoolExecutor(depth, thread_name_prefix="gdskv-tier")
         self._offers: collections.OrderedDict = collections.OrderedDict()
+        self._offers_lock = threading.Lock()
         self._pool_cache = None
         self._closed = False
         log.info("gdskv tier%s: %d slots of %d B in %s; backend %s; O_DIRECT %s (%s)",
@@ -149,12 +212,12 @@ class Tier:
         if self.read_only:
             return self._refuse_put(keys)
         keys, fill = self._pool_copier(keys, kv_pool, token_slots, kd.gather_pages)
-        return self._run(self._put_locked, keys, fill, self._engine_event())
+        return self._run(self._put, keys, fill, self._engine_event())
 
     def get(self, keys: Sequence[Hashable], kv_pool, token_slots) -> list[bool]:
         """Restore pages into ``kv_pool`` at ``token_slots``; per-page hit (True) or miss."""
         keys, drain = self._pool_copier(keys, kv_pool, token_slots, kd.scatter_pages)
-        return self._run(self._get_locked, keys, drain, self._engine_event())
+        return self._run(self._get, keys, drain, self._engine_event())
 
     def put_async(self, keys, kv_pool, token_slots) -> Future:
         if self.read_only:
@@ -162,11 +225,11 @@ class Tier:
             fut.set_result(self._refuse_put(keys))
             return fut
         keys, fill = self._pool_copier(keys, kv_pool, token_slots, kd.gather_pages)
-        return self._worker.submit(self._run, self._put_locked, keys, fill, self._engine_event())
+        return self._worker.submit(self._run, self._put, keys, fill, self._engine_event())
 
     def get_async(self, keys, kv_pool, token_slots) -> Future:
         keys, drain = self._pool_copier(keys, kv_pool, token_slots, kd.scatter_pages)
-        return self._worker.submit(self._run, self._get_locked, keys, drain, self._engine_event())
+        return self._worker.submit(self._run, self._get, keys, drain, self._engine_event())
 
     def put_pages(self, keys: Sequence[Hashable], pages: Sequence[Sequence[torch.Tensor]]
                   ) -> list[bool]:
@@ -175,13 +238,13 @@ class Tier:
         if self.read_only:
             return self._refuse_put(keys)
         keys, fill = self._region_copier(keys, pages, to_staging=True)
-        return self._run(self._put_locked, keys, fill, self._engine_event())
+        return self._run(self._put, keys, fill, self._engine_event())
 
     def get_pages(self, keys: Sequence[Hashable], pages: Sequence[Sequence[torch.Tensor]]
                   ) -> list[bool]:
         """Restore pages into page-format byte regions (see :meth:`put_pages`)."""
         keys, drain = self._region_copier(keys, pages, to_staging=False)
-        return self._run(self._get_locked, keys, drain, self._engine_event())
+        return self._run(self._get, keys, drain, self._engine_event())
 
     def contains(self, key: Hashable) -> bool:
         if self.read_only:
@@ -201,7 +264,7 @@ class Tier:
             return 0
         if self._closed:
             raise RuntimeError("tier is closed")
-        with self._data_lock:
+        with self._gate.alone():
             return self._follow(force=True)
 
     def evict(self, keys: Sequence[Hashable]) -> int:
@@ -214,7 +277,7 @@ class Tier:
 
     def clear(self) -> None:
         """Drop every page."""
-        with self._data_lock:
+        with self._gate.alone():
             keys = [k for k, _, _ in self.directory.ready_items()]
             self._journal_evictions(self.directory.remove(keys))
 
@@ -237,7 +300,7 @@ class Tier:
         self._closed = True
         self._pool_cache = None
         self._worker.shutdown(wait=True)
-        with self._data_lock:
+        with self._gate.alone():  # calls other threads still run end first
             try:
                 self.backend.close()
                 try:
@@ -349,6 +412,16 @@ class Tier:
                 kd.scatter_pages(rows, lay, slots, self._staging[0])
         self._stream.synchronize()
 
+    def _warm_up_backend(self) -> None:
+        """Read into every staging part once, now: from GPU memory the backends bounce through
+        pinned host buffers they allocate on first use (kvikio's compat-mode bounce buffers,
+        the posix/NIXL host mirrors), which cost the first spill ~80 ms on an H100. Reads the
+        first slots, into staging only; a failure (e.g. files not grown yet) changes nothing."""
+        extents = self.store.extents(range(min(self._chunk_pages, self.store.num_slots)))
+        futures = [self.backend.read(part, extents) for part in self._staging.parts]
+        for fut in futures:
+            fut.exception()
+
     def _engine_event(self):
         """An event after the caller's queued GPU work (the pool writes we are to read)."""
         if self._stream is None:
@@ -360,32 +433,46 @@ class Tier:
     def _run(self, fn, keys, copier, engine_event=None) -> list[bool]:
         if self._closed:
             raise RuntimeError("tier is closed")
-        with self._data_lock:
-            if self.read_only:
+        if self.read_only and self._follow_due():
+            with self._gate.alone():
                 self._follow()
+        with self._gate.shared():
+            if self._closed:
+                raise RuntimeError("tier is closed")
             if self._stream is None:
                 return fn(keys, copier)
             with torch.cuda.stream(self._stream):
                 self._stream.wait_event(engine_event)
                 return fn(keys, copier)
 
-    def _alloc_staging(self) -> list[torch.Tensor]:
-        """``pipeline_depth`` equal, 4 KiB-aligned parts of one staging allocation."""
-        part, depth = self._chunk_pages * self.layout.slot_bytes, self.config.pipeline_depth
-        if self.device.type == "cpu":
-            raw = alloc_host(depth * part)
-            return [raw[i * part:(i + 1) * part] for i in range(depth)]
-        raw = torch.empty(depth * part + ALIGNMENT, dtype=torch.uint8, device=self.device)
-        skew = (-raw.data_ptr()) % ALIGNMENT
-        return [raw[skew + i * part:skew + (i + 1) * part] for i in range(depth)]
-
-    def _device_ready(self) -> None:
-        """Wait for the copies issued so far (before I/O threads read staging, or before a get
-        returns to the engine)."""
+    def _copies_done(self) -> None:
+        """Wait for the GPU copies this thread queued so far (before I/O threads read a part
+        it gathered into, or before a get returns to the engine)."""
         if self._stream is not None:
-            self._stream.synchronize()
+            done = torch.cuda.Event()
+            done.record(self._stream)
+            done.synchronize()
 
-    def _put_locked(self, keys: list, fill: PageCopier) -> list[bool]:
+    def _scatter_event(self):
+        """An event after the scatter just queued: the part it reads is free after it."""
+        if self._stream is None:
+            return None
+        ev = torch.cuda.Event()
+        ev.record(self._stream)
+        return ev
+
+    def _take_part(self, pending: collections.deque, finish_oldest: Callable[[], None]) -> int:
+        """A free staging part. With none free, a call finishes its own oldest chunk (which
+        frees a part) before it waits for other calls' parts: no cycle of waiting calls."""
+        while True:
+            i = self._staging.try_take()
+            if i is not None:
+                return i
+            if not pending:
+                return self._staging.take()
+            finish_oldest()
+
+    def _put(self, keys: list, fill: PageCopier) -> list[bool]:
         results = [False] * len(keys)
         admitted = self._admit(keys)
         res = self.directory.reserve([keys[i] for i in admitted])
@@ -404,27 +491,36 @@ class Tier:
         todo.sort(key=lambda t: t[1])  # adjacent slots coalesce into one I/O
         chunks = [todo[k:k + self._chunk_pages] for k in range(0, len(todo), self._chunk_pages)]
         pending: collections.deque = collections.deque()
-        done_upto = 0
+        finished = 0
+        held = None  # a part taken for the current chunk, not yet handed to the backend
+
+        def finish_oldest() -> None:
+            nonlocal finished
+            self._finish_write(keys, *pending.popleft(), results)
+            finished += 1
+
         try:
-            for n, chunk in enumerate(chunks):
-                if len(pending) == len(self._staging):  # all parts busy: finish the oldest
-                    self._finish_write(keys, *pending.popleft(), results)
-                    done_upto += 1
-                part = self._staging[n % len(self._staging)]
+            for chunk in chunks:
+                held = self._take_part(pending, finish_oldest)
+                part = self._staging[held]
                 fill(part, [i for i, _ in chunk])
                 sums = self._checksums.compute(part, len(chunk)) if self.config.verify \
                     else np.zeros(len(chunk), dtype=np.uint64)
-                self._device_ready()
+                self._copies_done()
                 extents = self.store.extents([s for _, s in chunk])
-                pending.append((chunk, sums, extents, self.backend.write(part, extents),
-                                time.perf_counter()))
+                fut = self.backend.write(part, extents)
+                # the part is free once its bytes are written: fdatasync and journal need not it
+                fut.add_done_callback(lambda _f, i=held: self._staging.give_back(i))
+                held = None
+                pending.append((chunk, sums, extents, fut, time.perf_counter()))
             while pending:
-                self._finish_write(keys, *pending.popleft(), results)
-                done_upto += 1
+                finish_oldest()
         except BaseException:
+            if held is not None:
+                self._staging.give_back(held)
             for item in pending:  # let in-flight I/O end before giving its slots back
                 item[3].exception()
-            self.directory.abort([s for c in chunks[done_upto:] for _, s in c])
+            self.directory.abort([s for c in chunks[finished:] for _, s in c])
             raise
         self._stats.add(put_pages=len(keys), put_stored=sum(results))
         return results
@@ -455,7 +551,7 @@ class Tier:
         self._stats.add(bytes_written=len(ok) * self.layout.page_bytes,
                         write_seconds=time.perf_counter() - t0, write_failed=len(failed))
 
-    def _get_locked(self, keys: list, drain: PageCopier) -> list[bool]:
+    def _get(self, keys: list, drain: PageCopier) -> list[bool]:
         results = [False] * len(keys)
         pins = self.directory.pin(keys)
         todo = sorted(((i, p[0], p[1]) for i, p in enumerate(pins) if p is not None),
@@ -463,23 +559,28 @@ class Tier:
         chunks = [todo[k:k + self._chunk_pages] for k in range(0, len(todo), self._chunk_pages)]
         corrupt: list = []
         pending: collections.deque = collections.deque()
+        held = None
+
+        def finish_oldest() -> None:
+            self._finish_read(keys, *pending.popleft(), drain, results, corrupt)
+
         try:
-            for n, chunk in enumerate(chunks):
-                if len(pending) == len(self._staging):
-                    self._finish_read(keys, *pending.popleft(), drain, results, corrupt)
-                    # The scatter just queued still reads this part: let it finish before the
-                    # backend's threads overwrite the part with the next chunk.
-                    self._device_ready()
-                part = self._staging[n % len(self._staging)]
+            for chunk in chunks:
+                held = self._take_part(pending, finish_oldest)
                 extents = self.store.extents([s for _, s, _ in chunk])
-                pending.append((chunk, part, extents, self.backend.read(part, extents),
+                pending.append((chunk, held, extents, self.backend.read(self._staging[held],
+                                                                         extents),
                                 time.perf_counter()))
+                held = None
             while pending:
-                self._finish_read(keys, *pending.popleft(), drain, results, corrupt)
-            self._device_ready()
+                finish_oldest()
+            self._copies_done()
         finally:
-            for item in pending:
+            if held is not None:
+                self._staging.give_back(held)
+            for item in pending:  # not drained: its part is free once its read has ended
                 item[3].exception()
+                self._staging.give_back(item[1])
             freed = self.directory.unpin([s for _, s, _ in todo])
             self._journal_evictions(freed)
             if corrupt:
@@ -489,30 +590,37 @@ class Tier:
                         corrupt_pages=len(corrupt))
         return results
 
-    def _finish_read(self, keys, chunk, part, extents, fut: Future, t0: float, drain: PageCopier,
-                     results: list[bool], corrupt: list) -> None:
-        outcome: IOOutcome = fut.result()
-        failed = self._failed_positions(outcome, extents, "read")
-        if self.config.verify:
-            sums = self._verify_sums(part, chunk)
-            for pos, (i, _, want) in enumerate(chunk):
-                if pos not in failed and int(sums[pos]) != want:
-                    failed.add(pos)
-                    corrupt.append(keys[i])
-            if corrupt:
-                self._log_once("corrupt", "checksum mismatch: %d pages dropped as misses "
-                               "(first key %r)", len(corrupt), corrupt[0])
-        good = [pos for pos in range(len(chunk)) if pos not in failed]
-        if good:
-            if len(good) == len(chunk):
-                drain(part, [i for i, _, _ in chunk])
-            else:  # only verified pages reach the engine: pack them to the front first
-                packed = torch.empty(len(good) * self.layout.slot_bytes, dtype=torch.uint8,
-                                     device=part.device)
-                sb = self.layout.slot_bytes
-                for j, pos in enumerate(good):
-                    packed[j * sb:(j + 1) * sb].copy_(part[pos * sb:(pos + 1) * sb])
-                drain(packed, [chunk[pos][0] for pos in good])
+    def _finish_read(self, keys, chunk, part_index: int, extents, fut: Future, t0: float,
+                     drain: PageCopier, results: list[bool], corrupt: list) -> None:
+        part = self._staging[part_index]
+        try:
+            outcome: IOOutcome = fut.result()
+            failed = self._failed_positions(outcome, extents, "read")
+            if self.config.verify:
+                sums = self._verify_sums(part, chunk)
+                bad = []
+                for pos, (i, _, want) in enumerate(chunk):
+                    if pos not in failed and int(sums[pos]) != want:
+                        failed.add(pos)
+                        bad.append(keys[i])
+                if bad:
+                    corrupt.extend(bad)
+                    self._log_once("corrupt", "checksum mismatch: %d pages dropped as misses "
+                                   "(first key %r)", len(bad), bad[0])
+            good = [pos for pos in range(len(chunk)) if pos not in failed]
+            if good:
+                if len(good) == len(chunk):
+                    drain(part, [i for i, _, _ in chunk])
+                else:  # only verified pages reach the engine: pack them to the front first
+                    packed = torch.empty(len(good) * self.layout.slot_bytes, dtype=torch.uint8,
+                                         device=part.device)
+                    sb = self.layout.slot_bytes
+                    for j, pos in enumerate(good):
+                        packed[j * sb:(j + 1) * sb].copy_(part[pos * sb:(pos + 1) * sb])
+                    drain(packed, [chunk[pos][0] for pos in good])
+        finally:
+            # Free as soon as the scatter is queued; its next user waits for this event.
+            self._staging.give_back(part_index, self._scatter_event())
         for pos in good:
             results[chunk[pos][0]] = True
         self._stats.add(bytes_read=len(good) * self.layout.page_bytes,
@@ -588,18 +696,21 @@ class Tier:
 
     # -- read-only follower ---------------------------------------------------------------------
     def _follow_if_idle(self) -> None:
-        """Catch up before a metadata query, unless a data call (which catches up itself)
-        holds the lock: a query never waits behind I/O."""
-        if self._closed or not self._data_lock.acquire(blocking=False):
+        """Catch up before a metadata query, unless data calls are in flight (they catch up
+        themselves): a query never waits behind I/O."""
+        if self._closed or not self._follow_due() or not self._gate.enter_alone(blocking=False):
             return
         try:
             self._follow()
         finally:
-            self._data_lock.release()
+            self._gate.leave_alone()
+
+    def _follow_due(self) -> bool:
+        return time.monotonic() - self._followed_at >= self.FOLLOW_INTERVAL
 
     def _follow(self, force: bool = False) -> int:
-        """Apply the writer's journal records appended since the last catch-up (data lock
-        held, so no page is pinned). Returns how many records were applied."""
+        """Apply the writer's journal records appended since the last catch-up (alone: no data
+        call is in flight, so no page is pinned). Returns how many records were applied."""
         now = time.monotonic()
         if not force and now - self._followed_at < self.FOLLOW_INTERVAL:
             return 0
@@ -665,17 +776,18 @@ class Tier:
         if need <= 1:
             return list(range(len(keys)))
         out = []
-        for i, key in enumerate(keys):
-            if self.directory.contains(key):
-                out.append(i)
-                continue
-            count = self._offers.pop(key, 0) + 1
-            if count >= need:
-                out.append(i)
-            else:
-                self._offers[key] = count
-                if len(self._offers) > 4 * self.store.num_slots:
-                    self._offers.popitem(last=False)
+        with self._offers_lock:  # puts from several threads
+            for i, key in enumerate(keys):
+                if self.directory.contains(key):
+                    out.append(i)
+                    continue
+                count = self._offers.pop(key, 0) + 1
+                if count >= need:
+                    out.append(i)
+                else:
+                    self._offers[key] = count
+                    if len(self._offers) > 4 * self.store.num_slots:
+                        self._offers.popitem(last=False)
         self._stats.add(not_admitted=len(keys) - len(out))
         return out
 

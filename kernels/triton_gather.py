@@ -20,6 +20,7 @@ interpreter (slow, for tests), independent of ``TRITON_INTERPRET``.
 from __future__ import annotations
 
 import math
+import threading
 import weakref
 from collections import OrderedDict
 
@@ -159,6 +160,7 @@ class RowTable:
 
 _TABLES: OrderedDict = OrderedDict()
 _TABLES_SIZE = 16
+_TABLES_LOCK = threading.Lock()
 
 
 def row_table(rows, layout: KVLayout) -> RowTable:
@@ -170,14 +172,16 @@ def row_table(rows, layout: KVLayout) -> RowTable:
             raise ValueError("RowTable's KV pool tensors have been freed")
         return rows
     key = (id(rows), layout)
-    hit = _TABLES.get(key)
-    if hit is not None and hit.matches(rows):
-        _TABLES.move_to_end(key)
-        return hit
+    with _TABLES_LOCK:  # tier calls from several threads
+        hit = _TABLES.get(key)
+        if hit is not None and hit.matches(rows):
+            _TABLES.move_to_end(key)
+            return hit
     table = RowTable(rows, layout)
-    _TABLES[key] = table
-    if len(_TABLES) > _TABLES_SIZE:
-        _TABLES.popitem(last=False)
+    with _TABLES_LOCK:
+        _TABLES[key] = table
+        if len(_TABLES) > _TABLES_SIZE:
+            _TABLES.popitem(last=False)
     return table
 
 

@@ -93,3 +93,25 @@ def test_direct_io_off(tmp_path):
         assert s.direct is False and s.direct_reason == "off by config"
     finally:
         s.close()
+
+
+def test_io_pieces_spread_a_small_call_over_the_threads():
+    from gdskv.backends.base import MIN_PIECE_BYTES, io_pieces
+
+    mib = 1 << 20
+    extents = [Extent(f, 0, 16 * mib, f * 16 * mib) for f in range(4)]  # one 64 MiB call
+    pieces = io_pieces(extents, threads=16, max_bytes=16 * mib)
+    assert len(pieces) == 16 and {p.length for _, p in pieces} == {4 * mib}
+    # pieces tile each extent exactly, tagged with the extent they came from
+    for i, e in enumerate(extents):
+        mine = [p for idx, p in pieces if idx == i]
+        assert [p.file_offset for p in mine] == [e.file_offset + k * 4 * mib for k in range(4)]
+        assert [p.buffer_offset for p in mine] == [e.buffer_offset + k * 4 * mib for k in range(4)]
+    # a large call keeps the io_chunk_size cap; a tiny one never goes below the minimum
+    big = io_pieces([Extent(0, 0, 1024 * mib, 0)], threads=16, max_bytes=16 * mib)
+    assert len(big) == 64 and max(p.length for _, p in big) == 16 * mib
+    small = io_pieces([Extent(0, 0, 3 * mib + 4096, 0)], threads=16, max_bytes=16 * mib)
+    assert [p.length for _, p in small] == [MIN_PIECE_BYTES] * 3 + [4096]
+    odd = io_pieces([Extent(0, 0, 10 * mib + 4096, 0)], threads=3, max_bytes=16 * mib)
+    assert all(p.length % 4096 == 0 for _, p in odd)
+    assert sum(p.length for _, p in odd) == 10 * mib + 4096

@@ -21,7 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from ..config import TierConfig
-from .base import Backend, Extent, IOOutcome, SlabFile
+from .base import Backend, Extent, IOOutcome, SlabFile, io_pieces
 
 log = logging.getLogger("gdskv.kvikio")
 
@@ -52,12 +52,13 @@ class KvikioBackend(Backend):
         except Exception as exc:  # noqa: BLE001 - the driver query itself can fail in compat mode
             self._nvidia_fs = None
             log.debug("cufile_driver query failed: %s", exc)
+        self._threads, self._chunk = config.io_threads, config.io_chunk_size
         self._files: list = []
         self._registered: dict[tuple[int, int], torch.Tensor] = {}
         self._lock = threading.Lock()
-        # kvikio futures block in .get(); one waiter thread per in-flight call (tier keeps <= 2).
+        # kvikio futures block in .get(); one waiter thread per call the tier keeps in flight.
         self._waiters: ThreadPoolExecutor | None = ThreadPoolExecutor(
-            2, thread_name_prefix="gdskv-kvikio")
+            max(2, config.pipeline_depth), thread_name_prefix="gdskv-kvikio")
         if self._compat:
             log.warning("kvikio: cuFile runs in compat mode (no GPUDirect Storage: nvidia-fs "
                         "loaded=%s); bytes go through host bounce buffers", self._nvidia_fs)
@@ -108,27 +109,29 @@ class KvikioBackend(Backend):
         target = buffer if buffer.device.type == "cuda" else buffer.numpy()
         started = []
         outcome = IOOutcome()
-        for i, e in enumerate(extents):
+        # One kvikio call per piece: a piece is at most one kvikio task, so a small call still
+        # spreads over all threads (kvikio cuts only by its process-wide task_size).
+        for i, piece in io_pieces(extents, self._threads, self._chunk):
             try:
-                view = target[e.buffer_offset:e.buffer_offset + e.length]
-                started.append((i, e, getattr(self._files[e.file], op)(
-                    view, e.length, e.file_offset)))
+                view = target[piece.buffer_offset:piece.buffer_offset + piece.length]
+                started.append((i, piece, getattr(self._files[piece.file], op)(
+                    view, piece.length, piece.file_offset)))
             except Exception as exc:  # noqa: BLE001 - recorded against this extent
-                outcome.errors[i] = exc
+                outcome.errors.setdefault(i, exc)
         return self._waiters.submit(self._wait, started, outcome, buffer)
 
     @staticmethod
     def _wait(started, outcome: IOOutcome, buffer: torch.Tensor) -> IOOutcome:
         # ``buffer`` is an argument so it stays alive until every future has completed.
-        for i, e, fut in started:
+        for i, piece, fut in started:
             try:
                 n = fut.get()
-                if n != e.length:
-                    raise OSError(f"kvikio moved {n} of {e.length} bytes at file offset "
-                                  f"{e.file_offset}")
+                if n != piece.length:
+                    raise OSError(f"kvikio moved {n} of {piece.length} bytes at file offset "
+                                  f"{piece.file_offset}")
                 outcome.nbytes += n
             except Exception as exc:  # noqa: BLE001 - recorded against this extent
-                outcome.errors[i] = exc
+                outcome.errors.setdefault(i, exc)
         return outcome
 
     def close(self) -> None:

@@ -45,7 +45,7 @@ import torch
 
 from ..config import NixlPlugin, TierConfig
 from ..memory import cuda_available
-from .base import Backend, Extent, IOOutcome, SlabFile, split_extents
+from .base import Backend, Extent, IOOutcome, SlabFile, io_pieces
 from .bounce import HostMirrors
 
 log = logging.getLogger("gdskv.nixl")
@@ -350,7 +350,7 @@ class NixlBackend(Backend):
         for i, e in enumerate(extents):
             if e.length < 0 or e.buffer_offset < 0 or e.buffer_offset + e.length > size:
                 raise ValueError(f"extents[{i}]: {e} does not fit a buffer of {size} bytes")
-        pieces = split_extents(extents, self._config.io_chunk_size)
+        pieces = io_pieces(extents, self._config.io_threads, self._config.io_chunk_size)
         event = None
         if buffer.device.type == "cuda":
             # The caller's kernels that produce (or still read) the buffer run on its stream.

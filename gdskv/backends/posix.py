@@ -1,8 +1,8 @@
 """POSIX backend: ``os.pwrite/preadv`` from aligned host memory in a thread pool.
 
 The backend that runs anywhere (CI has no GPU). GPU buffers go through a pinned host mirror.
-Large extents are cut into ``io_chunk_size`` pieces so several threads keep the drive's queue
-full; O_DIRECT (when the store got it) needs the 4 KiB-aligned buffers the tier allocates.
+Each call's extents are cut into pieces (at most ``io_chunk_size``, smaller for small calls) so
+all threads keep the drive's queue full; O_DIRECT (when the store got it) needs the 4 KiB-aligned buffers the tier allocates.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 
 from ..config import TierConfig
 from ..memory import host_numpy
-from .base import Backend, Extent, ShortIOError, SlabFile, combine, split_extents
+from .base import Backend, Extent, ShortIOError, SlabFile, combine, io_pieces
 from .bounce import HostMirrors
 
 
@@ -56,7 +56,7 @@ class PosixBackend(Backend):
             raise RuntimeError("posix backend is closed")
         view = host_numpy(host)
         futures = []
-        for idx, piece in split_extents(extents, self._chunk):
+        for idx, piece in io_pieces(extents, self._threads, self._chunk):
             f = self._files[piece.file]
             mv = view[piece.buffer_offset:piece.buffer_offset + piece.length]
             futures.append((idx, self._pool.submit(fn, f, mv, piece.file_offset)))

@@ -1,0 +1,66 @@
+"""The tier's staging buffer: ``depth`` equal parts that concurrent data calls share.
+
+A call takes a part for each chunk of pages it moves and gives it back as soon as the part is
+free again: a spill when its write has completed (the backend's done-callback), a restore once
+the scatter out of the part is *enqueued*, with a CUDA event the next user waits for before
+anything writes into the part. So reads of the next chunks never wait for the GPU, and calls
+from several threads (``iodepth`` > 1, a spill beside a restore) keep all parts busy.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+import torch
+
+from .layout import ALIGNMENT
+from .memory import alloc_host
+
+
+class StagingParts:
+    def __init__(self, part_bytes: int, depth: int, device: torch.device) -> None:
+        if device.type == "cpu":
+            raw = alloc_host(depth * part_bytes)
+            self.parts = [raw[i * part_bytes:(i + 1) * part_bytes] for i in range(depth)]
+        else:
+            raw = torch.empty(depth * part_bytes + ALIGNMENT, dtype=torch.uint8, device=device)
+            skew = (-raw.data_ptr()) % ALIGNMENT
+            self.parts = [raw[skew + i * part_bytes:skew + (i + 1) * part_bytes]
+                          for i in range(depth)]
+        self._free: queue.SimpleQueue = queue.SimpleQueue()
+        self._after: list = [None] * depth   # event the part's next user waits for
+        self._lock = threading.Lock()
+        for i in range(depth):
+            self._free.put(i)
+
+    def __len__(self) -> int:
+        return len(self.parts)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.parts[i]
+
+    def try_take(self) -> int | None:
+        """A free part's index, or None when all are in use."""
+        try:
+            i = self._free.get_nowait()
+        except queue.Empty:
+            return None
+        return self._ready(i)
+
+    def take(self) -> int:
+        """A free part's index, waiting for one."""
+        return self._ready(self._free.get())
+
+    def give_back(self, i: int, after: torch.cuda.Event | None = None) -> None:
+        """Free part ``i``; ``after``: GPU work still reading it (waited for by its next user)."""
+        with self._lock:
+            self._after[i] = after
+        self._free.put(i)
+
+    def _ready(self, i: int) -> int:
+        with self._lock:
+            ev, self._after[i] = self._after[i], None
+        if ev is not None:  # the scatter out of it: host threads may write the part next
+            ev.synchronize()
+        return i
