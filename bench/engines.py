@@ -17,12 +17,14 @@ position for gdskv/hicachefile, store slot for raw), shuffled for the ``rand*`` 
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
 import glob
 import hashlib
 import importlib
 import importlib.metadata
 import os
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -86,6 +88,12 @@ def _gpu_aligned(nbytes: int, device: torch.device) -> torch.Tensor:
 
 def _buffer(nbytes: int, device: torch.device) -> torch.Tensor:
     return alloc_host(nbytes) if device.type == "cpu" else _gpu_aligned(nbytes, device)
+
+
+def _settle(device: torch.device) -> None:
+    """Finish the GPU work queued on the default stream (pool fills) before timed calls."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _mismatched_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -152,11 +160,13 @@ class GdskvEngine(Engine):
             self.src.append(parts)
             self.dst.append([torch.zeros_like(p) for p in parts] if s.verify else parts)
         self.tier = Tier(lay, s.config, device=s.device)
+        self._local = threading.local()
         # Token slots of every page, made once: an engine hands the tier indices it already
         # has, so building them is not part of a timed call.
         offsets = torch.arange(lay.page_size, dtype=torch.int64)
         self.slot_table = [torch.as_tensor(loc, dtype=torch.int64)[:, None] * lay.page_size
                            + offsets[None, :] for loc in self.loc]
+        _settle(s.device)  # the pools were filled on the default stream; calls use their own
 
     def _pool(self, parts: list[torch.Tensor]):
         return parts[0] if self.spec.layout.mla else (parts[0], parts[1])
@@ -168,14 +178,27 @@ class GdskvEngine(Engine):
             return table[first:first + len(pages)].reshape(-1)
         return table[torch.as_tensor(np.asarray(pages), dtype=torch.int64)].reshape(-1)
 
+    def _engine_stream(self):
+        """The calling thread's own CUDA stream, as an inference engine's KV-transfer thread
+        has: a call made from the legacy default stream is ordered after every blocking
+        stream's work, kvikio's compat-mode copies for the other calls in flight included."""
+        if self.spec.device.type != "cuda":
+            return contextlib.nullcontext()
+        stream = getattr(self._local, "stream", None)
+        if stream is None:
+            stream = self._local.stream = torch.cuda.Stream(self.spec.device)
+        return torch.cuda.stream(stream)
+
     def write(self, thread: int, pages: Sequence[int]) -> int:
-        ok = self.tier.put(page_keys(self.spec.name, thread, pages), self._pool(self.src[thread]),
-                           self._slots(thread, pages))
+        with self._engine_stream():
+            ok = self.tier.put(page_keys(self.spec.name, thread, pages),
+                               self._pool(self.src[thread]), self._slots(thread, pages))
         return sum(ok)
 
     def read(self, thread: int, pages: Sequence[int]) -> int:
-        ok = self.tier.get(page_keys(self.spec.name, thread, pages), self._pool(self.dst[thread]),
-                           self._slots(thread, pages))
+        with self._engine_stream():
+            ok = self.tier.get(page_keys(self.spec.name, thread, pages),
+                               self._pool(self.dst[thread]), self._slots(thread, pages))
         return sum(ok)
 
     def forget(self, thread: int, pages: Sequence[int]) -> None:
@@ -207,6 +230,7 @@ class GdskvEngine(Engine):
             for parts in self.dst:
                 for p in parts:
                     p.zero_()
+            _settle(self.spec.device)
 
     def info(self) -> dict[str, Any]:
         st = self.tier.stats()

@@ -85,7 +85,9 @@ class KVPool:
         return out
 
     def check_token_slots(self, token_slots: torch.Tensor, num_pages: int) -> torch.Tensor:
-        """Validate a page batch's token slot indices; returns them as a 1-D int64 tensor."""
+        """Validate a page batch's token slot indices; returns them 1-D, on the device they
+        came on (the tier copies each chunk's share to the GPU on its own stream: a copy on
+        the legacy default stream would wait for every blocking stream, kvikio's included)."""
         if not isinstance(token_slots, torch.Tensor):
             token_slots = torch.as_tensor(token_slots)
         if token_slots.dtype not in (torch.int32, torch.int64):

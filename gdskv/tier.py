@@ -341,8 +341,11 @@ class Tier:
         slots = pool.check_token_slots(token_slots, len(keys)).view(len(keys), self.layout.page_size)
 
         def copy(staging: torch.Tensor, page_idx: list[int]) -> None:
+            # Runs on the tier's stream: host slot indices are selected on the host and copied
+            # there, never on the caller's (possibly legacy default) stream.
             idx = torch.as_tensor(page_idx, dtype=torch.int64, device=slots.device)
-            copy_fn(pool.rows, self.layout, slots.index_select(0, idx).reshape(-1), staging)
+            chunk = slots.index_select(0, idx).reshape(-1)
+            copy_fn(pool.rows, self.layout, chunk.to(pool.device, non_blocking=True), staging)
 
         return keys, copy
 
