@@ -16,8 +16,11 @@ import io
 import json
 import pstats
 import statistics
+import sys
 import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -34,19 +37,21 @@ PHASES = ("gdskv.tier:Tier._pool_copier", "gdskv.pool:KVPool.check_token_slots",
           "gdskv.directory:PageDirectory.reserve", "gdskv.directory:PageDirectory.commit",
           "gdskv.store:SlabStore.extents", "gdskv.kernels:gather_pages",
           "gdskv.kernels:scatter_pages", "gdskv.checksum:GpuPageChecksummer.compute",
-          "gdskv.checksum:PageChecksummer.compute", "gdskv.tier:Tier._device_ready",
+          "gdskv.checksum:PageChecksummer.compute",
           "gdskv.tier:Tier._finish_write", "gdskv.tier:Tier._finish_read",
           "gdskv.tier:Tier._verify_sums", "gdskv.journal:Journal.append", "os:fdatasync",
           "concurrent.futures:Future.result", "gdskv.backends.kvikio:KvikioBackend._submit",
-          "gdskv.backends.posix:PosixBackend._submit", "gdskv.tier:Tier._run")
+          "gdskv.backends.posix:PosixBackend._submit", "gdskv.tier:Tier._run",
+          "gdskv.tier:Tier._take_part", "gdskv.tier:Tier._copies_done",
+          "gdskv.staging:StagingParts._ready", "gdskv.tier:Tier._engine_event")
 
 
-def _install_phase_timers(totals: dict) -> list:
-    """Wrap each of PHASES with a wall-clock accumulator; returns what to restore."""
+def _install_phase_timers(totals: dict, threads: tuple[str, ...]) -> list:
+    """Wrap each of PHASES with a wall-clock accumulator (summed over the calling threads);
+    returns what to restore."""
     import importlib
-    import threading
 
-    main = threading.main_thread()
+    lock = threading.Lock()
     undo = []
     for spec in PHASES:
         mod_name, attr = spec.split(":")
@@ -57,34 +62,45 @@ def _install_phase_timers(totals: dict) -> list:
         fn = getattr(owner, name)
 
         def timed(*a, _fn=fn, _spec=spec, **kw):
-            if threading.current_thread() is not main:
-                return _fn(*a, **kw)
+            if not threading.current_thread().name.startswith(threads):
+                return _fn(*a, **kw)  # not a calling thread (backend threads, the waiter)
             t0 = time.perf_counter()
             try:
                 return _fn(*a, **kw)
             finally:
-                n, t = totals.get(_spec, (0, 0.0))
-                totals[_spec] = (n + 1, t + time.perf_counter() - t0)
+                with lock:
+                    n, t = totals.get(_spec, (0, 0.0))
+                    totals[_spec] = (n + 1, t + time.perf_counter() - t0)
 
         setattr(owner, name, timed)
         undo.append((owner, name, fn))
     return undo
 
 
-def _calls(engine, op: str, batches: int, ppb: int, profile: cProfile.Profile | None) -> list[float]:
-    times = []
-    for b in range(batches):
+def _calls(engine, op: str, batches: int, ppb: int, profile: cProfile.Profile | None,
+           iodepth: int = 1) -> tuple[list[float], float]:
+    """Per-call wall times, and the wall time of all calls (``iodepth`` threads at once)."""
+    def one(b: int) -> float:
         pages = list(range(b * ppb, (b + 1) * ppb))
         t0 = time.perf_counter()
-        if profile is not None:
-            profile.enable()
         n = engine.write(0, pages) if op == "write" else engine.read(0, pages)
-        if profile is not None:
-            profile.disable()
-        times.append(time.perf_counter() - t0)
         if n != ppb:
             raise RuntimeError(f"{engine.name} {op}: {n} of {ppb} pages")
-    return times
+        return time.perf_counter() - t0
+
+    start = time.perf_counter()
+    if profile is not None:
+        profile.enable()
+    try:
+        if iodepth == 1:
+            times = [one(b) for b in range(batches)]
+        else:
+            with ThreadPoolExecutor(iodepth, thread_name_prefix="profile-") as pool:
+                times = list(pool.map(one, range(batches)))
+    finally:
+        if profile is not None:
+            profile.disable()
+    return times, time.perf_counter() - start
 
 
 def run(args) -> dict:
@@ -93,7 +109,7 @@ def run(args) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     ppb = max(1, parse_size(args.bs) // layout.page_bytes)
     batches = max(1, parse_size(args.size) // (ppb * layout.page_bytes))
-    out: dict = {"model": args.model, "page_tokens": args.page_tokens, "pages_per_call": ppb,
+    out: dict = {"iodepth": args.iodepth, "model": args.model, "page_tokens": args.page_tokens, "pages_per_call": ppb,
                  "call_bytes": ppb * layout.page_bytes, "calls": batches, "engines": {}}
     profiles = {}
     phase_totals: dict = {}
@@ -108,12 +124,13 @@ def run(args) -> dict:
             engine.open()
             try:
                 prof = cProfile.Profile() if kind == "gdskv" and not args.phases else None
-                undo = _install_phase_timers(phase_totals) if kind == "gdskv" and args.phases \
+                undo = _install_phase_timers(
+                    phase_totals, ("MainThread",) if args.iodepth == 1 else ("profile-",)) if kind == "gdskv" and args.phases \
                     else []
                 try:
-                    w = _calls(engine, "write", batches, ppb, prof)
+                    w, w_all = _calls(engine, "write", batches, ppb, prof, args.iodepth)
                     drop_page_cache(engine.files())
-                    r = _calls(engine, "read", batches, ppb, prof)
+                    r, r_all = _calls(engine, "read", batches, ppb, prof, args.iodepth)
                 finally:
                     for owner, name, fn in undo:
                         setattr(owner, name, fn)
@@ -124,8 +141,8 @@ def run(args) -> dict:
         out["engines"][kind] = {
             "write_ms_median": 1e3 * statistics.median(w), "read_ms_median": 1e3 * statistics.median(r),
             "write_ms": [round(1e3 * x, 3) for x in w], "read_ms": [round(1e3 * x, 3) for x in r],
-            "write_gbps": batches * out["call_bytes"] / sum(w) / 1e9,
-            "read_gbps": batches * out["call_bytes"] / sum(r) / 1e9}
+            "write_gbps": batches * out["call_bytes"] / w_all / 1e9,
+            "read_gbps": batches * out["call_bytes"] / r_all / 1e9}
     if phase_totals:
         out["gdskv_phases_ms_per_call"] = {
             k: round(1e3 * t / (2 * batches), 3) for k, (n, t) in
@@ -146,10 +163,15 @@ def main(argv=None) -> None:
     p.add_argument("--size", default="1G")
     p.add_argument("--backend", default="auto")
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--iodepth", type=int, default=1, help="calls in flight (threads)")
+    p.add_argument("--switch-interval", type=float,
+                   help="sys.setswitchinterval (s): how long a thread may hold the GIL")
     p.add_argument("--phases", action="store_true",
                    help="time the tier's steps (per call, this thread) instead of cProfile")
     p.add_argument("--json", help="also write the result here")
     args = p.parse_args(argv)
+    if args.switch_interval:
+        sys.setswitchinterval(args.switch_interval)
     res = run(args)
     for kind, e in res["engines"].items():
         print(f"{kind:6s} write {e['write_ms_median']:7.2f} ms/call {e['write_gbps']:6.2f} GB/s   "

@@ -7,7 +7,10 @@ bounce buffers with POSIX calls. Which one runs is kvikio's decision
 one log line, and ``gpu_direct`` is True only when compat mode is off.
 
 Settings are deliberate: kvikio's default of 1 thread serialises a batch; we set ``num_threads``
-to ``io_threads`` and ``task_size`` to ``io_chunk_size`` (kvikio's settings are process-wide).
+to ``io_threads`` and ``task_size`` (and the compat-mode bounce buffer) to a quarter of
+``io_chunk_size``, at least 1 MiB (kvikio's settings are process-wide). Each extent (at most one
+stripe unit) is one kvikio call; measured on an H100 VM with 64 MiB calls on /dev/shm, 16 MiB
+tasks read at 11 GB/s and 4 MiB tasks at 23 GB/s.
 The module imports without a CUDA driver; the backend is only built where CUDA works.
 """
 
@@ -21,7 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from ..config import TierConfig
-from .base import Backend, Extent, IOOutcome, SlabFile, io_pieces
+from .base import MIN_PIECE_BYTES, Backend, Extent, IOOutcome, SlabFile, split_extents
 
 log = logging.getLogger("gdskv.kvikio")
 
@@ -38,9 +41,12 @@ class KvikioBackend(Backend):
     def __init__(self, config: TierConfig, device: torch.device | str = "cuda") -> None:
         kvikio = _kvikio()
         direct = config.direct_io.value != "off"
-        settings = {"num_threads": config.io_threads, "task_size": config.io_chunk_size,
+        # Tasks of a quarter stripe unit: a 64 MiB call over 16 MiB stripes still spreads over
+        # 16 threads, from one kvikio call per extent (each Python->C call costs GIL hand-offs).
+        task = max(MIN_PIECE_BYTES, config.io_chunk_size // 4)
+        settings = {"num_threads": config.io_threads, "task_size": task,
                     # compat mode bounces through buffers of this size: one per task
-                    "bounce_buffer_size": config.io_chunk_size,
+                    "bounce_buffer_size": task,
                     # compat mode: use O_DIRECT for aligned I/O (the page cache only costs here)
                     "auto_direct_io_read": direct, "auto_direct_io_write": direct}
         kvikio.defaults.set(settings)
@@ -52,7 +58,7 @@ class KvikioBackend(Backend):
         except Exception as exc:  # noqa: BLE001 - the driver query itself can fail in compat mode
             self._nvidia_fs = None
             log.debug("cufile_driver query failed: %s", exc)
-        self._threads, self._chunk = config.io_threads, config.io_chunk_size
+        self._chunk = config.io_chunk_size
         self._files: list = []
         self._registered: dict[tuple[int, int], torch.Tensor] = {}
         self._lock = threading.Lock()
@@ -109,9 +115,9 @@ class KvikioBackend(Backend):
         target = buffer if buffer.device.type == "cuda" else buffer.numpy()
         started = []
         outcome = IOOutcome()
-        # One kvikio call per piece: a piece is at most one kvikio task, so a small call still
-        # spreads over all threads (kvikio cuts only by its process-wide task_size).
-        for i, piece in io_pieces(extents, self._threads, self._chunk):
+        # One kvikio call per extent (at most a stripe unit: io_chunk_size); kvikio cuts it
+        # into task_size tasks over its threads.
+        for i, piece in split_extents(extents, self._chunk):
             try:
                 view = target[piece.buffer_offset:piece.buffer_offset + piece.length]
                 started.append((i, piece, getattr(self._files[piece.file], op)(
