@@ -11,6 +11,7 @@ gdskv calls (wall time in this thread: waits on I/O futures and GPU syncs show u
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import json
@@ -77,6 +78,18 @@ def _install_phase_timers(totals: dict, threads: tuple[str, ...]) -> list:
     return undo
 
 
+@contextlib.contextmanager
+def _trace(path: str | None):
+    """A torch.profiler trace (CPU ops and all CUDA activity, other libraries' copies too)."""
+    if not path:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        yield
+    prof.export_chrome_trace(path)
+
+
 def _calls(engine, op: str, batches: int, ppb: int, profile: cProfile.Profile | None,
            iodepth: int = 1) -> tuple[list[float], float]:
     """Per-call wall times, and the wall time of all calls (``iodepth`` threads at once)."""
@@ -130,7 +143,9 @@ def run(args) -> dict:
                 try:
                     w, w_all = _calls(engine, "write", batches, ppb, prof, args.iodepth)
                     drop_page_cache(engine.files())
-                    r, r_all = _calls(engine, "read", batches, ppb, prof, args.iodepth)
+                    trace = _trace(args.trace and f"{args.trace}.{kind}.json")
+                    with trace:
+                        r, r_all = _calls(engine, "read", batches, ppb, prof, args.iodepth)
                 finally:
                     for owner, name, fn in undo:
                         setattr(owner, name, fn)
@@ -164,6 +179,8 @@ def main(argv=None) -> None:
     p.add_argument("--backend", default="auto")
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--iodepth", type=int, default=1, help="calls in flight (threads)")
+    p.add_argument("--trace", help="write torch.profiler traces of the read phase to "
+                   "TRACE.raw.json and TRACE.gdskv.json")
     p.add_argument("--switch-interval", type=float,
                    help="sys.setswitchinterval (s): how long a thread may hold the GIL")
     p.add_argument("--phases", action="store_true",

@@ -14,13 +14,13 @@
 # Usage (repo root; the caller sets PYTHONPATH so gdskv, kvikio and nixl import):
 #   OUT=/path/to/out bash bench/device_results.sh
 # Env: OUT (default ./bench-results), DISK_DIR (default /var/tmp/gdskv-bench), SIZE (1G),
-#      BS (64M), MEM (gpu when CUDA works, else host), SWEEP_BS (2M,8M,32M,128M), SKIP_SHM=1.
+#      BS (64M), IODEPTH (1), MEM (gpu when CUDA works, else host), SWEEP_BS (2M,8M,32M,128M), SKIP_SHM=1.
 set -u
 PY=${PYTHON:-python3}
 OUT=${OUT:-$PWD/bench-results}
 DISK_DIR=${DISK_DIR:-/var/tmp/gdskv-bench}
 SHM_DIR=${SHM_DIR:-/dev/shm/gdskv-bench}
-export SIZE=${SIZE:-1G} BS=${BS:-64M}
+export SIZE=${SIZE:-1G} BS=${BS:-64M} IODEPTH=${IODEPTH:-1}
 SWEEP_BS=${SWEEP_BS:-2M,8M,32M,128M}
 if [ -z "${MEM:-}" ]; then
   MEM=$($PY -c 'import torch; print("gpu" if torch.cuda.is_available() else "host")' 2>/dev/null || echo host)

@@ -129,7 +129,7 @@ def test_job_file_errors(tmp_path, capsys, body, needle):
 
 def test_example_job_files_parse_and_resolve(tmp_path, monkeypatch):
     for var, value in (("DIR", str(tmp_path)), ("MODEL", "llama3-8b"), ("PAGES", "16"),
-                       ("SIZE", "64M"), ("BS", "16M"), ("MEM", "host")):
+                       ("SIZE", "64M"), ("BS", "16M"), ("MEM", "host"), ("IODEPTH", "2")):
         monkeypatch.setenv(var, value)
     files = sorted(glob.glob(os.path.join(JOBS_DIR, "*.ini")))
     assert len(files) >= 3
