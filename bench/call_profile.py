@@ -91,9 +91,11 @@ def _trace(path: str | None):
 
 
 def _calls(engine, op: str, batches: int, ppb: int, profile: cProfile.Profile | None,
-           iodepth: int = 1) -> tuple[list[float], float]:
+           iodepth: int = 1, first_call_hook=None) -> tuple[list[float], float]:
     """Per-call wall times, and the wall time of all calls (``iodepth`` threads at once)."""
     def one(b: int) -> float:
+        if b == 1 and first_call_hook is not None:
+            first_call_hook()
         pages = list(range(b * ppb, (b + 1) * ppb))
         t0 = time.perf_counter()
         n = engine.write(0, pages) if op == "write" else engine.read(0, pages)
@@ -141,7 +143,9 @@ def run(args) -> dict:
                     phase_totals, ("MainThread",) if args.iodepth == 1 else ("profile-",)) if kind == "gdskv" and args.phases \
                     else []
                 try:
-                    w, w_all = _calls(engine, "write", batches, ppb, prof, args.iodepth)
+                    first: dict = {}
+                    w, w_all = _calls(engine, "write", batches, ppb, prof, args.iodepth,
+                                      lambda: first.update(phase_totals))
                     drop_page_cache(engine.files())
                     trace = _trace(args.trace and f"{args.trace}.{kind}.json")
                     with trace:
@@ -158,6 +162,10 @@ def run(args) -> dict:
             "write_ms": [round(1e3 * x, 3) for x in w], "read_ms": [round(1e3 * x, 3) for x in r],
             "write_gbps": batches * out["call_bytes"] / w_all / 1e9,
             "read_gbps": batches * out["call_bytes"] / r_all / 1e9}
+    if phase_totals and first:
+        out["gdskv_first_write_phases_ms"] = {
+            k: round(1e3 * t, 3) for k, (n, t) in
+            sorted(first.items(), key=lambda kv: -kv[1][1])}
     if phase_totals:
         out["gdskv_phases_ms_per_call"] = {
             k: round(1e3 * t / (2 * batches), 3) for k, (n, t) in
@@ -195,6 +203,8 @@ def main(argv=None) -> None:
               f"read {e['read_ms_median']:7.2f} ms/call {e['read_gbps']:6.2f} GB/s")
         print(f"       write ms: {e['write_ms'][:6]} ... max {max(e['write_ms'])}\n"
               f"       read ms:  {e['read_ms'][:6]} ... max {max(e['read_ms'])}")
+    for k, ms in res.get("gdskv_first_write_phases_ms", {}).items():
+        print(f"  first write call: {ms:8.3f} ms  {k}")
     for k, ms in res.get("gdskv_phases_ms_per_call", {}).items():
         print(f"  {ms:8.3f} ms/call  {k}")
     print(res.get("gdskv_profile_tottime", ""))
