@@ -403,16 +403,23 @@ class Tier:
         """Compile this layout's gather/scatter/checksum kernels now (Triton JIT, about a
         second) rather than inside the engine's first spill or restore."""
         lay = self.layout
-        shape = (lay.num_layers, lay.page_size, lay.kv_heads, lay.head_dim)
+        pages = min(2, self._chunk_pages)  # Triton specializes integer arguments equal to 1
+        shape = (lay.num_layers, pages * lay.page_size, lay.kv_heads, lay.head_dim)
         parts = [torch.zeros(shape, dtype=lay.torch_dtype, device=self.device)
                  for _ in range(lay.kv_count)]
         rows = KVPool(lay, parts[0] if lay.mla else tuple(parts)).rows
+        # The first CUDA event of a call path costs ~13 ms on an H100 (measured by
+        # bench/call_profile.py): make it here, with the cross-stream wait every call does.
+        self._stream.wait_event(self._engine_event())
         with torch.cuda.stream(self._stream):
             for dtype in (torch.int64, torch.int32):  # engines use either for slot indices
-                slots = torch.arange(lay.page_size, dtype=dtype, device=self.device)
+                slots = torch.arange(pages * lay.page_size, dtype=dtype).to(self.device,
+                                                                              non_blocking=True)
                 kd.gather_pages(rows, lay, slots, self._staging[0])
-                self._checksums.compute(self._staging[0], 1)
+                self._checksums.compute(self._staging[0], pages)
                 kd.scatter_pages(rows, lay, slots, self._staging[0])
+            self._scatter_event()
+            self._copies_done()
         self._stream.synchronize()
 
     def _warm_up_backend(self) -> None:
