@@ -14,6 +14,7 @@ import torch
 
 from gdskv.config import ConfigError, TierConfig
 from gdskv.layout import KVLayout
+from gdskv.memory import cuda_available
 from gdskv.store import StoreError, StoreLockedError
 from gdskv.tier import Tier
 
@@ -261,3 +262,32 @@ def test_journal_follower_tails_and_notices_a_rewritten_tail(tmp_path):
     assert reset and got == [recs[0]] + other
     j.close()
     fol.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda_available(), reason="needs a CUDA device (none here)")
+@pytest.mark.parametrize("backend", ["kvikio", "nixl", "posix"])
+def test_follower_on_gpu_backends(store_dir, backend):
+    """A writer and a follower staging on the GPU, on each backend: the follower reads the
+    writer's pages bit-exact into GPU memory, and a slot the writer reused is a miss."""
+    cfg = config(store_dir, backend=backend, capacity=4 * LAYOUT.slot_bytes, files_per_dir=1)
+    a, b = [p.cuda() for p in pages(4, seed=21)], [p.cuda() for p in pages(4, seed=22)]
+
+    def read_gpu(tier, ks):
+        out = [torch.zeros(PB, dtype=torch.uint8, device="cuda") for _ in ks]
+        return tier.get_pages(ks, [[o] for o in out]), out
+
+    with Tier(LAYOUT, cfg, device="cuda") as writer, \
+            Tier(LAYOUT, cfg.replace(read_only=True), device="cuda") as follower:
+        assert follower.backend.name == backend
+        assert all(put(writer, keys("a", 4), a))
+        follower.refresh()
+        hits, got = read_gpu(follower, keys("a", 4))
+        assert hits == [True] * 4 and all(torch.equal(x, y) for x, y in zip(got, a))
+        follower.FOLLOW_INTERVAL = 1e9  # keep the stale directory: the writer reuses slots
+        assert all(put(writer, keys("b", 4), b))
+        hits, got = read_gpu(follower, keys("a", 4))
+        assert hits == [False] * 4 and not any(g.any() for g in got)
+        follower.refresh()
+        hits, got = read_gpu(follower, keys("b", 4))
+        assert hits == [True] * 4 and all(torch.equal(x, y) for x, y in zip(got, b))
