@@ -94,7 +94,7 @@ def _calls(engine, op: str, batches: int, ppb: int, profile: cProfile.Profile | 
            iodepth: int = 1, first_call_hook=None) -> tuple[list[float], float]:
     """Per-call wall times, and the wall time of all calls (``iodepth`` threads at once)."""
     def one(b: int) -> float:
-        if b == 1 and first_call_hook is not None:
+        if b == 1 and first_call_hook is not None:  # (exact at iodepth 1)
             first_call_hook()
         pages = list(range(b * ppb, (b + 1) * ppb))
         t0 = time.perf_counter()
