@@ -7,7 +7,7 @@
 #
 #   OUT=/path/to/out bash bench/device_hicache.sh      # then: python -m gdskv.bench.summary $OUT
 # Env: OUT, DISK_DIR (/var/tmp/gdskv-bench), SHM_DIR, SIZE (1G), BS (64M), IODEPTH (1),
-#      GEOMETRIES ("llama3-8b:16 llama3-8b:64 deepseek-v3:64").
+#      GEOMETRIES ("llama3-8b:16 llama3-8b:64 deepseek-v3:64"), PLACES ("disk shm").
 set -u
 PY=${PYTHON:-python3}
 OUT=${OUT:-$PWD/bench-results}
@@ -15,10 +15,11 @@ DISK_DIR=${DISK_DIR:-/var/tmp/gdskv-bench}
 SHM_DIR=${SHM_DIR:-/dev/shm/gdskv-bench}
 SIZE=${SIZE:-1G} BS=${BS:-64M} IODEPTH=${IODEPTH:-1}
 GEOMETRIES=${GEOMETRIES:-llama3-8b:16 llama3-8b:64 deepseek-v3:64}
+PLACES=${PLACES:-disk shm}
 $PY -c 'import sglang.srt.mem_cache.hicache_storage' || { echo "sglang does not import"; exit 1; }
 mkdir -p "$DISK_DIR" "$SHM_DIR"
-for place in "disk:$DISK_DIR" "shm:$SHM_DIR"; do
-  label=${place%%:*} dir=${place#*:}
+for label in $PLACES; do
+  if [ "$label" = disk ]; then dir=$DISK_DIR; else dir=$SHM_DIR; fi
   mkdir -p "$OUT/$label"
   for geo in $GEOMETRIES; do
     model=${geo%%:*} pages=${geo#*:} name=${geo%%:*}-p${geo#*:}
