@@ -13,6 +13,8 @@ import os
 import sys
 from collections import defaultdict
 
+HICACHE_SUFFIX = "-hicache"
+
 
 def _rows(out_dir: str) -> list[dict]:
     rows = []
@@ -21,6 +23,8 @@ def _rows(out_dir: str) -> list[dict]:
         parts = rel.split(os.sep)
         place = parts[0] if len(parts) > 1 else "-"
         geometry = os.path.splitext(parts[-1])[0]
+        # device_results.sh writes HiCacheFile's jobs beside gdskv's, as <geometry>-hicache.json
+        geometry = geometry.removesuffix(HICACHE_SUFFIX)
         try:
             with open(path, encoding="utf-8") as f:
                 doc = json.load(f)

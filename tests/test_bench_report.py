@@ -142,3 +142,32 @@ def test_render_several_formats_in_order():
     assert doc["jobs"][0]["jobname"] == "job"
     assert "Run status group 0" in rest[end:]
     assert len(FIO_PERCENTILES) == 17
+
+
+def _job(name: str, engine: str, backend: str, write_bw: int, read_bw: int) -> dict:
+    return {"jobname": name, "job options": {"backend": backend},
+            "write": {"bw_bytes": write_bw}, "read": {"bw_bytes": read_bw}, "error": 0,
+            "gdskv": {"engine": engine, "backend": backend, "verify": {"ok": True},
+                      "invalidate": {"done": True}}}
+
+
+def test_summary_ratios_across_result_files(tmp_path):
+    """device_results.sh writes HiCacheFile's job to <geometry>-hicache.json beside gdskv's and
+    raw's <geometry>.json: the summary must still put gdskv over raw and over HiCacheFile."""
+    from gdskv.bench.summary import table
+
+    place = tmp_path / "disk"
+    place.mkdir()
+    gb = 10 ** 9
+    (place / "llama3-8b-p16.json").write_text(json.dumps({"jobs": [
+        _job("gdskv-posix", "gdskv", "posix", 2 * gb, 3 * gb),
+        _job("raw-posix", "raw", "posix", 4 * gb, 4 * gb)]}))
+    (place / "llama3-8b-p16-hicache.json").write_text(json.dumps({"jobs": [
+        _job("hicachefile", "hicachefile", "sglang HiCacheFile", 1 * gb, gb // 2)]}))
+    rows = {line.split(" | ")[2]: line.split(" | ") for line in table(str(tmp_path)).splitlines()
+            if line.startswith("| disk")}
+    assert set(rows) == {"gdskv-posix", "raw-posix", "hicachefile"}
+    assert rows["hicachefile"][1] == "llama3-8b-p16"  # one geometry, not a "-hicache" one
+    # columns: w/raw, r/raw, w/hicache, r/hicache
+    assert rows["gdskv-posix"][6:10] == ["0.50", "0.75", "2.00", "6.00"]
+    assert rows["raw-posix"][6:10] == ["-", "-", "4.00", "8.00"]
