@@ -86,8 +86,9 @@ class KVPool:
 
     def check_token_slots(self, token_slots: torch.Tensor, num_pages: int) -> torch.Tensor:
         """Validate a page batch's token slot indices; returns them 1-D, on the device they
-        came on (the tier copies each chunk's share to the GPU on its own stream: a copy on
-        the legacy default stream would wait for every blocking stream, kvikio's included)."""
+        came on. The tier copies them to the GPU on its own stream (:mod:`gdskv.copiers`): a
+        copy on the caller's stream, when that is the legacy default stream, would wait for
+        every blocking stream's work, kvikio's compat-mode copies included."""
         if not isinstance(token_slots, torch.Tensor):
             token_slots = torch.as_tensor(token_slots)
         if token_slots.dtype not in (torch.int32, torch.int64):
@@ -102,4 +103,4 @@ class KVPool:
             if lo < 0 or hi >= self.num_slots:
                 raise ValueError(f"slot index out of range: [{lo}, {hi}] not within pool of "
                                  f"{self.num_slots} slots")
-        return token_slots.to(self.device)
+        return token_slots

@@ -45,6 +45,7 @@ from . import kernels as kd
 from .backends import create_backend
 from .backends.base import Extent, IOOutcome
 from .config import ConfigError, Eviction, SyncPolicy, TierConfig
+from .copiers import PageCopier, PoolCopier, RegionCopier
 from .directory import PageDirectory, PageState
 from .journal import Journal, JournalFollower, Record, RecordKind, check_key, live_records
 from .layout import KVLayout
@@ -55,9 +56,6 @@ from .stats import TierStats
 from .store import SlabStore
 
 log = logging.getLogger("gdskv.tier")
-
-# Fills (put) or drains (get) staging pages for the call's page indices.
-PageCopier = Callable[[torch.Tensor, list[int]], None]
 
 
 def _leaf_tensors(pool) -> list:
@@ -339,15 +337,7 @@ class Tier:
         if pool.device != self.device:
             raise ValueError(f"KV pool is on {pool.device} but this tier stages on {self.device}")
         slots = pool.check_token_slots(token_slots, len(keys)).view(len(keys), self.layout.page_size)
-
-        def copy(staging: torch.Tensor, page_idx: list[int]) -> None:
-            # Runs on the tier's stream: host slot indices are selected on the host and copied
-            # there, never on the caller's (possibly legacy default) stream.
-            idx = torch.as_tensor(page_idx, dtype=torch.int64, device=slots.device)
-            chunk = slots.index_select(0, idx).reshape(-1)
-            copy_fn(pool.rows, self.layout, chunk.to(pool.device, non_blocking=True), staging)
-
-        return keys, copy
+        return keys, PoolCopier(pool, self.layout, slots, copy_fn)
 
     def _kv_pool(self, kv_pool) -> KVPool:
         """The validated view of the engine's pool, reused while the engine passes the same
@@ -383,20 +373,7 @@ class Tier:
             if total != self.layout.page_bytes:
                 raise ValueError(f"page {i}: regions hold {total} B, a page is "
                                  f"{self.layout.page_bytes} B")
-        sb = self.layout.slot_bytes
-
-        def copy(staging: torch.Tensor, page_idx: list[int]) -> None:
-            for pos, i in enumerate(page_idx):
-                off = pos * sb
-                for r in pages[i]:
-                    dst = staging[off:off + r.numel()]
-                    if to_staging:
-                        dst.copy_(r, non_blocking=True)
-                    else:
-                        r.copy_(dst, non_blocking=True)
-                    off += r.numel()
-
-        return keys, copy
+        return keys, RegionCopier(pages, self.layout.slot_bytes, to_staging=to_staging)
 
     # -- data path ------------------------------------------------------------------------------
     def _warm_up_kernels(self) -> None:
@@ -510,6 +487,7 @@ class Tier:
             finished += 1
 
         try:
+            fill.prepare([i for i, _ in todo])
             for chunk in chunks:
                 held = self._take_part(pending, finish_oldest)
                 part = self._staging[held]
@@ -575,6 +553,7 @@ class Tier:
             self._finish_read(keys, *pending.popleft(), drain, results, corrupt)
 
         try:
+            drain.prepare([i for i, _, _ in todo])
             for chunk in chunks:
                 held = self._take_part(pending, finish_oldest)
                 extents = self.store.extents([s for _, s, _ in chunk])

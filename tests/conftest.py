@@ -18,11 +18,15 @@ HAS_NIXL = importlib.util.find_spec("nixl") is not None or \
     importlib.util.find_spec("nixl_cu13") is not None
 
 
+#: for a test parametrized over backends by hand: skips the nixl case where NIXL is missing
+NEEDS_NIXL = pytest.mark.skipif(
+    not HAS_NIXL or importlib.util.find_spec("gdskv.backends.nixl") is None,
+    reason="nixl (nixl-cu13) or gdskv.backends.nixl not installed")
+
+
 def _backend_params():
     yield pytest.param("posix", id="posix")
-    yield pytest.param("nixl", id="nixl", marks=pytest.mark.skipif(
-        not HAS_NIXL or importlib.util.find_spec("gdskv.backends.nixl") is None,
-        reason="nixl (nixl-cu13) or gdskv.backends.nixl not installed"))
+    yield pytest.param("nixl", id="nixl", marks=NEEDS_NIXL)
     yield pytest.param("kvikio", id="kvikio", marks=[pytest.mark.gpu, pytest.mark.skipif(
         not HAS_CUDA, reason="kvikio backend needs a CUDA device (none here)")])
 

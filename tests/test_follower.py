@@ -18,6 +18,8 @@ from gdskv.memory import cuda_available
 from gdskv.store import StoreError, StoreLockedError
 from gdskv.tier import Tier
 
+from conftest import NEEDS_NIXL
+
 LAYOUT = KVLayout(num_layers=2, page_size=4, head_dim=64, kv_heads=2, model_name="follower-test")
 PB = LAYOUT.page_bytes
 
@@ -266,7 +268,7 @@ def test_journal_follower_tails_and_notices_a_rewritten_tail(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not cuda_available(), reason="needs a CUDA device (none here)")
-@pytest.mark.parametrize("backend", ["kvikio", "nixl", "posix"])
+@pytest.mark.parametrize("backend", ["kvikio", pytest.param("nixl", marks=NEEDS_NIXL), "posix"])
 def test_follower_on_gpu_backends(store_dir, backend):
     """A writer and a follower staging on the GPU, on each backend: the follower reads the
     writer's pages bit-exact into GPU memory, and a slot the writer reused is a miss."""
