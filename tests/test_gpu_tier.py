@@ -121,3 +121,31 @@ def test_gpu_calls_from_four_threads(tmp_path, backend):
         for a, b in zip(pool, out):
             assert torch.equal(a.view(torch.int16)[:, perm_src], b.view(torch.int16)[:, perm_dst])
         assert tier.stats()["corrupt_pages"] == 0
+
+
+@pytest.mark.parametrize("slots_on", ["cpu", "cuda"])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_pool_copier_prepared_runs_and_other_chunks(slots_on, dtype):
+    """A prepared copier serves runs of the call's order from the indices it uploaded once, and
+    any other chunk (failed pages taken out) by uploading that chunk's own: both gather exactly
+    what the kernel gathers from the chunk's slots."""
+    from gdskv import kernels as kd
+    from gdskv.copiers import PoolCopier
+    from gdskv.pool import KVPool
+
+    lay = KVLayout(num_layers=2, page_size=4, head_dim=64, kv_heads=2, dtype="bf16")
+    n = 10
+    pool = KVPool(lay, _gpu_pool(lay, 64, seed=3))
+    slots = torch.randperm(64)[:n * lay.page_size].to(dtype).view(n, lay.page_size).to(slots_on)
+    copier = PoolCopier(pool, lay, slots, kd.gather_pages)
+    order = [7, 2, 9, 0, 4, 1, 8, 3, 6, 5]
+    copier.prepare(order)
+    for chunk in (order[0:4], order[4:10], [2, 0, 6], [5]):  # runs, a non-run, the last page
+        got = torch.zeros(len(chunk) * lay.slot_bytes, dtype=torch.uint8, device="cuda")
+        want = torch.zeros_like(got)
+        copier(got, chunk)
+        idx = torch.as_tensor(chunk, device=slots.device)
+        kd.gather_pages(pool.rows, lay, slots.index_select(0, idx).reshape(-1).cuda(), want)
+        torch.cuda.synchronize()
+        assert torch.equal(got, want), chunk
+        assert got.any()
