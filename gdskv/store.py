@@ -37,7 +37,7 @@ from collections.abc import Sequence
 
 from .backends.base import Extent, SlabFile
 from .config import DirectIO, TierConfig
-from .layout import ALIGNMENT, FORMAT_VERSION, KVLayout
+from .layout import ALIGNMENT, FORMAT_VERSION, PageLayout
 
 log = logging.getLogger("gdskv.store")
 
@@ -62,7 +62,7 @@ class StoreLockedError(StoreError):
 class SlabStore:
     """Opens or creates the store in ``config.directories`` for ``layout``."""
 
-    def __init__(self, layout: KVLayout, config: TierConfig) -> None:
+    def __init__(self, layout: PageLayout, config: TierConfig) -> None:
         if not config.directories:
             raise StoreError("no store directory given (set GDSKV_DIRECTORIES or "
                              "TierConfig(directories=...))")
