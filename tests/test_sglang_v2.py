@@ -700,6 +700,18 @@ def test_bad_transfers_are_misses_never_exceptions(tmp_path, caplog):
                               PoolTransfer(name=PoolName.MAMBA, keys=keys[1:],
                                            host_indices=torch.tensor([1, 2]))])
         assert res == {PoolName.MAMBA: [False, True, True]}
+        # a region SGLang's metadata would place outside the pool's buffers: refused, a miss
+        real_meta = mamba.get_page_buffer_meta
+        mamba.get_page_buffer_meta = lambda idx: ([p + (1 << 40) for p in real_meta(idx)[0]],
+                                                  real_meta(idx)[1])
+        before = page_of(mamba, 6)
+        try:
+            assert b.batch_get_v2([PoolTransfer(name=PoolName.MAMBA, keys=keys[1:2],
+                                                host_indices=torch.tensor([6]))]) == \
+                {PoolName.MAMBA: [False]}
+        finally:
+            del mamba.get_page_buffer_meta
+        assert torch.equal(page_of(mamba, 6), before)
         # after close: misses and failures, no exception
         b.close()
         assert b.batch_exists_v2(keys, [PoolTransfer(name=PoolName.MAMBA, keys=keys[:1],
