@@ -647,6 +647,30 @@ def test_injected_failures_never_give_a_wrong_hit(tmp_path, monkeypatch):
 
 
 # -- 6. refusals and bad transfers ---------------------------------------------------------------
+def test_controller_batch_is_sglangs():
+    from gdskv.adapters.sglang.sidecar import CONTROLLER_BATCH_PAGES
+    assert CONTROLLER_BATCH_PAGES == STORAGE_BATCH_SIZE
+
+
+def test_sidecar_store_sizes(tmp_path):
+    """A sidecar store's capacity follows SGLang's host-memory split (or pool_capacity), its
+    staging holds one controller batch."""
+    kv, mamba = kv_host(), mamba_host(slots=HOST_PAGES)
+    b = attach(storage_config(tmp_path, capacity="16MiB", staging_size="8MiB",
+                              pool_capacity={"swa": "3MiB"}),
+               kv, {PoolName.MAMBA: mamba, PoolName.SWA: swa_host()})
+    try:
+        m, s = b.sidecars["mamba"], b.sidecars["swa"]
+        kv_host_bytes = b.kv_layout.page_bytes * (kv.size // PAGE)
+        share = (16 << 20) * m.pool.host_bytes / kv_host_bytes
+        stored = m.store.tier.store.num_slots * m.store.layout.slot_bytes
+        assert share / 2 < stored <= share
+        assert s.store.tier.store.num_slots * s.store.layout.slot_bytes <= 3 << 20
+        assert m.store.tier.config.staging_size == STORAGE_BATCH_SIZE * m.store.layout.slot_bytes
+    finally:
+        b.close()
+
+
 def test_registration_refusals(tmp_path):
     kv = kv_host()
     b = StorageBackendFactory.create_backend("dynamic", storage_config(tmp_path), kv)

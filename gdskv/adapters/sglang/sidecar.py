@@ -7,8 +7,8 @@ backends move one page of such a pool in one of two ways, and so does this modul
 - **regions** (zero copy): ``host_pool.get_page_buffer_meta(indices)`` names each page's byte
   regions in host memory; the page is their concatenation, read and written in place as views
   of the pool's own buffers. Used when the pool answers it and every region lies in one of its
-  contiguous buffers (``get_hybrid_pool_buffer()`` / ``kv_buffer``), which is checked for every
-  page of every call.
+  contiguous buffers (``get_hybrid_pool_buffer()`` / ``kv_buffer``, looked up at every call),
+  which is checked for every page of every call: no byte outside the pool is ever touched.
 - **flat**: ``host_pool.get_data_page(index, flat=True)`` on write, and
   ``set_from_flat_data_page(index, page)`` on read (SGLang's generic path), through a page in
   the dtype of ``get_dummy_flat_data_page()``. Used otherwise (``layer_first`` pools, a Mamba
@@ -27,10 +27,33 @@ from typing import Optional
 
 import torch
 
+from ...config import TierConfig
 from ...layout import BytePageLayout
 
 REGIONS = "regions"
 FLAT = "flat"
+#: SGLang's STORAGE_BATCH_SIZE: the pages of one controller read or write (checked by the tests)
+CONTROLLER_BATCH_PAGES = 128
+#: a sidecar store holds at least this many pages, whatever its share of the capacity
+MIN_STORE_PAGES = 64
+
+
+def store_config(base: TierConfig, layout: BytePageLayout, *, directories: Sequence[str],
+                 kv_capacity: int, pool_host_bytes: int, kv_host_bytes: int,
+                 capacity: Optional[int] = None) -> TierConfig:
+    """A sidecar pool's tier settings: the KV tier's, in its own directories, with
+
+    - ``capacity`` if given, else the KV capacity scaled by the pool's host memory over the KV
+      host pool's (SGLang sizes its host pools that way), at least ``MIN_STORE_PAGES`` slots;
+    - staging for one controller batch of this pool rather than the KV tier's whole buffer (a
+      model can have a dozen sidecar pools), and at least one slot per pipeline stage.
+    """
+    if capacity is None:
+        capacity = max(int(kv_capacity * pool_host_bytes / max(1, kv_host_bytes)),
+                       MIN_STORE_PAGES * layout.slot_bytes)
+    staging = max(base.pipeline_depth * layout.slot_bytes,
+                  min(base.staging_size, CONTROLLER_BATCH_PAGES * layout.slot_bytes))
+    return base.replace(directories=tuple(directories), capacity=capacity, staging_size=staging)
 
 
 def page_starts(host_indices: torch.Tensor, num_pages: int, page_size: int) -> list[int]:
@@ -78,7 +101,6 @@ class SidecarPool:
                              "pages")
         self.page_size = int(getattr(host_pool, "page_size", 1) or 1)
         self.host_layout = str(getattr(host_pool, "layout", "") or "-")
-        self._buffers = self._contiguous_buffers(host_pool)
         self.mode = REGIONS if self._regions_work() else FLAT
         #: host memory the pool holds (its pages x page bytes): the basis of its disk share
         self.host_bytes = self.page_bytes * max(1, int(getattr(host_pool, "size", 0) or 0)
@@ -145,8 +167,7 @@ class SidecarPool:
         return sorted(out, key=lambda t: t[0])
 
     def _regions_work(self) -> bool:
-        if not self._buffers or not callable(getattr(self.host_pool, "get_page_buffer_meta",
-                                                     None)):
+        if not callable(getattr(self.host_pool, "get_page_buffer_meta", None)):
             return False
         try:
             self._regions([0])
@@ -163,9 +184,10 @@ class SidecarPool:
         if len(ptrs) != len(sizes) or len(ptrs) % len(starts):
             raise ValueError(f"{self.name!s}: {len(ptrs)} regions for {len(starts)} pages")
         per_page = len(ptrs) // len(starts)
+        buffers = self._contiguous_buffers(self.host_pool)
         pages = []
         for p in range(len(starts)):
-            regions = [self._view(int(a), int(n))
+            regions = [self._view(buffers, int(a), int(n))
                        for a, n in zip(ptrs[p * per_page:(p + 1) * per_page],
                                        sizes[p * per_page:(p + 1) * per_page])]
             if sum(r.numel() for r in regions) != self.page_bytes:
@@ -175,11 +197,11 @@ class SidecarPool:
             pages.append(regions)
         return pages
 
-    def _view(self, addr: int, size: int) -> torch.Tensor:
+    def _view(self, buffers: list, addr: int, size: int) -> torch.Tensor:
         """A uint8 view of ``size`` bytes at ``addr``, which must lie inside one pool buffer
         (never memory the pool does not own)."""
-        i = bisect.bisect_right(self._buffers, addr, key=lambda t: t[0]) - 1
-        found: Optional[tuple] = self._buffers[i] if i >= 0 else None
+        i = bisect.bisect_right(buffers, addr, key=lambda t: t[0]) - 1
+        found: Optional[tuple] = buffers[i] if i >= 0 else None
         if found is None or size < 1 or addr + size > found[1]:
             raise ValueError(f"{self.name!s}: region [{addr:#x}, +{size}) is outside the "
                              "pool's buffers")

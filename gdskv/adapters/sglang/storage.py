@@ -68,7 +68,6 @@ from typing import Any, List, Optional
 import torch
 
 from sglang.srt.mem_cache.hicache_storage import (
-    STORAGE_BATCH_SIZE,
     HiCacheStorage,
     HiCacheStorageConfig,
     PoolName,
@@ -80,7 +79,7 @@ from ...layout import KVLayout
 from ...tier import Tier
 from . import hit_policy
 from .rank_store import RankStore
-from .sidecar import SidecarPool, page_starts
+from .sidecar import SidecarPool, page_starts, store_config
 
 log = logging.getLogger("gdskv.sglang")
 
@@ -93,8 +92,6 @@ _LAYOUTS = ("page_first_direct", "page_first", "layer_first")
 # One-byte KV types SGLang stores as raw bytes (fp8 caches): copies are byte-wise, so they are
 # carried under gdskv's one-byte dtype name.
 _BYTE_DTYPES = (torch.uint8, torch.int8)
-#: a sidecar store holds at least this many pages, whatever its share of the capacity
-MIN_SIDECAR_PAGES = 64
 
 
 def _safe_name(text: str) -> str:
@@ -422,26 +419,14 @@ class GdskvHiCacheStorage(HiCacheStorage):
                              tp_rank=0 if replicated else sc.tp_rank,
                              tp_size=1 if replicated else sc.tp_size,
                              pp_rank=sc.pp_rank, pp_size=sc.pp_size)
-        config = self.config.replace(directories=self._store_dirs(_safe_name(name), shard_dir),
-                                     capacity=self._sidecar_capacity(name, pool, layout),
-                                     staging_size=self._sidecar_staging(layout))
+        config = store_config(self.config, layout,
+                              directories=self._store_dirs(_safe_name(name), shard_dir),
+                              kv_capacity=self.config.capacity, pool_host_bytes=pool.host_bytes,
+                              kv_host_bytes=self._kv_host_bytes,
+                              capacity=self.pool_capacity.get(name))
         store = RankStore(name, layout, config, self.device,
                           follower=replicated and not self.is_writer, log_once=self._log_once)
         self.sidecars[name] = _Sidecar(pool, store, suffix)
-
-    def _sidecar_capacity(self, name: str, pool: SidecarPool, layout) -> int:
-        """``pool_capacity[name]``, else the KV capacity scaled as SGLang scaled host memory."""
-        if name in self.pool_capacity:
-            return self.pool_capacity[name]
-        share = int(self.config.capacity * pool.host_bytes / max(1, self._kv_host_bytes))
-        return max(share, MIN_SIDECAR_PAGES * layout.slot_bytes)
-
-    def _sidecar_staging(self, layout) -> int:
-        """Staging for one controller batch of this pool, not the KV tier's whole buffer (a
-        model can have a dozen sidecar pools), and at least one slot per pipeline stage."""
-        depth = self.config.pipeline_depth
-        return max(depth * layout.slot_bytes,
-                   min(self.config.staging_size, STORAGE_BATCH_SIZE * layout.slot_bytes))
 
     def on_host_pools_registered(self) -> None:
         """Log what each registered pool takes on disk (stores are open already)."""
