@@ -1,0 +1,176 @@
+"""A hybrid model's L3 read (KV + its sidecar pool) against the KV read alone, in one call.
+
+What SGLang's cache controller does for each 128-page batch of a prefetch of a model with a
+KV-derived sidecar pool (``CacheController._page_transfer_kv_batch``): ``batch_get_v1`` of the KV
+pages, then ``batch_get_v2`` of the sidecar's pages for the same keys. This drives the SGLang
+adapter's data path through gdskv alone (no sglang needed): the KV tier reads page-format regions
+of a ``page_first_direct`` host pool (``Tier.get_pages``, as the adapter's v1 path does), the
+sidecar tier (:class:`gdskv.layout.BytePageLayout`, set up by the adapter's own
+:func:`gdskv.adapters.sglang.sidecar.store_config`) reads each page into its page-first region of
+the sidecar host buffer (the adapter's zero-copy ``regions`` mode).
+
+Model: DeepSeek-V3.2 (DSA) by default: MLA KV, 61 layers x 576 bf16 per token, and the DSA
+indexer (``INDEXER``, ``ALL_PAGES``), 61 layers x 132 B per token (128 fp8 key bytes + one fp32
+scale per 128), both in SGLang's 64-token pages: 4.29 MiB of KV and 0.49 MiB of indexer a page,
+so the sidecar adds 11.5 % to the bytes read.
+
+Each pass reads every page once, batch by batch, after dropping the slab files from the page
+cache (``fadvise``; O_DIRECT reads do not use it anyway); passes alternate "KV alone" and "KV +
+sidecar". Every byte read is checked against what was written (outside the timing). The
+sidecar's cost is the hybrid time over the KV-alone time minus one, against its share of the
+bytes: it should cost no more than its share.
+
+    python bench/experiments/hybrid_read.py --dir /mnt/nvme/bench --out hybrid.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import time
+
+import torch
+
+from gdskv.adapters.sglang.sidecar import CONTROLLER_BATCH_PAGES, store_config
+from gdskv.bench.cache import drop_page_cache
+from gdskv.config import TierConfig
+from gdskv.layout import BytePageLayout, KVLayout
+from gdskv.tier import Tier
+
+#: name: (KV layout fields, sidecar bytes per token, sidecar pool name)
+MODELS = {
+    "deepseek-v3.2": (dict(num_layers=61, page_size=64, head_dim=576, kv_heads=1, mla=True,
+                           dtype="bf16", model_name="deepseek-ai/DeepSeek-V3.2"),
+                      61 * 132, "indexer"),
+}
+
+
+def _args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dir", required=True, help="directory on the drive under test (a "
+                    "subdirectory is made and removed)")
+    ap.add_argument("--out", help="write the JSON results here (also printed)")
+    ap.add_argument("--model", default="deepseek-v3.2", choices=sorted(MODELS))
+    ap.add_argument("--pages", type=int, default=1024, help="KV pages written and read per pass")
+    ap.add_argument("--passes", type=int, default=3, help="timed passes of each kind")
+    ap.add_argument("--backend", default="auto", help="gdskv backend (auto: kvikio where the "
+                    "tier stages on CUDA, posix otherwise)")
+    ap.add_argument("--device", default="cpu", help="where the tiers stage pages: cpu (the "
+                    "adapter's default) or cuda")
+    ap.add_argument("--staging-size", default="256MiB", help="KV tier staging (GDSKV_STAGING_SIZE)")
+    return ap.parse_args(argv)
+
+
+def _host_pool(num_pages: int, page_bytes: int, seed: int) -> torch.Tensor:
+    """A page-first host buffer of random bytes, pinned where CUDA is there (SGLang pins its
+    host pools)."""
+    g = torch.Generator().manual_seed(seed)
+    buf = torch.randint(0, 256, (num_pages, page_bytes), dtype=torch.uint8, generator=g)
+    return buf.pin_memory() if torch.cuda.is_available() else buf
+
+
+def main(args) -> dict:
+    kv_fields, side_bytes_per_token, side_name = MODELS[args.model]
+    kv_layout = KVLayout(**kv_fields)
+    side_layout = BytePageLayout(page_bytes=side_bytes_per_token * kv_layout.page_size,
+                                 kind=f"sglang/{side_name}/bench/page_first_direct/regions",
+                                 model_name=kv_layout.model_name)
+    n = args.pages
+    root = os.path.join(args.dir, f"gdskv-hybrid-{os.getpid()}")
+    kv_dir, side_dir = os.path.join(root, "kv"), os.path.join(root, side_name)
+    os.makedirs(kv_dir)
+    os.makedirs(side_dir)
+    # room for every page with stripe rounding to spare: nothing is evicted
+    base = TierConfig.from_env(directories=(kv_dir,), backend=args.backend,
+                               staging_size=args.staging_size,
+                               capacity=(n + 256) * kv_layout.slot_bytes)
+    side_config = store_config(base, side_layout, directories=(side_dir,),
+                               kv_capacity=base.capacity, pool_host_bytes=side_layout.page_bytes,
+                               kv_host_bytes=kv_layout.page_bytes,
+                               capacity=(n + 256) * side_layout.slot_bytes)
+    # host pools: what SGLang's page_first_direct pools hold, written from `src`, read to `dst`
+    kv_src, kv_dst = _host_pool(n, kv_layout.page_bytes, 1), _host_pool(n, kv_layout.page_bytes, 2)
+    sd_src = _host_pool(n, side_layout.page_bytes, 3)
+    sd_dst = _host_pool(n, side_layout.page_bytes, 4)
+    keys = [f"{i:064x}" for i in range(n)]
+    batches = [range(i, min(i + CONTROLLER_BATCH_PAGES, n))
+               for i in range(0, n, CONTROLLER_BATCH_PAGES)]
+    result = {"model": args.model, "pages": n, "batch_pages": CONTROLLER_BATCH_PAGES,
+              "kv_page_bytes": kv_layout.page_bytes, "sidecar": side_name,
+              "sidecar_page_bytes": side_layout.page_bytes, "device": args.device,
+              "dir": args.dir, "host": platform.node(),
+              "torch": torch.__version__, "passes": {"kv": [], "kv+sidecar": []}}
+    try:
+        with Tier(kv_layout, base, device=args.device) as kv, \
+                Tier(side_layout, side_config, device=args.device) as side:
+            result["backend"] = kv.backend.name
+            result["backend_detail"] = kv.backend.describe()
+            result["o_direct"] = kv.store.direct
+            for b in batches:  # write once (untimed)
+                ks = [keys[i] for i in b]
+                if not (all(kv.put_pages(ks, [[kv_src[i]] for i in b])) and
+                        all(side.put_pages(ks, [[sd_src[i]] for i in b]))):
+                    raise RuntimeError("a page write failed")
+            slabs = [f.path for f in kv.store.files] + [f.path for f in side.store.files]
+            for p in range(2 * args.passes):
+                kind = ("kv", "kv+sidecar")[p % 2]
+                kv_dst.zero_()
+                sd_dst.zero_()
+                dropped = drop_page_cache(slabs)
+                seconds = []
+                for b in batches:
+                    ks = [keys[i] for i in b]
+                    t0 = time.perf_counter()
+                    ok = kv.get_pages(ks, [[kv_dst[i]] for i in b])
+                    if kind == "kv+sidecar":
+                        ok += side.get_pages(ks, [[sd_dst[i]] for i in b])
+                    seconds.append(time.perf_counter() - t0)
+                    if not all(ok):
+                        raise RuntimeError(f"{kind}: a page read failed (pass {p})")
+                if not torch.equal(kv_dst, kv_src) or \
+                        (kind == "kv+sidecar" and not torch.equal(sd_dst, sd_src)):
+                    raise RuntimeError(f"{kind}: bytes read differ from bytes written")
+                total = sum(seconds)
+                nbytes = n * (kv_layout.page_bytes + (side_layout.page_bytes
+                                                      if kind == "kv+sidecar" else 0))
+                result["passes"][kind].append({"seconds": total, "GBps": nbytes / total / 1e9,
+                                               "batch_ms": [s * 1e3 for s in seconds],
+                                               "cache": dropped.get("summary", "")})
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    kv_s = statistics.median(p["seconds"] for p in result["passes"]["kv"])
+    hy_s = statistics.median(p["seconds"] for p in result["passes"]["kv+sidecar"])
+    share = side_layout.page_bytes / kv_layout.page_bytes
+    result.update(kv_median_s=kv_s, hybrid_median_s=hy_s, sidecar_time_fraction=hy_s / kv_s - 1,
+                  sidecar_byte_fraction=share,
+                  sidecar_within_its_share=hy_s / kv_s - 1 <= share)
+    return result
+
+
+def report(r: dict) -> str:
+    kv_gbps = statistics.median(p["GBps"] for p in r["passes"]["kv"])
+    hy_gbps = statistics.median(p["GBps"] for p in r["passes"]["kv+sidecar"])
+    return "\n".join([
+        f"{r['model']}: {r['pages']} pages in {r['batch_pages']}-page batches, backend "
+        f"{r['backend']}, staging on {r['device']}, {r['dir']}",
+        "| read | median s | GB/s (all bytes read) |", "|---|---|---|",
+        f"| KV alone | {r['kv_median_s']:.3f} | {kv_gbps:.2f} |",
+        f"| KV + {r['sidecar']} | {r['hybrid_median_s']:.3f} | {hy_gbps:.2f} |",
+        f"sidecar time: {100 * r['sidecar_time_fraction']:+.1f} % for "
+        f"{100 * r['sidecar_byte_fraction']:+.1f} % bytes "
+        f"({'within' if r['sidecar_within_its_share'] else 'OVER'} its share)"])
+
+
+if __name__ == "__main__":
+    options = _args()
+    res = main(options)
+    text = json.dumps(res, indent=1)
+    if options.out:
+        with open(options.out, "w", encoding="utf-8") as f:
+            f.write(text)
+    print(text)
+    print(report(res))
