@@ -71,32 +71,44 @@ def canonical_dtype_name(dtype: str | torch.dtype) -> str:
     return name
 
 
-def _check_shard(owner, what: str) -> None:
-    """Validate the shard identity fields every layout has (model name, TP/PP ranks)."""
-    for name in ("tp_size", "pp_size"):
-        value = getattr(owner, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{what}.{name} must be a positive int, got {value!r}")
-    for name, size in (("tp_rank", owner.tp_size), ("pp_rank", owner.pp_size)):
-        value = getattr(owner, name)
-        if not isinstance(value, int) or not 0 <= value < size:
-            raise ValueError(f"{what}.{name} must be in [0, {size}), got {value!r}")
-    _check_label(owner.model_name, f"{what}.model_name")
-
-
 def _check_label(value, what: str) -> None:
     # '|' separates fingerprint fields and the manifest is one JSON line per field
     if not isinstance(value, str) or any(c in value for c in "\n|"):
         raise ValueError(f"{what} must be a str without '|' or newlines, got {value!r}")
 
 
-def _shard_fingerprint(owner) -> str:
-    return (f"gdskv/v{FORMAT_VERSION}|model={owner.model_name}|tp={owner.tp_rank}/{owner.tp_size}"
-            f"|pp={owner.pp_rank}/{owner.pp_size}")
+@dataclass(frozen=True, kw_only=True)
+class ShardIdentity:
+    """Which shard of which model a layout's pages belong to (keyword-only fields of every
+    layout); part of every fingerprint, so stores of other models or shardings never serve
+    each other's pages."""
+
+    model_name: str = ""
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+
+    def _check_shard(self) -> None:
+        what = type(self).__name__
+        for name in ("tp_size", "pp_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{what}.{name} must be a positive int, got {value!r}")
+        for name, size in (("tp_rank", self.tp_size), ("pp_rank", self.pp_size)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or not 0 <= value < size:
+                raise ValueError(f"{what}.{name} must be in [0, {size}), got {value!r}")
+        _check_label(self.model_name, f"{what}.model_name")
+
+    @property
+    def _shard_fingerprint(self) -> str:
+        return (f"gdskv/v{FORMAT_VERSION}|model={self.model_name}|tp={self.tp_rank}/"
+                f"{self.tp_size}|pp={self.pp_rank}/{self.pp_size}")
 
 
 @dataclass(frozen=True)
-class KVLayout:
+class KVLayout(ShardIdentity):
     """What one tier stores: the KV geometry of one model shard.
 
     Args:
@@ -116,11 +128,6 @@ class KVLayout:
     kv_heads: int = 1
     dtype: str = "bfloat16"
     mla: bool = False
-    model_name: str = ""
-    tp_rank: int = 0
-    tp_size: int = 1
-    pp_rank: int = 0
-    pp_size: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", canonical_dtype_name(self.dtype))
@@ -132,7 +139,7 @@ class KVLayout:
             raise ValueError(f"KVLayout.page_size must be 1..{MAX_PAGE_SIZE}, got {self.page_size}")
         if self.mla and self.kv_heads != 1:
             raise ValueError(f"KVLayout.kv_heads must be 1 for MLA, got {self.kv_heads}")
-        _check_shard(self, "KVLayout")
+        self._check_shard()
 
     # -- derived geometry -------------------------------------------------------------------
     @property
@@ -166,7 +173,7 @@ class KVLayout:
     @property
     def fingerprint(self) -> str:
         """A string naming everything that must match for a stored page to be readable here."""
-        return (f"{_shard_fingerprint(self)}|{'mla' if self.mla else 'mha'}"
+        return (f"{self._shard_fingerprint}|{'mla' if self.mla else 'mha'}"
                 f"|layers={self.num_layers}|heads={self.kv_heads}|head_dim={self.head_dim}"
                 f"|page={self.page_size}|dtype={self.dtype}")
 
@@ -178,7 +185,7 @@ class KVLayout:
 
 
 @dataclass(frozen=True)
-class BytePageLayout:
+class BytePageLayout(ShardIdentity):
     """What one tier stores when its pages are opaque bytes of one fixed size.
 
     Args:
@@ -191,11 +198,6 @@ class BytePageLayout:
 
     page_bytes: int
     kind: str
-    model_name: str = ""
-    tp_rank: int = 0
-    tp_size: int = 1
-    pp_rank: int = 0
-    pp_size: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.page_bytes, int) or isinstance(self.page_bytes, bool) or \
@@ -205,7 +207,7 @@ class BytePageLayout:
         _check_label(self.kind, "BytePageLayout.kind")
         if not self.kind:
             raise ValueError("BytePageLayout.kind must name what the pages hold, got ''")
-        _check_shard(self, "BytePageLayout")
+        self._check_shard()
 
     @property
     def slot_bytes(self) -> int:
@@ -214,7 +216,7 @@ class BytePageLayout:
 
     @property
     def fingerprint(self) -> str:
-        return f"{_shard_fingerprint(self)}|bytes|kind={self.kind}|page_bytes={self.page_bytes}"
+        return f"{self._shard_fingerprint}|bytes|kind={self.kind}|page_bytes={self.page_bytes}"
 
     def replace(self, **changes) -> "BytePageLayout":
         return dataclasses.replace(self, **changes)

@@ -17,23 +17,22 @@ import threading
 import pytest
 import torch
 
-try:
-    from sglang.srt.mem_cache.hicache_storage import (
-        STORAGE_BATCH_SIZE,
-        HiCacheStorageConfig,
-        PoolHitPolicy,
-        PoolName,
-        PoolTransfer,
-    )
-    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
-except ImportError as exc:  # the main venv has no sglang
-    pytest.skip(f"sglang is not importable ({exc}); these tests run in the sglang venv: "
-                "see tests/requirements-sglang.txt", allow_module_level=True)
+# the main venv has no sglang: these tests run in the sglang venv (tests/run_sglang.sh)
+pytest.importorskip("sglang.srt.mem_cache.storage.backend_factory",
+                    reason="sglang is not importable; see tests/requirements-sglang.txt")
+
+from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402
+    STORAGE_BATCH_SIZE,
+    HiCacheStorageConfig,
+    PoolHitPolicy,
+    PoolName,
+    PoolTransfer,
+)
+from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
 
 from gdskv.adapters.sglang import GdskvHiCacheStorage  # noqa: E402
-from gdskv.config import ConfigError  # noqa: E402
-
 from gdskv.bench.sglang_pools import make_host_pool  # noqa: E402
+from gdskv.config import ConfigError  # noqa: E402
 
 PAGE = 4
 LAYERS = 2
