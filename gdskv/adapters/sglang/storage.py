@@ -126,7 +126,8 @@ class _Sidecar:
 
 
 class GdskvHiCacheStorage(HiCacheStorage):
-    """A :class:`HiCacheStorage` whose pages live in a gdskv slab store on NVMe.
+    """A :class:`HiCacheStorage` whose pages live in gdskv slab stores on NVMe: one for the KV
+    pool, one per sidecar pool of a hybrid model.
 
     Args:
         storage_config: what SGLang passes (ranks, MLA flag, model name, ``extra_config``).
