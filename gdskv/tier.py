@@ -125,10 +125,11 @@ class Tier:
                                           max_tracked=4 * self.store.num_slots)
         self._pools = PoolCache(layout)
         self._closed = False
+        o_direct, o_direct_reason = self._direct_io()
         log.info("gdskv tier%s: %d slots of %d B in %s; backend %s; O_DIRECT %s (%s)",
                  " (read-only follower)" if self.read_only else "", self.store.num_slots,
                  layout.slot_bytes, ", ".join(self.store.directories),
-                 self.backend.name, "on" if self.store.direct else "off", self.store.direct_reason)
+                 self.backend.name, "on" if o_direct else "off", o_direct_reason)
 
     @classmethod
     def from_env(cls, layout: KVLayout, *, device=None, **overrides) -> "Tier":
@@ -223,13 +224,14 @@ class Tier:
 
     def stats(self) -> dict:
         s = self._stats.snapshot()
+        o_direct, o_direct_reason = self._direct_io()
         s.update(pages_stored=len(self.directory), bytes_stored=len(self.directory) *
                  self.layout.page_bytes, capacity_pages=self.store.num_slots,
                  slot_bytes=self.layout.slot_bytes, page_bytes=self.layout.page_bytes,
                  backend=self.backend.name, gpu_direct=self.backend.gpu_direct,
                  backend_detail=self.backend.describe(),
-                 backend_selected_because=getattr(self.backend, "selected_because", ""),
-                 o_direct=self.store.direct, o_direct_reason=self.store.direct_reason,
+                 backend_selected_because=self.backend.selected_because,
+                 o_direct=o_direct, o_direct_reason=o_direct_reason,
                  device=str(self.device), fingerprint=self.layout.fingerprint,
                  read_only=self.read_only)
         return s
@@ -247,6 +249,11 @@ class Tier:
             finally:
                 self._persist.close()
                 self.store.close()
+
+    def _direct_io(self) -> tuple[bool, str]:
+        """O_DIRECT as the I/O really runs: the backend's answer where it opens the files
+        itself (kvikio), else the store's."""
+        return self.backend.direct_io() or (self.store.direct, self.store.direct_reason)
 
     def __enter__(self) -> "Tier":
         return self
