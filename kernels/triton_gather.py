@@ -28,7 +28,7 @@ from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
 from gdskv.layout import KVLayout
-from gdskv.pool import KVPool, as_pool, check_token_slots
+from gdskv.pool import as_pool, check_token_slots
 
 __all__ = ["gather_pages_triton", "scatter_pages_triton", "gather_pages_layer_triton",
            "scatter_pages_layer_triton", "LaunchConfig", "default_config"]
