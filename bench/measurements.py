@@ -199,6 +199,14 @@ def fmt_bytes_si(n: float) -> str:
     return fmt_num(n, ("B", "kB", "MB", "GB", "TB", "PB"), 1000)
 
 
+def fmt_size_exact(n: int) -> str:
+    """2MiB, 1098KiB, 4000B: the largest binary unit that divides the size exactly."""
+    for unit, div in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= div and n % div == 0:
+            return f"{n // div}{unit}"
+    return f"{n}B"
+
+
 def fmt_count(n: float) -> str:
     return fmt_num(n, ("", "k", "M", "G"), 1000)
 

@@ -1,6 +1,6 @@
 """A ``dd`` baseline: what one sequential O_DIRECT stream gets from the same directory.
 
-``python -m gdskv.bench.ddbase --directory D --size 1G --bs 64M [--json FILE]`` writes a file
+``python bench/device/ddbase.py --directory D --size 1G --bs 64M [--json FILE]`` writes a file
 with ``dd oflag=direct conv=fdatasync``, drops its page cache, reads it back with
 ``dd iflag=direct``, and reports both rates in a fio-like JSON (``jobs[0].write/read.bw_bytes``)
 so the results script can put it in the same table. Where O_DIRECT is refused (tmpfs), it runs
@@ -20,7 +20,7 @@ import time
 
 from gdskv.config import parse_size
 
-from .cache import drop_page_cache, fs_type
+from gdskv.bench.cache import drop_page_cache, fs_type
 
 _RATE = re.compile(r"(\d+) bytes .* copied, ([\d.eE+-]+) s")
 
@@ -70,7 +70,7 @@ def dd_baseline(directory: str, size: int, bs: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m gdskv.bench.ddbase", description=__doc__)
+    p = argparse.ArgumentParser(prog="python bench/device/ddbase.py", description=__doc__)
     p.add_argument("--directory", required=True)
     p.add_argument("--size", default="1G")
     p.add_argument("--bs", default="64M")

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Sourced first by every command on the GPU machine (device tool), from the repository root:
-#   . bench/device_check.sh; <tests and benchmarks>
+#   . bench/device/device_check.sh; <tests and benchmarks>
 # Installs the carried wheel folders (.whl-kvikio: kvikio + small deps, always; .whl-nixl: NIXL;
-# .whl-sglang: sglang's import chain, see bench/fetch_sglang_wheels.sh; the device tool carries
+# .whl-sglang: sglang's import chain, see bench/device/fetch_sglang_wheels.sh; the device tool carries
 # at most 64 MiB a call, so nixl and sglang travel in different calls) and sets PYTHONPATH.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"

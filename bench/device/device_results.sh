@@ -17,7 +17,7 @@
 # backend per batch_get/batch_set: 256 MiB for Llama-3-8B 16-token pages, 1 GiB for 64-token).
 #
 # Usage (repo root; the caller sets PYTHONPATH so gdskv, kvikio and nixl import):
-#   OUT=/path/to/out bash bench/device_results.sh
+#   OUT=/path/to/out bash bench/device/device_results.sh
 # Env: OUT (default ./bench-results), DISK_DIR (default /var/tmp/gdskv-bench), SIZE (1G),
 #      BS (64M), BATCH_PAGES (unset: use BS), IODEPTH (1), MEM (gpu when CUDA works, else host),
 #      PLACES ("disk shm"), SWEEP_BS (2M,8M,32M,128M; empty: no sweep), SWEEP_PLACE (disk),
@@ -72,7 +72,7 @@ for place in $places; do
   label=${place%%:*}; export DIR=${place#*:}
   mkdir -p "$OUT/$label"
   echo "== $label ($DIR): dd"
-  $PY -m gdskv.bench.ddbase --directory "$DIR" --size "$SIZE" --bs "$DD_BS" --json "$OUT/$label/dd.json"
+  $PY "$HERE/ddbase.py" --directory "$DIR" --size "$SIZE" --bs "$DD_BS" --json "$OUT/$label/dd.json"
   for geo in llama3-8b:16 llama3-8b:64 deepseek-v3:64; do
     export MODEL=${geo%%:*} PAGES=${geo#*:}
     name="$MODEL-p$PAGES"
@@ -81,11 +81,10 @@ for place in $places; do
     fi
     export BS
     echo "== $label $name: gdskv/raw x kvikio/nixl/posix, bs=$BS (t=$(( $(date +%s) - START ))s)"
-    $BENCH "$HERE/jobs/device.ini" --output-format=json --output="$OUT/$label/$name.json" \
-      2> >(tee "$OUT/$label/$name.err" >&2)
+    $BENCH "$HERE/../jobs/device.ini" --output-format=json --output="$OUT/$label/$name.json"
     if [ $HICACHE = 1 ]; then
-      $BENCH "$HERE/jobs/device-hicache.ini" --output-format=json \
-        --output="$OUT/$label/$name-hicache.json" 2> >(tee -a "$OUT/$label/$name.err" >&2)
+      $BENCH "$HERE/../jobs/device-hicache.ini" --output-format=json \
+        --output="$OUT/$label/$name-hicache.json"
     fi
   done
   rm -rf "$DIR"/gdskv-bench-* 2>/dev/null
@@ -106,4 +105,4 @@ fi
 rmdir "$SHM_DIR" 2>/dev/null
 
 echo "== summary (GB/s of KV payload; w/raw etc. are ratios; $(( $(date +%s) - START ))s total)"
-$PY -m gdskv.bench.summary "$OUT" | tee "$OUT/summary.md"
+$PY "$HERE/summary_table.py" "$OUT" | tee "$OUT/summary.md"

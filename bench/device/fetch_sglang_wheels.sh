@@ -4,7 +4,7 @@
 # torchvision, transformers, numpy, pillow, psutil, aiohttp, requests, tqdm, pyyaml). About 57 MB:
 # carry .whl-sglang alone (the device tool carries at most 64 MiB a call).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 grep -qx '/.whl-sglang/' .git/info/exclude 2>/dev/null || echo /.whl-sglang/ >> "$(git rev-parse --git-common-dir)/info/exclude"
 mkdir -p .whl-sglang
 plat=""

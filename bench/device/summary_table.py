@@ -1,7 +1,7 @@
 """A markdown table over result JSON files (gdskv-bench and ddbase), with the ratios that matter.
 
-``python -m gdskv.bench.summary OUT_DIR`` reads ``OUT_DIR/<place>/<geometry>*.json`` and prints one
-row per job: write/read GB/s, gdskv against raw on the same backend, gdskv against HiCacheFile
+``python bench/device/summary_table.py OUT_DIR`` reads ``OUT_DIR/<place>/<geometry>*.json`` and
+prints one row per job: write/read GB/s, gdskv against raw on the same backend, gdskv against HiCacheFile
 and dd, verify outcome, O_DIRECT, compat mode, whether the page cache was dropped before reads.
 """
 
@@ -102,7 +102,7 @@ def table(out_dir: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        print("usage: python -m gdskv.bench.summary OUT_DIR", file=sys.stderr)
+        print("usage: python bench/device/summary_table.py OUT_DIR", file=sys.stderr)
         return 2
     sys.stdout.write(table(argv[0]))
     return 0

@@ -5,7 +5,12 @@ bench's own ``gdskv`` and ``raw`` engines (same pages, same backend, same direct
 time in this thread, prints the median call time of each, then cProfile's top functions for the
 gdskv calls (wall time in this thread: waits on I/O futures and GPU syncs show up as such).
 
-    python -m gdskv.bench.call_profile --directory /dev/shm/x --bs 64M --size 1G --backend kvikio
+    python bench/experiments/call_profile.py --directory /dev/shm/x --bs 64M --size 1G \
+        --backend kvikio [--phases | --trace FILE] [--iodepth N] [--json FILE]
+
+Results it produced (bench/RESULTS.md, "Where the time goes"), under bench/results/:
+``h100-2026-11-22/call-profile/call_profile_shm.json`` (64 MiB calls, ``--phases``, the first
+write call) and ``h100-2026-11-22/batch128/call_profile_shm_256M.json`` (256 MiB calls).
 """
 
 from __future__ import annotations
@@ -27,9 +32,9 @@ import torch
 
 from gdskv.config import TierConfig, parse_size
 
-from .cache import drop_page_cache
-from .engines import EngineSpec, make_engine
-from .presets import get_preset
+from gdskv.bench.cache import drop_page_cache
+from gdskv.bench.engines import EngineSpec, make_engine
+from gdskv.bench.presets import get_preset
 
 
 # What ``--phases`` times (in the calling thread only): "module:Class.attr" or "module:func".

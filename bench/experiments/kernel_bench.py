@@ -12,8 +12,13 @@ each also as % of the D2D rate, plus the host time per call. Timings: CUDA event
 back-to-back calls (see ``_time_ms``). Every kernel's output is checked against the torch
 reference once before it is timed.
 
-Usage: ``python bench/kernel_bench.py --out results.json [--sweep]``; ``--sweep`` also times a
-few other tile shapes per geometry (to tune the defaults in kernels/triton_gather.py).
+Usage: ``python bench/experiments/kernel_bench.py --out results.json [--sweep]``; ``--sweep``
+also times a few other tile shapes per geometry (to tune the defaults in kernels/triton_gather.py).
+
+Results it produced (bench/RESULTS.md, "Gather / scatter kernels"), under bench/results/:
+``h200-2026-11-22/kernels/`` (its README says which run made which file). Those files name the
+geometries ``llama3-8b/p16``, ``llama3-8b/p64`` and ``mla-61x576/p64``; here they are
+``llama3-8b-p16``, ``llama3-8b-p64`` and ``deepseek-v3-p64``, the same layouts.
 """
 
 from __future__ import annotations
@@ -29,11 +34,7 @@ import time
 
 import torch
 
-GEOMETRIES = {
-    "llama3-8b/p16": dict(num_layers=32, page_size=16, head_dim=128, kv_heads=8),
-    "llama3-8b/p64": dict(num_layers=32, page_size=64, head_dim=128, kv_heads=8),
-    "mla-61x576/p64": dict(num_layers=61, page_size=64, head_dim=576, kv_heads=1, mla=True),
-}
+from experiment_helpers import GEOMETRIES
 
 # (block_t, block_c, num_warps) tried with --sweep, by row length in 4-byte words.
 SWEEP = {
@@ -95,13 +96,12 @@ def d2d_copy(nbytes: int) -> dict:
 
 
 def bench_geometry(name: str, batch_bytes: int, sweep: bool, host: bool) -> dict:
-    from gdskv.layout import KVLayout
     from gdskv.pool import KVPool
     from kernels.reference import gather_pages_reference
     from kernels.triton_gather import (LaunchConfig, default_config, gather_pages_triton,
                                        scatter_pages_triton)
 
-    layout = KVLayout(**GEOMETRIES[name])
+    layout = GEOMETRIES[name]
     num_pages = -(-batch_bytes // layout.page_bytes)
     num_tokens = num_pages * layout.page_size
     num_slots = 2 * num_tokens  # pool twice the batch: slots drawn from all of it

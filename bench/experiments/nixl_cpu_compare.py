@@ -1,9 +1,12 @@
 """NIXL POSIX plugin vs plain os.pwrite/os.pread of the same bytes, host memory, on CPU.
 
-    python -m gdskv.bench.nixl_cpu_compare --dir /tmp/x --size 256MiB [--queue aio]
+    python bench/experiments/nixl_cpu_compare.py --dir /tmp/x --size 256MiB [--queue aio]
 
-Page cache is dropped before reads when root (otherwise reads with O_DIRECT files still
-bypass it); prints GB/s per method.
+The machine's page cache is dropped before reads when root (otherwise reads with O_DIRECT files
+still bypass it); prints GB/s per method as JSON.
+
+Result it produced (bench/RESULTS.md, "NIXL backend"), under bench/results/:
+``cpu-2026-11-23/nixl-cpu-compare/nixl_cpu_compare.json``.
 """
 
 from __future__ import annotations
@@ -16,30 +19,11 @@ import time
 
 import torch
 
-from gdskv.bench.cache import drop_page_cache
-from gdskv.backends.base import Extent, SlabFile
+from experiment_helpers import drop_all_caches, open_slab
+from gdskv.backends.base import Extent
 from gdskv.backends.nixl import NixlBackend
 from gdskv.config import TierConfig, parse_size
 from gdskv.memory import alloc_host, host_numpy
-
-
-def drop_caches() -> bool:
-    """Drop the whole page cache (root only); True if it was dropped."""
-    return drop_page_cache([])["drop_caches"]
-
-
-def open_files(d: str, n: int, per: int) -> list[SlabFile]:
-    files = []
-    for i in range(n):
-        path = os.path.join(d, f"cmp{i}.bin")
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        os.posix_fallocate(fd, 0, per)
-        os.close(fd)
-        try:
-            files.append(SlabFile(i, path, os.open(path, os.O_RDWR | os.O_DIRECT), True, per))
-        except OSError:
-            files.append(SlabFile(i, path, os.open(path, os.O_RDWR), False, per))
-    return files
 
 
 def main() -> None:
@@ -53,7 +37,8 @@ def main() -> None:
     args = ap.parse_args()
     size, bs = parse_size(args.size), parse_size(args.bs)
     d = args.dir or tempfile.mkdtemp(prefix="nixlcmp")
-    files = open_files(d, args.files, size // args.files)
+    files = [open_slab(os.path.join(d, f"cmp{i}.bin"), size // args.files, i)
+             for i in range(args.files)]
     ext = [Extent(k % args.files, (k // args.files) * bs, bs, k * bs) for k in range(size // bs)]
     src = alloc_host(size)
     src.copy_(torch.randint(0, 256, (size,), dtype=torch.uint8))
@@ -72,7 +57,7 @@ def main() -> None:
         b.attach(files)
         b.write(src, ext[:1]).result()   # warm registrations
         results["nixl_write_GBps"] = timed(lambda: b.write(src, ext).result())
-        dropped = drop_caches()
+        dropped = drop_all_caches()
         results["nixl_read_GBps"] = timed(lambda: b.read(dst, ext).result())
         assert torch.equal(src, dst), "NIXL round trip not bit-exact"
         results["nixl"] = b.describe()
@@ -90,7 +75,7 @@ def main() -> None:
                       e.file_offset)
 
     results["pwrite_GBps"] = timed(pw)
-    drop_caches()
+    drop_all_caches()
     dst.zero_()
     results["pread_GBps"] = timed(pr)
     assert torch.equal(src, dst)

@@ -1,6 +1,6 @@
 """GPU check of the NIXL backend against raw kvikio, on one directory.
 
-    python bench/nixl_gpu_check.py --dir /path/on/disk --out nixl_gpu.json [--size 1GiB]
+    python bench/experiments/nixl_gpu_check.py --dir /path/on/disk --out nixl_gpu.json [--size 1GiB]
 
 1. A GPU buffer of --size random bytes goes through ``NixlBackend`` (device cuda, plugin auto:
    GDS_MT/GDS where they work, else POSIX with pinned host staging, reported) into --files
@@ -10,6 +10,10 @@
 2. The same bytes with raw kvikio: one contiguous GPU buffer, ``kvikio.CuFile(path, "r+")``
    pwrite/pread of one slice per file, ``num_threads`` 16, ``task_size`` 16 MiB.
 JSON (numbers, NIXL describe(), kvikio compat mode, device) goes to --out; a short table last.
+
+Result it produced (bench/RESULTS.md, "NIXL backend"), under bench/results/:
+``h200-2026-11-22/nixl-gpu-check/nixl_gpu_check.json``: GDS_MT's file registration failing
+(error 5027) and the POSIX fallback at 1.02x / 1.14x raw kvikio.
 """
 
 from __future__ import annotations
@@ -23,33 +27,10 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from gdskv.backends.base import Extent, SlabFile  # noqa: E402
-from gdskv.backends.nixl import NixlBackend  # noqa: E402
-from gdskv.bench.cache import drop_page_cache  # noqa: E402
-from gdskv.config import TierConfig, parse_size  # noqa: E402
-
-
-def drop_caches() -> bool:
-    """Drop the whole page cache (root only); True if it was dropped."""
-    return drop_page_cache([])["drop_caches"]
-
-
-def prealloc(path: str, size: int) -> None:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        os.posix_fallocate(fd, 0, size)
-    finally:
-        os.close(fd)
-
-
-def open_slab(path: str, size: int, index: int) -> SlabFile:
-    prealloc(path, size)
-    try:
-        return SlabFile(index, path, os.open(path, os.O_RDWR | os.O_DIRECT), True, size)
-    except OSError:
-        return SlabFile(index, path, os.open(path, os.O_RDWR), False, size)
+from experiment_helpers import drop_all_caches, open_slab, preallocate
+from gdskv.backends.base import Extent
+from gdskv.backends.nixl import NixlBackend
+from gdskv.config import TierConfig, parse_size
 
 
 def timed(fn) -> float:
@@ -83,7 +64,7 @@ def run_nixl(args, src: torch.Tensor, dst: torch.Tensor) -> dict:
                     for f in files:
                         os.fsync(f.fd)
                 writes.append(timed(w))
-                out["caches_dropped"] = drop_caches()
+                out["caches_dropped"] = drop_all_caches()
                 dst.zero_()
 
                 def r():
@@ -113,7 +94,7 @@ def run_kvikio(args, src: torch.Tensor, dst: torch.Tensor) -> dict:
     size, per = args.size, args.size // args.files
     paths = [os.path.join(args.dir, f"kvikio{i}.bin") for i in range(args.files)]
     for p in paths:
-        prealloc(p, per)
+        preallocate(p, per)
     out: dict = {"files": args.files, "num_threads": args.kvikio_threads, "task_size": 16 << 20}
     try:
         out["compat_mode_preferred"] = bool(kvikio.defaults.is_compat_mode_preferred())
@@ -132,7 +113,7 @@ def run_kvikio(args, src: torch.Tensor, dst: torch.Tensor) -> dict:
                     os.fsync(fd)
                     os.close(fd)
             writes.append(timed(w))
-            out["caches_dropped"] = drop_caches()
+            out["caches_dropped"] = drop_all_caches()
             dst.zero_()
 
             def r():

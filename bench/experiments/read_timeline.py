@@ -1,5 +1,14 @@
 """Timeline of 256 MiB read calls: when each chunk's I/O ends vs. when the tier is done with it.
-A/B: the checksum's device->host copy pageable (.cpu()) vs pinned + non_blocking + event."""
+A/B: the checksum's device->host copy pageable (.cpu()) vs pinned + non_blocking + event.
+
+    python bench/experiments/read_timeline.py DIR BS_MIB SIZE_GIB VARIANTS
+    (e.g. /dev/shm/p 256 2 default,pinned,noverify; needs CUDA and kvikio)
+
+It wraps private methods of the tier and the kvikio backend (``Tier._finish_read``,
+``KvikioBackend._wait``) as they were at commit 6605c04; on later code those names may differ.
+Result it produced (bench/RESULTS.md, "Where the time goes"), under bench/results/:
+``h100-2026-11-22/batch128/read_timeline.txt``.
+"""
 import sys, time, tempfile, threading, statistics
 import numpy as np, torch
 from gdskv.config import TierConfig

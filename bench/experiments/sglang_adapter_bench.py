@@ -12,7 +12,12 @@ Page cache: gdskv uses O_DIRECT where the file system takes it; HiCacheFile is b
 reads right after its writes may come from RAM. ``--drop-caches`` (root) writes
 ``/proc/sys/vm/drop_caches`` before each read pass; the JSON says whether that worked.
 
-    python bench/sglang_adapter_bench.py --dir /mnt/nvme/bench --out results/sglang_adapter.json
+    python bench/experiments/sglang_adapter_bench.py --dir /mnt/nvme/bench --out adapter.json
+
+The host pools come from tests/sglang_pools.py (SGLang's own classes where they import).
+Results it produced (bench/RESULTS.md, "SGLang adapter"), under bench/results/:
+``h200-2026-11-22/sglang-adapter/`` (bench/device/sglang_device_run.sh): 1.66-1.89x
+HiCacheFile's reads on the H200's disk.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import time
 
 import torch
 
-from gdskv.bench.cache import drop_page_cache
+from experiment_helpers import drop_all_caches, load_test_helper
 
 
 def _args(argv=None):
@@ -52,11 +57,6 @@ def _args(argv=None):
     return ap.parse_args(argv)
 
 
-def _drop_caches() -> bool:
-    """Drop the whole page cache (root only); True if it was dropped."""
-    return drop_page_cache([])["drop_caches"]
-
-
 def _config(args, extra: dict):
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
     return HiCacheStorageConfig(
@@ -73,7 +73,8 @@ def run(args) -> dict:
     from sglang.srt.mem_cache.hicache_storage import STORAGE_BATCH_SIZE
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
-    from gdskv.bench.sglang_pools import make_host_pool, pool_kind
+    pools = load_test_helper("sglang_pools")
+    make_host_pool, pool_kind = pools.make_host_pool, pools.pool_kind
 
     ps, n = args.page_size, args.pages
     pool = make_host_pool(mla=args.mla, layout=args.layout, page_size=ps, layers=args.layers,
@@ -157,7 +158,7 @@ def run(args) -> dict:
                 entry["verified"] = False
                 entry.setdefault("errors", []).append(f"pass {r}: wrote {ok}/{n} pages")
             if args.drop_caches:
-                entry["dropped_caches"] = _drop_caches()
+                entry["dropped_caches"] = drop_all_caches()
             zero = pool.get_dummy_flat_data_page()
             for p in dst_pages:  # so the check below sees what this pass read
                 pool.set_from_flat_data_page(p * ps, zero)

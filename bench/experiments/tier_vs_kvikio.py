@@ -7,8 +7,12 @@ For each directory (the disk, and /dev/shm where the disk is not the limit) and 
             GPU pool at random slots (checksums, journal and fdatasync included)
 Page cache is dropped before every read (when root). Ratios tier/raw are the figures of merit.
 
-    python bench/tier_vs_kvikio.py --dir /var/tmp/gdskv --dir /dev/shm/gdskv --size 2G \
-        --out results.json
+    python bench/experiments/tier_vs_kvikio.py --dir /var/tmp/gdskv --dir /dev/shm/gdskv \
+        --size 2G --out results.json
+
+Results it produced (bench/RESULTS.md, "How close to raw kvikio"), under bench/results/:
+``h200-2026-11-22/tier-vs-kvikio/`` (its README says which call made which file; the files name
+the MLA geometry ``mla-p64``, which is ``deepseek-v3-p64`` here, the same layout).
 """
 
 from __future__ import annotations
@@ -23,21 +27,10 @@ import time
 
 import torch
 
-from gdskv.bench.cache import drop_page_cache
+from experiment_helpers import GEOMETRIES, drop_all_caches, preallocate
 from gdskv.config import TierConfig, parse_size
 from gdskv.layout import KVLayout
 from gdskv.tier import Tier
-
-GEOMETRIES = {
-    "llama3-8b-p16": KVLayout(32, 16, 128, 8, "bf16"),
-    "llama3-8b-p64": KVLayout(32, 64, 128, 8, "bf16"),
-    "mla-p64": KVLayout(61, 64, 576, 1, "bf16", mla=True),
-}
-
-
-def drop_caches() -> bool:
-    """Drop the whole page cache (root only); True if it was dropped."""
-    return drop_page_cache([])["drop_caches"]
 
 
 def dd(directory: str, nbytes: int) -> dict:
@@ -48,7 +41,7 @@ def dd(directory: str, nbytes: int) -> dict:
     subprocess.run(["dd", "if=/dev/zero", f"of={path}", f"bs={bs}", f"count={count}",
                     "oflag=direct", "conv=fdatasync"], check=True, capture_output=True)
     w = time.perf_counter() - t0
-    drop_caches()
+    drop_all_caches()
     t0 = time.perf_counter()
     subprocess.run(["dd", f"if={path}", "of=/dev/null", f"bs={bs}", "iflag=direct"],
                    check=True, capture_output=True)
@@ -64,8 +57,8 @@ def raw_kvikio(directory: str, nbytes: int, cfg: TierConfig) -> dict:
                          "bounce_buffer_size": cfg.io_chunk_size,
                          "auto_direct_io_read": True, "auto_direct_io_write": True})
     path = os.path.join(directory, "raw.bin")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    os.posix_fallocate(fd, 0, nbytes)
+    preallocate(path, nbytes)
+    fd = os.open(path, os.O_RDWR)
     buf = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")
     back = torch.empty_like(buf)
     f = kvikio.CuFile(path, "r+")
@@ -74,7 +67,7 @@ def raw_kvikio(directory: str, nbytes: int, cfg: TierConfig) -> dict:
     f.pwrite(buf).get()
     os.fdatasync(fd)
     w = time.perf_counter() - t0
-    drop_caches()
+    drop_all_caches()
     t0 = time.perf_counter()
     f.pread(back).get()
     r = time.perf_counter() - t0
@@ -111,7 +104,7 @@ def tier_run(directory: str, nbytes: int, layout: KVLayout, cfg: TierConfig) -> 
         ok_put = all(tier.put(keys, pool_arg, src))
         w = time.perf_counter() - t0
         out = tuple(torch.zeros_like(p) for p in pool)
-        dropped = drop_caches()
+        dropped = drop_all_caches()
         t0 = time.perf_counter()
         ok_get = all(tier.get(keys, out[0] if layout.mla else out, dst))
         r = time.perf_counter() - t0
