@@ -31,7 +31,7 @@ from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
 
 from gdskv.adapters.sglang import GdskvHiCacheStorage  # noqa: E402
-from gdskv.bench.sglang_pools import make_host_pool  # noqa: E402
+from sglang_pools import make_host_pool  # noqa: E402
 from gdskv.config import ConfigError  # noqa: E402
 
 PAGE = 4
