@@ -22,6 +22,9 @@ The sidecar's cost is the median over pairs of the hybrid time over the KV-alone
 one, against its share of the bytes (sidecar bytes over KV bytes): it should cost no more.
 
     python bench/experiments/hybrid_read.py --dir /mnt/nvme/bench --out hybrid.json
+
+Result it produced (bench/RESULTS.md, "Hybrid models"), under bench/results/:
+``cpu-2026-11-23/hybrid-read/`` (the development machine, /dev/shm, under load: noise-bound).
 """
 
 from __future__ import annotations
