@@ -11,8 +11,8 @@ backends move one page of such a pool in one of two ways, and so does this modul
   which is checked for every page of every call: no byte outside the pool is ever touched.
 - **flat**: ``host_pool.get_data_page(index, flat=True)`` on write, and
   ``set_from_flat_data_page(index, page)`` on read (SGLang's generic path), through a page in
-  the dtype of ``get_dummy_flat_data_page()``. Used otherwise (``layer_first`` pools, a Mamba
-  pool with side states, whose zero-copy SGLang refuses).
+  the dtype of ``get_dummy_flat_data_page()``. Used where SGLang refuses zero copy (a DSA
+  indexer in ``layer_first``, a Mamba pool with registered side states).
 
 The stored page is those bytes; the pool's name, class, host layout and mode are in the store's
 fingerprint, so pages written one way are never read another way. A page is
