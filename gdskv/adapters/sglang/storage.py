@@ -485,18 +485,21 @@ class GdskvHiCacheStorage(HiCacheStorage):
         return self._transfers_v2("set", transfers)
 
     def _transfers_v2(self, op: str, transfers) -> dict:
+        """Every transfer's pool gets its list: SGLang takes a pool missing from the result as
+        having nothing to say, which for a KV-derived pool would let its KV pages count."""
         results: dict = {}
         for t in transfers or []:
+            name = getattr(t, "name", None)
             res = self._transfer_v2(op, t)
             # Two transfers of one pool: one list, in order, so a failure in the first is
             # never hidden behind the second's success.
-            results[t.name] = results.get(t.name, []) + res
+            results[name] = results.get(name, []) + res
         return results
 
     def _transfer_v2(self, op: str, transfer) -> List[bool]:
         """One pool's pages through its tier; any failure is a miss / not stored, never raised."""
-        name = _pool_name(transfer.name)
-        n = len(transfer.keys or [])
+        name = _pool_name(getattr(transfer, "name", None))
+        n = len(getattr(transfer, "keys", None) or [])
         if not n:
             return []
         try:
