@@ -27,16 +27,18 @@ I/O needs CUDA.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
 from collections.abc import Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import torch
 
 from ..config import TierConfig
-from .base import MIN_PIECE_BYTES, Backend, Extent, IOOutcome, SlabFile, split_extents
+from .base import (MIN_PIECE_BYTES, Backend, Extent, IOOutcome, SlabFile, WaitingFuture,
+                   split_extents)
 
 log = logging.getLogger("gdskv.kvikio")
 
@@ -118,9 +120,7 @@ class KvikioBackend(Backend):
         self._files: list = []
         self._registered: dict[tuple[int, int], torch.Tensor] = {}
         self._lock = threading.Lock()
-        # kvikio futures block in .get(); one waiter thread per call the tier keeps in flight.
-        self._waiters: ThreadPoolExecutor | None = ThreadPoolExecutor(
-            max(2, config.pipeline_depth), thread_name_prefix="gdskv-kvikio")
+        self._closed = False
         if self._compat:
             log.warning("kvikio: cuFile runs in compat mode (no GPUDirect Storage: nvidia-fs "
                         "loaded=%s); bytes go through host bounce buffers", self._nvidia_fs)
@@ -194,7 +194,7 @@ class KvikioBackend(Backend):
         return self._submit("pread", buffer, extents)
 
     def _submit(self, op: str, buffer: torch.Tensor, extents: Sequence[Extent]) -> Future:
-        if self._waiters is None:
+        if self._closed:
             raise RuntimeError("kvikio backend is closed")
         self._register(buffer)
         target = buffer if buffer.device.type == "cuda" else buffer.numpy()
@@ -209,7 +209,9 @@ class KvikioBackend(Backend):
                     view, piece.length, piece.file_offset, self._task)))
             except Exception as exc:  # noqa: BLE001 - recorded against this extent
                 outcome.errors.setdefault(i, exc)
-        return self._waiters.submit(self._wait, started, outcome, buffer)
+        # kvikio's own threads do the I/O; the caller's thread waits on kvikio's futures when it
+        # asks for the outcome (IOFuture.get releases the GIL): no waiter thread in between.
+        return WaitingFuture(functools.partial(self._wait, started, outcome, buffer))
 
     @staticmethod
     def _wait(started, outcome: IOOutcome, buffer: torch.Tensor) -> IOOutcome:
@@ -226,9 +228,7 @@ class KvikioBackend(Backend):
         return outcome
 
     def close(self) -> None:
-        if self._waiters is not None:
-            self._waiters.shutdown(wait=True)
-            self._waiters = None
+        self._closed = True
         if self._registered:
             import kvikio.buffer
             for buf in self._registered.values():
