@@ -265,4 +265,24 @@ def _parse_enum(enum_cls: type[enum.Enum], value, what: str):
     raise ConfigError(f"{what}: {value!r} is not one of {', '.join(m.value for m in enum_cls)}")
 
 
-FIELD_DOCS = {f.name: ENV_PREFIX + f.name.upper() for f in dataclasses.fields(TierConfig)}
+#: what each ``TierConfig`` field (``GDSKV_<FIELD>``) means, for ``gdskv-bench --help-env``
+FIELD_DOCS: dict[str, str] = {
+    "directories": "store directories, ':' or ',' separated (one per drive; slots are striped)",
+    "capacity": "disk capacity of the store (64GiB, 512M...; reserved at creation if preallocate)",
+    "backend": "auto (kvikio on a CUDA device, posix otherwise), posix, kvikio or nixl",
+    "staging_size": "staging buffer on the pool's device (the tier's only GPU memory)",
+    "pipeline_depth": "staging parts shared by concurrent calls, also the async workers (2..64)",
+    "io_threads": "I/O threads (POSIX pool, kvikio thread pool)",
+    "io_chunk_size": "stripe unit and largest I/O, a multiple of 4096",
+    "direct_io": "auto (O_DIRECT where accepted, else buffered and said so), on or off",
+    "eviction": "lru, or none (a put that does not fit fails those pages)",
+    "sync": "data (fdatasync before a page is READY) or none",
+    "files_per_dir": "slab files per directory",
+    "verify": "verify page checksums on read (a mismatch is a miss)",
+    "preallocate": "reserve the slab files' space at creation (false: grow as written)",
+    "read_only": "follower: open a store another process writes, read-only (needs verify)",
+    "admit_after": "store a page only once it has been offered this many times (SSD wear)",
+    "nixl_plugin": "auto (GDS_MT, GDS, then POSIX), GDS, GDS_MT or POSIX",
+    "nixl_posix_queue": "NIXL POSIX plugin queue: aio, uring or posix_aio",
+}
+

@@ -30,7 +30,7 @@ except ImportError as exc:  # the main venv has no sglang
 from gdskv.adapters.sglang import GdskvHiCacheStorage  # noqa: E402
 from gdskv.config import ConfigError  # noqa: E402
 
-from gdskv.bench.sglang_pools import make_host_pool, pool_kind  # noqa: E402
+from sglang_pools import make_host_pool, pool_kind  # noqa: E402
 
 MODULE = "gdskv.adapters.sglang"
 CLASS = "GdskvHiCacheStorage"
@@ -167,7 +167,7 @@ def test_pools_are_sglangs_own():
     kind = pool_kind()
     if kind != "sglang":
         pytest.skip(f"SGLang's host pool classes do not import here ({kind}); the tests used "
-                    "the formula-following pool in bench/sglang_pools.py")
+                    "the formula-following pool in tests/sglang_pools.py")
     pool = build_pool(False, "page_first_direct")
     assert type(pool).__module__.startswith("sglang.")
 
