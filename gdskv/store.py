@@ -121,18 +121,23 @@ class SlabStore:
     def _check_free_space(self, capacity: int) -> None:
         """A new, preallocated store must fit in each directory's free space (with room for
         the manifest and journal): refused before anything is written."""
+        by_fs: dict[int, list[str]] = {}  # directories on one file system share its space
+        nfiles: dict[str, int] = {}
         for i, d in enumerate(self.directories):
-            nfiles = len(range(i, self.num_files, len(self.directories)))
-            need = nfiles * self.file_bytes + CREATION_HEADROOM
-            st = os.statvfs(d)
+            by_fs.setdefault(os.stat(d).st_dev, []).append(d)
+            nfiles[d] = len(range(i, self.num_files, len(self.directories)))
+        for dirs in by_fs.values():
+            files = sum(nfiles[d] for d in dirs)
+            need = files * self.file_bytes + CREATION_HEADROOM * len(dirs)
+            st = os.statvfs(dirs[0])
             free = st.f_bavail * st.f_frsize
             if need > free:
-                raise StoreError(errno.ENOSPC, f"capacity {capacity} B needs {need} B in {d} "
-                                 f"({nfiles} slab files of {self.file_bytes} B and "
-                                 f"{CREATION_HEADROOM} B for the manifest and journal), which "
-                                 f"has {free} B free: lower capacity (GDSKV_CAPACITY), free "
-                                 "space, or set preallocate=false to grow the files as pages "
-                                 "are written")
+                raise StoreError(errno.ENOSPC, f"capacity {capacity} B needs {need} B in "
+                                 f"{', '.join(dirs)} ({files} slab files of {self.file_bytes} B "
+                                 f"and {CREATION_HEADROOM} B a directory for the manifest and "
+                                 f"journal), which has {free} B free: lower capacity "
+                                 "(GDSKV_CAPACITY), free space, or set preallocate=false to "
+                                 "grow the files as pages are written")
 
     def location(self, slot: int) -> tuple[int, int]:
         """(file index, byte offset) of a global slot."""

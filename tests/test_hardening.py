@@ -173,7 +173,7 @@ def test_env_values_out_of_range_name_the_variable(var, value, match):
 def test_staging_larger_than_memory_is_refused_before_the_store(tmp_path):
     with pytest.raises(ConfigError, match=r"staging_size: a staging buffer of \d+ B does not "
                        r"fit \(\d+ B of host memory available\); lower staging_size"):
-        Tier(LAYOUT, small_config(tmp_path, staging_size="1P"), device="cpu")
+        Tier(LAYOUT, small_config(tmp_path, staging_size="1T"), device="cpu")
     assert os.listdir(tmp_path) == []
 
 
