@@ -56,13 +56,18 @@ def store_config(base: TierConfig, layout: BytePageLayout, *, directories: Seque
     return base.replace(directories=tuple(directories), capacity=capacity, staging_size=staging)
 
 
-def page_starts(host_indices: torch.Tensor, num_pages: int, page_size: int) -> list[int]:
+def page_starts(host_indices: torch.Tensor, num_pages: int, page_size: int, *,
+                num_slots: int = 0) -> list[int]:
     """The first host slot of each of ``num_pages`` whole host pages (ValueError otherwise):
-    SGLang hands out page-aligned runs of ``page_size`` slots per page."""
+    SGLang hands out page-aligned runs of ``page_size`` slots per page, within the pool's
+    ``num_slots`` (when known)."""
     idx = torch.as_tensor(host_indices).reshape(-1).to("cpu", torch.int64)
     if idx.numel() != num_pages * page_size:
         raise ValueError(f"{idx.numel()} host indices for {num_pages} pages of {page_size} "
                          f"slots")
+    if num_slots and num_pages and (int(idx.min()) < 0 or int(idx.max()) >= num_slots):
+        raise ValueError(f"host index out of range: [{int(idx.min())}, {int(idx.max())}] not "
+                         f"within the host pool's {num_slots} slots")
     first = idx[::page_size]
     if num_pages and (bool((first % page_size).any()) or not torch.equal(
             idx.view(num_pages, page_size) - first[:, None],
@@ -100,11 +105,11 @@ class SidecarPool:
             raise ValueError(f"gdskv: host pool {name!s} ({type(host_pool).__name__}) has empty "
                              "pages")
         self.page_size = int(getattr(host_pool, "page_size", 1) or 1)
+        self.num_slots = int(getattr(host_pool, "size", 0) or 0)  # 0: not known
         self.host_layout = str(getattr(host_pool, "layout", "") or "-")
         self.mode = REGIONS if self._regions_work() else FLAT
         #: host memory the pool holds (its pages x page bytes): the basis of its disk share
-        self.host_bytes = self.page_bytes * max(1, int(getattr(host_pool, "size", 0) or 0)
-                                                // self.page_size)
+        self.host_bytes = self.page_bytes * max(1, self.num_slots // self.page_size)
 
     def layout(self, *, model_name: str, tp_rank: int, tp_size: int, pp_rank: int,
                pp_size: int) -> BytePageLayout:
@@ -117,7 +122,7 @@ class SidecarPool:
     # -- pages of one transfer ------------------------------------------------------------------
     def write_pages(self, host_indices: torch.Tensor, num_pages: int) -> list[list[torch.Tensor]]:
         """The byte regions of these host pages, to store."""
-        starts = page_starts(host_indices, num_pages, self.page_size)
+        starts = page_starts(host_indices, num_pages, self.page_size, num_slots=self.num_slots)
         if self.mode == REGIONS:
             return self._regions(starts)
         pages = []
@@ -133,7 +138,7 @@ class SidecarPool:
         """Where to read these host pages: (regions per page, ``finish(hits)``), ``finish``
         putting the pages that were hits into the host pool (a no-op for regions, which are
         the pool's memory)."""
-        starts = page_starts(host_indices, num_pages, self.page_size)
+        starts = page_starts(host_indices, num_pages, self.page_size, num_slots=self.num_slots)
         if self.mode == REGIONS:
             return self._regions(starts), lambda hits: None
         bounce = torch.empty((num_pages, self.page_numel), dtype=self.page_dtype)

@@ -74,8 +74,9 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
-from ...config import ConfigError, TierConfig, parse_size
+from ...config import ConfigError, TierConfig, parse_bool, parse_size
 from ...layout import KVLayout
+from ...memory import check_device
 from ...tier import Tier
 from . import hit_policy
 from .rank_store import RankStore
@@ -86,7 +87,7 @@ log = logging.getLogger("gdskv.sglang")
 #: extra_config keys that SGLang's dynamic loader itself reads.
 LOADER_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1"})
 #: extra_config keys this adapter reads besides TierConfig fields.
-ADAPTER_KEYS = frozenset({"device", "pool_capacity"})
+ADAPTER_KEYS = frozenset({"device", "create_directories", "pool_capacity"})
 _TIER_FIELDS = frozenset(f.name for f in dataclasses.fields(TierConfig))
 _LAYOUTS = ("page_first_direct", "page_first", "layer_first")
 # One-byte KV types SGLang stores as raw bytes (fp8 caches): copies are byte-wise, so they are
@@ -153,7 +154,12 @@ class GdskvHiCacheStorage(HiCacheStorage):
         if not self.config.directories:
             raise ValueError("gdskv: no store directory: set \"directories\" in "
                              "--hicache-storage-backend-extra-config or GDSKV_DIRECTORIES")
-        self.device = torch.device(extra.get("device", "cpu"))
+        self.device = check_device(extra.get("device", "cpu"), "device")
+        # An unmounted drive's mount point must not silently become a store on the root disk:
+        # the configured directories must exist unless the user says to create them.
+        self.create_directories = parse_bool(extra.get("create_directories", False),
+                                             "create_directories")
+        self._check_directories()
         self.pool_capacity = _parse_pool_capacity(extra.get("pool_capacity"))
 
         sc = storage_config
@@ -205,13 +211,26 @@ class GdskvHiCacheStorage(HiCacheStorage):
 
     def _store_dirs(self, *parts: str) -> tuple[str, ...]:
         dirs = []
-        for d in self.config.directories:
+        for d in self.config.directories:  # each exists (checked at construction)
             sub = os.path.join(d, self.model_name, *parts)
-            os.makedirs(sub, exist_ok=True)
+            os.makedirs(sub, mode=0o700, exist_ok=True)
             dirs.append(sub)
         return tuple(dirs)
 
     # -- set-up ---------------------------------------------------------------------------------
+    def _check_directories(self) -> None:
+        for d in self.config.directories:
+            if os.path.isdir(d):
+                continue
+            if os.path.lexists(d):
+                raise ConfigError(f"directories: {d!r} exists but is not a directory; give "
+                                  "the store's directory (one per drive)")
+            if not self.create_directories:
+                raise ConfigError(f"directories: {d!r} does not exist (an unmounted drive?); "
+                                  "create it (mount the drive), or set \"create_directories\": "
+                                  "true to have gdskv create it")
+            os.makedirs(d, mode=0o700, exist_ok=True)
+
     def register_mem_pool_host(self, mem_pool_host) -> None:
         """Open this rank's store for the host pool's KV geometry (SGLang calls this once,
         right after construction). Unsupported pools raise here, at start-up."""
@@ -276,7 +295,8 @@ class GdskvHiCacheStorage(HiCacheStorage):
     def _page_regions(self, host_indices: torch.Tensor, n: int) -> List[List[torch.Tensor]]:
         """page_first_direct: per page, its K and V blocks ([layers][tokens][row] each)."""
         ps = self.page_size
-        pages = [start // ps for start in page_starts(host_indices, n, ps)]
+        pages = [start // ps for start in page_starts(host_indices, n, ps,
+                                                      num_slots=self._kv.shape[1] * ps)]
         kv = self._kv
         return [[kv[c, p].reshape(-1).view(torch.uint8) for c in range(kv.shape[0])]
                 for p in pages]
