@@ -12,8 +12,9 @@ if _os.path.isfile(_os.path.join(_root, "kernels", "__init__.py")) and \
 
 from .config import BackendKind, ConfigError, DirectIO, Eviction, SyncPolicy, TierConfig  # noqa: E402
 from .layout import FORMAT_VERSION, KVLayout  # noqa: E402
+from .tier import Tier  # noqa: E402
 
 __version__ = "0.1.0"
 
-__all__ = ["KVLayout", "TierConfig", "ConfigError", "BackendKind", "DirectIO", "Eviction",
+__all__ = ["Tier", "KVLayout", "TierConfig", "ConfigError", "BackendKind", "DirectIO", "Eviction",
            "SyncPolicy", "FORMAT_VERSION", "__version__"]
