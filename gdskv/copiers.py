@@ -17,7 +17,7 @@ import torch
 from .layout import KVLayout
 from .pool import KVPool
 
-#: gather_pages / scatter_pages: (pool rows, layout, token slots on the pool's device, staging)
+#: gather_pages / scatter_pages: (pool, layout, token slots on the pool's device, staging)
 KernelCopy = Callable[[object, KVLayout, torch.Tensor, torch.Tensor], None]
 
 
@@ -79,7 +79,7 @@ class PoolCopier(PageCopier):
         return chunk.to(self.pool.device, non_blocking=True)
 
     def __call__(self, staging: torch.Tensor, page_idx: list[int]) -> None:
-        self.kernel(self.pool.rows, self.layout, self._chunk_slots(page_idx), staging)
+        self.kernel(self.pool, self.layout, self._chunk_slots(page_idx), staging)
 
 
 class RegionCopier(PageCopier):

@@ -274,10 +274,6 @@ class PageDirectory:
                     self._free_locked(slot, was_ready=False)
         return freed
 
-    def evict_lru(self, count: int) -> list[tuple[Hashable, int]]:
-        with self._lock:
-            return self._evict_lru_locked(count, protect=set())
-
     def _evict_lru_locked(self, count: int, protect: set) -> list[tuple[Hashable, int]]:
         candidates = np.flatnonzero((self._state == _READY) & (self._pins == 0))
         if protect:  # drop them before choosing: a protected pick would use up the count

@@ -33,7 +33,7 @@ import logging
 import mmap
 import os
 import stat
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from .backends.base import Extent, SlabFile
 from .config import DirectIO, TierConfig
@@ -274,10 +274,11 @@ class SlabStore:
             raise StoreError(f"direct_io=on but O_DIRECT is not usable on {path}: {reason}")
         return fd, False, reason
 
-    def sync(self) -> None:
-        """Make written slab data durable (fdatasync every file)."""
-        for f in self.files:
-            os.fdatasync(f.fd)
+    def sync(self, files: Iterable[int] | None = None) -> None:
+        """Make written slab data durable: fdatasync the files with these indices (all of
+        them by default). Raises OSError (e.g. EIO after a failed writeback)."""
+        for i in range(len(self.files)) if files is None else sorted(files):
+            os.fdatasync(self.files[i].fd)
 
     def close(self) -> None:
         for f in self.files:

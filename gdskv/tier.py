@@ -23,17 +23,17 @@ with the writer's journal (at most every ``FOLLOW_INTERVAL`` s: one ``stat`` and
 new bytes; the whole journal again after the writer compacted it). A slot the writer reuses
 while a follower still maps it to the old page fails its checksum on read and is a miss, which
 is why followers must verify.
+
+Beside the data path: the directory and its journal (recovery, compaction, follower catch-up)
+are :mod:`.persistence`; the call gate :mod:`.call_gate`; the admission filter
+:mod:`.admission`; the validated-pool cache :mod:`.pool`; the staging parts :mod:`.staging`.
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
 import logging
-import os
-import threading
 import time
-import weakref
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -42,82 +42,23 @@ import torch
 
 from . import checksum
 from . import kernels as kd
+from .admission import AdmissionFilter
 from .backends import create_backend
 from .backends.base import Extent, IOOutcome
-from .config import ConfigError, Eviction, SyncPolicy, TierConfig
+from .call_gate import CallGate
+from .config import ConfigError, SyncPolicy, TierConfig
 from .copiers import PageCopier, PoolCopier, RegionCopier
 from .directory import PageDirectory, PageState
-from .journal import Journal, JournalFollower, Record, RecordKind, check_key, live_records
+from .journal import Journal, JournalFollower, check_key
 from .layout import KVLayout
 from .memory import cuda_available
-from .pool import KVPool
+from .persistence import PersistentDirectory
+from .pool import KVPool, PoolCache
 from .staging import StagingParts
 from .stats import TierStats
 from .store import SlabStore
 
 log = logging.getLogger("gdskv.tier")
-
-
-def _leaf_tensors(pool) -> list:
-    """The tensors an engine passes as its pool, flattened ((k, v), lists, stacked)."""
-    if isinstance(pool, torch.Tensor):
-        return [pool]
-    if isinstance(pool, (list, tuple)):
-        return [t for part in pool for t in _leaf_tensors(part)]
-    return [pool]
-
-
-class _CallGate:
-    """Data calls enter shared; follower catch-up, clear and close enter alone (exclusive).
-
-    A waiting exclusive entry holds back new shared ones, so it is not starved by a stream of
-    overlapping calls."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._active = 0
-        self._alone = False
-        self._waiting = 0
-
-    @contextlib.contextmanager
-    def shared(self):
-        with self._cond:
-            while self._alone or self._waiting:
-                self._cond.wait()
-            self._active += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._active -= 1
-                if not self._active:
-                    self._cond.notify_all()
-
-    def enter_alone(self, blocking: bool = True) -> bool:
-        with self._cond:
-            if not blocking and (self._active or self._alone):
-                return False
-            self._waiting += 1
-            try:
-                while self._active or self._alone:
-                    self._cond.wait()
-            finally:
-                self._waiting -= 1
-            self._alone = True
-            return True
-
-    def leave_alone(self) -> None:
-        with self._cond:
-            self._alone = False
-            self._cond.notify_all()
-
-    @contextlib.contextmanager
-    def alone(self):
-        self.enter_alone()
-        try:
-            yield
-        finally:
-            self.leave_alone()
 
 
 class Tier:
@@ -156,27 +97,19 @@ class Tier:
         self._logged: set[str] = set()
         self.read_only = bool(self.config.read_only)
         self.store = SlabStore(layout, self.config)
+        self._persist: PersistentDirectory | None = None
         try:
-            self.directory = PageDirectory(self.store.num_slots,
-                                           evict=self.config.eviction == Eviction.LRU,
-                                           follower=self.read_only)
             self._checksums = checksum.default_for(self.device, layout)
             # pages are verified with the algorithm that made their checksum (see checksum.py)
             self._verifiers = {self._checksums.algorithm: self._checksums}
-            if self.read_only:
-                self.journal = JournalFollower(self.store.journal_path)
-                # seq of the COMMIT that put each slot's page there: the newest one wins
-                self._slot_seq = np.zeros(self.store.num_slots, dtype=np.uint64)
-                self._followed_at = time.monotonic()
-            else:
-                self.journal = Journal(self.store.journal_path,
-                                       sync=self.config.sync == SyncPolicy.DATA)
-            self._recover()
+            self._persist = PersistentDirectory(self.store, self.config, self._stats,
+                                                self._log_once)
+            self._followed_at = time.monotonic()
             self.backend = create_backend(self.config, self.device)
             self.backend.attach(self.store.files)
         except BaseException:
-            if getattr(self, "journal", None) is not None:
-                self.journal.close()
+            if self._persist is not None:
+                self._persist.close()
             self.store.close()
             raise
         self._staging = StagingParts(self._chunk_pages * layout.slot_bytes, depth, self.device)
@@ -186,20 +119,30 @@ class Tier:
         if self._stream is not None:
             self._warm_up_kernels()
             self._warm_up_backend()
-        self._gate = _CallGate()
+        self._gate = CallGate()
         self._worker = ThreadPoolExecutor(depth, thread_name_prefix="gdskv-tier")
-        self._offers: collections.OrderedDict = collections.OrderedDict()
-        self._offers_lock = threading.Lock()
-        self._pool_cache = None
+        self._admission = AdmissionFilter(self.config.admit_after, self._stored,
+                                          max_tracked=4 * self.store.num_slots)
+        self._pools = PoolCache(layout)
         self._closed = False
+        o_direct, o_direct_reason = self._direct_io()
         log.info("gdskv tier%s: %d slots of %d B in %s; backend %s; O_DIRECT %s (%s)",
                  " (read-only follower)" if self.read_only else "", self.store.num_slots,
                  layout.slot_bytes, ", ".join(self.store.directories),
-                 self.backend.name, "on" if self.store.direct else "off", self.store.direct_reason)
+                 self.backend.name, "on" if o_direct else "off", o_direct_reason)
 
     @classmethod
     def from_env(cls, layout: KVLayout, *, device=None, **overrides) -> "Tier":
         return cls(layout, TierConfig.from_env(**overrides), device=device)
+
+    @property
+    def directory(self) -> PageDirectory:
+        """Where each page is (a follower's is replaced when the writer compacts)."""
+        return self._persist.directory
+
+    @property
+    def journal(self) -> Journal | JournalFollower:
+        return self._persist.journal
 
     # -- public API -----------------------------------------------------------------------------
     def put(self, keys: Sequence[Hashable], kv_pool, token_slots) -> list[bool]:
@@ -263,13 +206,13 @@ class Tier:
         if self._closed:
             raise RuntimeError("tier is closed")
         with self._gate.alone():
-            return self._follow(force=True)
+            return self._follow()
 
     def evict(self, keys: Sequence[Hashable]) -> int:
         """Drop pages now (pinned ones as soon as their reads finish); returns how many."""
         keys = self._check_keys(keys)
         gone = sum(self.directory.state(k) == PageState.READY for k in keys)  # not len() deltas:
-        self._journal_evictions(self.directory.remove(keys))  # other threads put meanwhile
+        self._persist.journal_evictions(self.directory.remove(keys))  # others put meanwhile
         self._stats.add(evictions=gone)
         return gone
 
@@ -277,17 +220,18 @@ class Tier:
         """Drop every page."""
         with self._gate.alone():
             keys = [k for k, _, _ in self.directory.ready_items()]
-            self._journal_evictions(self.directory.remove(keys))
+            self._persist.journal_evictions(self.directory.remove(keys))
 
     def stats(self) -> dict:
         s = self._stats.snapshot()
+        o_direct, o_direct_reason = self._direct_io()
         s.update(pages_stored=len(self.directory), bytes_stored=len(self.directory) *
                  self.layout.page_bytes, capacity_pages=self.store.num_slots,
                  slot_bytes=self.layout.slot_bytes, page_bytes=self.layout.page_bytes,
                  backend=self.backend.name, gpu_direct=self.backend.gpu_direct,
                  backend_detail=self.backend.describe(),
-                 backend_selected_because=getattr(self.backend, "selected_because", ""),
-                 o_direct=self.store.direct, o_direct_reason=self.store.direct_reason,
+                 backend_selected_because=self.backend.selected_because,
+                 o_direct=o_direct, o_direct_reason=o_direct_reason,
                  device=str(self.device), fingerprint=self.layout.fingerprint,
                  read_only=self.read_only)
         return s
@@ -296,19 +240,20 @@ class Tier:
         if self._closed:
             return
         self._closed = True
-        self._pool_cache = None
+        self._pools.clear()
         self._worker.shutdown(wait=True)
         with self._gate.alone():  # calls other threads still run end first
             try:
                 self.backend.close()
-                try:
-                    if not self.read_only:  # the journal is the writer's
-                        self._maybe_compact()
-                except OSError as exc:  # e.g. ENOSPC: the long journal is still valid
-                    log.warning("gdskv: journal compaction at close failed: %s", exc)
+                self._persist.compact()
             finally:
-                self.journal.close()
+                self._persist.close()
                 self.store.close()
+
+    def _direct_io(self) -> tuple[bool, str]:
+        """O_DIRECT as the I/O really runs: the backend's answer where it opens the files
+        itself (kvikio), else the store's."""
+        return self.backend.direct_io() or (self.store.direct, self.store.direct_reason)
 
     def __enter__(self) -> "Tier":
         return self
@@ -333,32 +278,11 @@ class Tier:
 
     def _pool_copier(self, keys, kv_pool, token_slots, copy_fn) -> tuple[list, PageCopier]:
         keys = self._check_keys(keys)
-        pool = self._kv_pool(kv_pool)
+        pool = self._pools.get(kv_pool)
         if pool.device != self.device:
             raise ValueError(f"KV pool is on {pool.device} but this tier stages on {self.device}")
         slots = pool.check_token_slots(token_slots, len(keys)).view(len(keys), self.layout.page_size)
         return keys, PoolCopier(pool, self.layout, slots, copy_fn)
-
-    def _kv_pool(self, kv_pool) -> KVPool:
-        """The validated view of the engine's pool, reused while the engine passes the same
-        tensors: rebuilding it (and the kernels' pointer table) cost more host time per call
-        than the copies of a typical batch. Held through weak references to the engine's
-        tensors: when the engine drops them, the cached views go too."""
-        leaves = _leaf_tensors(kv_pool)
-        if not all(isinstance(t, torch.Tensor) for t in leaves):
-            return KVPool(self.layout, kv_pool)  # raises the clear TypeError
-        key = tuple((id(t), t.data_ptr()) for t in leaves)
-        hit = self._pool_cache
-        if hit is not None and hit[0] == key and all(r() is t for r, t in zip(hit[1], leaves)):
-            return hit[2]
-        pool = KVPool(self.layout, kv_pool)
-
-        def forget(_ref, cache_key=key) -> None:
-            if self._pool_cache is not None and self._pool_cache[0] == cache_key:
-                self._pool_cache = None
-
-        self._pool_cache = (key, [weakref.ref(t, forget) for t in leaves], pool)
-        return pool
 
     def _region_copier(self, keys, pages, *, to_staging: bool) -> tuple[list, PageCopier]:
         keys = self._check_keys(keys)
@@ -384,7 +308,7 @@ class Tier:
         shape = (lay.num_layers, pages * lay.page_size, lay.kv_heads, lay.head_dim)
         parts = [torch.zeros(shape, dtype=lay.torch_dtype, device=self.device)
                  for _ in range(lay.kv_count)]
-        rows = KVPool(lay, parts[0] if lay.mla else tuple(parts)).rows
+        pool = KVPool(lay, parts[0] if lay.mla else tuple(parts))
         # The first CUDA event of a call path costs ~13 ms on an H100 (measured by
         # bench/call_profile.py): make it here, with the cross-stream wait every call does.
         self._stream.wait_event(self._engine_event())
@@ -392,9 +316,9 @@ class Tier:
             for dtype in (torch.int64, torch.int32):  # engines use either for slot indices
                 slots = torch.arange(pages * lay.page_size, dtype=dtype).to(self.device,
                                                                               non_blocking=True)
-                kd.gather_pages(rows, lay, slots, self._staging[0])
+                kd.gather_pages(pool, lay, slots, self._staging[0])
                 self._checksums.compute(self._staging[0], pages)
-                kd.scatter_pages(rows, lay, slots, self._staging[0])
+                kd.scatter_pages(pool, lay, slots, self._staging[0])
             self._scatter_event()
             self._copies_done()
         self._stream.synchronize()
@@ -422,7 +346,8 @@ class Tier:
             raise RuntimeError("tier is closed")
         if self.read_only and self._follow_due():
             with self._gate.alone():
-                self._follow()
+                if self._follow_due():  # another call may have caught up meanwhile
+                    self._follow()
         with self._gate.shared():
             if self._closed:
                 raise RuntimeError("tier is closed")
@@ -461,9 +386,10 @@ class Tier:
 
     def _put(self, keys: list, fill: PageCopier) -> list[bool]:
         results = [False] * len(keys)
-        admitted = self._admit(keys)
+        admitted = self._admission.admit(keys)
+        self._stats.add(not_admitted=len(keys) - len(admitted))
         res = self.directory.reserve([keys[i] for i in admitted])
-        self._journal_evictions(res.evicted)
+        self._persist.journal_evictions(res.evicted)
         self._stats.add(evictions=len(res.evicted))
         todo: list[tuple[int, int]] = []
         for i, slot, present in zip(admitted, res.slots, res.present):
@@ -521,12 +447,10 @@ class Tier:
         if ok:
             try:
                 if self.config.sync == SyncPolicy.DATA:
-                    for fidx in {e.file for e in extents}:
-                        os.fdatasync(self.store.files[fidx].fd)
-                self.journal.append(
-                    Record(RecordKind.COMMIT, self.journal.next_seq(), chunk[pos][1],
-                           int(sums[pos]), self._checksums.algorithm, keys[chunk[pos][0]])
-                    for pos in ok)
+                    self.store.sync({e.file for e in extents})
+                self._persist.journal_commits(
+                    (keys[chunk[pos][0]], chunk[pos][1], int(sums[pos]),
+                     self._checksums.algorithm) for pos in ok)
             except OSError as exc:
                 self._log_once(f"commit:{exc.errno}", "commit of %d pages failed: %s", len(ok), exc)
                 failed.update(ok)
@@ -571,9 +495,9 @@ class Tier:
                 item[3].exception()
                 self._staging.give_back(item[1])
             freed = self.directory.unpin([s for _, s, _ in todo])
-            self._journal_evictions(freed)
+            self._persist.journal_evictions(freed)
             if corrupt:
-                self._journal_evictions(self.directory.remove(corrupt))
+                self._persist.journal_evictions(self.directory.remove(corrupt))
         hits = sum(results)
         self._stats.add(get_pages=len(keys), hits=hits, misses=len(keys) - hits,
                         corrupt_pages=len(corrupt))
@@ -638,51 +562,6 @@ class Tier:
                            e.length // sb, exc)
         return failed
 
-    # -- directory persistence ------------------------------------------------------------------
-    def _recover(self) -> None:
-        t0 = time.perf_counter()
-        if self.read_only:  # never cut, rewrite or compact the writer's journal
-            _, records = self.journal.poll()
-            live, nrec = live_records(records), len(records)
-        else:
-            live, nrec = self.journal.replay()
-        recovered = self._newest_per_slot(live, self.store.replaced_files)
-        self.directory.load([r.key for r in recovered], [r.slot for r in recovered],
-                            [r.checksum for r in recovered], [r.algorithm for r in recovered])
-        if self.read_only:
-            self._slot_seq[[r.slot for r in recovered]] = [r.seq for r in recovered]
-        self._live_at_open = len(recovered)
-        if not self.read_only and nrec > 2 * len(recovered) + 1024:
-            try:
-                self.journal.rewrite(recovered)
-            except OSError as exc:  # e.g. ENOSPC: the long journal is still valid
-                log.warning("gdskv: journal compaction at open failed: %s", exc)
-        self._stats.add(recovered_pages=len(recovered),
-                        recovery_seconds=time.perf_counter() - t0)
-        if recovered:
-            log.info("gdskv: recovered %d pages from %s in %.3f s", len(recovered),
-                     self.journal.path, time.perf_counter() - t0)
-
-    def _newest_per_slot(self, live: dict, replaced: set[int]) -> list[Record]:
-        """The journal's live COMMITs this store can serve, the newest one per slot, oldest
-        first (LRU order)."""
-        by_slot: dict[int, Record] = {}
-        unknown = 0
-        for rec in live.values():
-            if rec.slot >= self.store.num_slots or \
-                    (replaced and self.store.location(rec.slot)[0] in replaced):
-                continue
-            if not checksum.known(rec.algorithm):  # cannot be verified: a miss, not a risk
-                unknown += 1
-                continue
-            cur = by_slot.get(rec.slot)
-            if cur is None or rec.seq > cur.seq:  # a lost EVICT: the newer commit owns the slot
-                by_slot[rec.slot] = rec
-        if unknown:
-            self._log_once("unknown-algo", "gdskv: dropped %d pages checksummed with an "
-                           "algorithm this process cannot verify", unknown)
-        return sorted(by_slot.values(), key=lambda r: r.seq)  # LRU order: oldest first
-
     # -- read-only follower ---------------------------------------------------------------------
     def _follow_if_idle(self) -> None:
         """Catch up before a metadata query, unless data calls are in flight (they catch up
@@ -690,51 +569,18 @@ class Tier:
         if self._closed or not self._follow_due() or not self._gate.enter_alone(blocking=False):
             return
         try:
-            self._follow()
+            if self._follow_due():  # a data call may have caught up meanwhile
+                self._follow()
         finally:
             self._gate.leave_alone()
 
     def _follow_due(self) -> bool:
         return time.monotonic() - self._followed_at >= self.FOLLOW_INTERVAL
 
-    def _follow(self, force: bool = False) -> int:
-        """Apply the writer's journal records appended since the last catch-up (alone: no data
-        call is in flight, so no page is pinned). Returns how many records were applied."""
-        now = time.monotonic()
-        if not force and now - self._followed_at < self.FOLLOW_INTERVAL:
-            return 0
-        self._followed_at = now
-        try:
-            reset, records = self.journal.poll()
-        except OSError as exc:  # the pages we know stay readable (and verified)
-            self._log_once("follow", "read-only tier: cannot read the writer's journal %s: %s",
-                           self.journal.path, exc)
-            return 0
-        if reset:  # the writer compacted (or restarted and cut) its journal: start over
-            recovered = self._newest_per_slot(live_records(records), set())
-            directory = PageDirectory(self.store.num_slots, evict=False, follower=True)
-            directory.load([r.key for r in recovered], [r.slot for r in recovered],
-                           [r.checksum for r in recovered], [r.algorithm for r in recovered])
-            self._slot_seq[:] = 0
-            self._slot_seq[[r.slot for r in recovered]] = [r.seq for r in recovered]
-            self.directory = directory
-            self._stats.add(follower_resets=1, follower_records=len(records))
-            return len(records)
-        commit, num_slots, seqs = RecordKind.COMMIT, self.store.num_slots, self._slot_seq
-        applied = 0
-        for rec in records:
-            if rec.kind is commit:
-                if rec.slot >= num_slots or rec.seq < int(seqs[rec.slot]) or \
-                        not checksum.known(rec.algorithm):
-                    continue
-                if self.directory.place(rec.key, rec.slot, rec.checksum, rec.algorithm):
-                    seqs[rec.slot] = rec.seq
-                    applied += 1
-            elif self.directory.drop(rec.key, rec.slot):
-                applied += 1
-        if records:
-            self._stats.add(follower_records=len(records))
-        return applied
+    def _follow(self) -> int:
+        """Catch up with the writer's journal now (alone: no data call in flight)."""
+        self._followed_at = time.monotonic()
+        return self._persist.catch_up()
 
     def _refuse_put(self, keys) -> list[bool]:
         keys = self._check_keys(keys)
@@ -742,43 +588,8 @@ class Tier:
                        "owns the store)")
         return [False] * len(keys)
 
-    def _journal_evictions(self, evicted: list[tuple[Hashable, int]]) -> None:
-        if not evicted or self.read_only:  # a follower only forgets pages locally
-            return
-        try:
-            self.journal.append(Record(RecordKind.EVICT, self.journal.next_seq(), slot, 0, 0, key)
-                                for key, slot in evicted)
-        except OSError as exc:
-            # The slot may be rewritten later; its old COMMIT then fails its checksum on replay.
-            self._log_once("evict-journal", "journaling %d evictions failed: %s", len(evicted), exc)
-
-    def _maybe_compact(self) -> None:
-        live = len(self.directory)
-        if self.journal.records_written > 2 * live + 1024:
-            items = self.directory.ready_entries()
-            self.journal.rewrite([Record(RecordKind.COMMIT, n + 1, slot, csum, algo, key)
-                                  for n, (key, slot, csum, algo) in enumerate(items)])
-
-    def _admit(self, keys: list) -> list[int]:
-        """Indices of keys the admission filter lets in (all of them when admit_after == 1)."""
-        need = self.config.admit_after
-        if need <= 1:
-            return list(range(len(keys)))
-        out = []
-        with self._offers_lock:  # puts from several threads
-            for i, key in enumerate(keys):
-                if self.directory.contains(key):
-                    out.append(i)
-                    continue
-                count = self._offers.pop(key, 0) + 1
-                if count >= need:
-                    out.append(i)
-                else:
-                    self._offers[key] = count
-                    if len(self._offers) > 4 * self.store.num_slots:
-                        self._offers.popitem(last=False)
-        self._stats.add(not_admitted=len(keys) - len(out))
-        return out
+    def _stored(self, key: Hashable) -> bool:
+        return self.directory.contains(key)
 
     def _log_once(self, tag: str, msg: str, *args) -> None:
         if tag not in self._logged:

@@ -97,8 +97,8 @@ def d2d_copy(nbytes: int) -> dict:
 
 def bench_geometry(name: str, batch_bytes: int, sweep: bool, host: bool) -> dict:
     from gdskv.pool import KVPool
-    from kernels.reference import gather_pages_reference
-    from kernels.triton_gather import (LaunchConfig, default_config, gather_pages_triton,
+    from gdskv.kernels.reference import gather_pages_reference
+    from gdskv.kernels.triton_gather import (LaunchConfig, default_config, gather_pages_triton,
                                        scatter_pages_triton)
 
     layout = GEOMETRIES[name]
@@ -154,8 +154,8 @@ def bench_geometry(name: str, batch_bytes: int, sweep: bool, host: bool) -> dict
 
 
 def bench_checksum(batch_bytes: int, sweep: bool) -> dict:
-    from kernels.checksum import page_checksums_reference
-    from kernels.triton_checksum import BLOCK, ITERS, NUM_WARPS, page_checksums_triton
+    from gdskv.kernels.checksum import page_checksums_reference
+    from gdskv.kernels.triton_checksum import BLOCK, ITERS, NUM_WARPS, page_checksums_triton
 
     page_bytes = slot_bytes = 2 * 32 * 16 * 2048  # a Llama-3-8B 16-token page (2 MiB)
     num_pages = -(-batch_bytes // page_bytes)

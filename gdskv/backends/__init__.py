@@ -1,7 +1,8 @@
 """Backends move bytes between a staging buffer and slab files; :func:`create_backend` picks one.
 
 ``auto`` picks kvikio where a CUDA device is used and kvikio imports, posix otherwise; the choice
-and the reason are in ``backend.describe()["selected"]`` (so in tier stats and logs).
+and the reason are in ``backend.selected_because`` and ``backend.describe()["selected"]`` (so in
+tier stats and logs).
 """
 
 from __future__ import annotations

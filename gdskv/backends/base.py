@@ -62,6 +62,8 @@ class Backend(abc.ABC):
 
     #: short name: "posix", "kvikio", "nixl"
     name: str = "?"
+    #: why :func:`gdskv.backends.create_backend` picked this backend ("" when built directly)
+    selected_because: str = ""
 
     @property
     @abc.abstractmethod
@@ -81,8 +83,16 @@ class Backend(abc.ABC):
         """Read file extents into ``buffer`` ranges; returns Future[IOOutcome]."""
 
     def describe(self) -> dict:
-        """What runs and why, for stats and logs (name, gpu_direct, fallbacks...)."""
-        return {"name": self.name, "gpu_direct": self.gpu_direct}
+        """What runs and why, for stats and logs: name, gpu_direct, ``selected`` (why it was
+        picked); implementations add their own (fallbacks, settings...)."""
+        return {"name": self.name, "gpu_direct": self.gpu_direct,
+                "selected": self.selected_because}
+
+    def direct_io(self) -> tuple[bool, str] | None:
+        """Whether this backend's file I/O bypasses the page cache (O_DIRECT), and why. None
+        (the default): it does its I/O on the store's file descriptors, so the store's answer
+        (``SlabStore.direct``) is what happens."""
+        return None
 
     def close(self) -> None:
         """Release handles and registrations. Idempotent."""

@@ -38,8 +38,7 @@ class PosixBackend(Backend):
         self._files = list(files)
 
     def describe(self) -> dict:
-        return {"name": self.name, "gpu_direct": False, "threads": self._threads,
-                "io_chunk_size": self._chunk,
+        return {**super().describe(), "threads": self._threads, "io_chunk_size": self._chunk,
                 "gpu_buffers": "staged through a pinned host mirror"}
 
     def write(self, buffer: torch.Tensor, extents: Sequence[Extent]) -> Future:
