@@ -17,6 +17,10 @@ import zipfile
 
 import pytest
 
+# the test extra brings both; a machine without them (the GPU machine) skips with the reason
+pytest.importorskip("build", reason="needs the build package (pip install gdskv[test])")
+pytest.importorskip("twine", reason="needs twine (pip install gdskv[test])")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IGNORE = shutil.ignore_patterns(".git", ".venv*", "build", "*.egg-info", "__pycache__",
                                 ".hypothesis", ".pytest_cache", "dist", ".whl*")
@@ -87,6 +91,7 @@ def _main_command_args() -> str:
 
 
 def test_built_wheel_in_a_fresh_venv_runs_the_readme_main_command(dist, tmp_path):
+    pytest.importorskip("ensurepip", reason="python3 -m venv needs ensurepip (python3-venv)")
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
     py = venv / "bin" / "python"

@@ -7,6 +7,8 @@ import os
 import re
 import subprocess
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -21,6 +23,7 @@ def _built(venv) -> None:
 
 
 def test_venv_is_built_once_and_rebuilt_when_an_input_changes(tmp_path):
+    pytest.importorskip("ensurepip", reason="python3 -m venv needs ensurepip (python3-venv)")
     venv, req = tmp_path / "venv", tmp_path / "requirements.txt"
     req.write_text("torch==2.13.0\n")
     assert _stale(venv, req)[0] == 0 and (venv / "bin" / "python").exists()
