@@ -56,6 +56,13 @@ class PoolCopier(PageCopier):
         if not order or self.pool.device.type != "cuda":
             return  # a host pool needs no upload: chunks are selected where they are
         order = list(order)
+        if self.slots.device == self.pool.device and order == list(range(len(self.slots))):
+            # The whole call in call order, indices already where the kernels run (the usual
+            # small restore): use them as they are, no gather and no upload.
+            self._device_slots = self.slots
+            self._order = order
+            self._row = {page: page for page in order}
+            return
         idx = torch.as_tensor(order, dtype=torch.int64)
         if self.slots.device.type == "cpu":
             rows = self.slots.index_select(0, idx).pin_memory()

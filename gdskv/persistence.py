@@ -170,5 +170,9 @@ class PersistentDirectory:
             self._stats.add(follower_records=len(records))
         return applied
 
+    def removed_files(self) -> list[str]:
+        """The writer's journal, if it was unlinked while open (a follower checks nothing)."""
+        return [] if self.read_only or not self.journal.removed() else [self.journal.path]
+
     def close(self) -> None:
         self.journal.close()

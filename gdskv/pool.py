@@ -133,6 +133,9 @@ class KVPool:
             if part.dim() not in (3, 4) or (part.dim() == 3 and not layout.mla):
                 raise ValueError(f"stacked {what} must be [layers, slots, heads, head_dim], "
                                  f"got shape {tuple(part.shape)}")
+            if part.shape[0] > 1 and part.stride(0) == 0:
+                raise ValueError(f"stacked {what}: every layer is the same memory (layer "
+                                 "stride 0, an expanded tensor); pass the real KV pool")
             layers: Sequence[torch.Tensor] = list(part.unbind(0))
         elif isinstance(part, Sequence) and all(isinstance(t, torch.Tensor) for t in part):
             layers = part
@@ -153,6 +156,10 @@ class KVPool:
             if t.stride(2) != 1 or t.stride(1) != layout.head_dim:
                 raise ValueError(f"{what} layer {i}: each token row must be contiguous "
                                  f"(strides {t.stride()})")
+            if t.shape[0] > 1 and abs(t.stride(0)) < layout.kv_heads * layout.head_dim:
+                raise ValueError(f"{what} layer {i}: token rows overlap (token stride "
+                                 f"{t.stride(0)} < row of {layout.kv_heads * layout.head_dim} "
+                                 "elements, an expanded tensor); pass the real KV pool")
             rows = t.flatten(1) if t.is_contiguous() else t.as_strided(
                 (t.shape[0], layout.kv_heads * layout.head_dim), (t.stride(0), 1))
             out.append(rows.view(torch.uint8))

@@ -43,7 +43,7 @@ import torch
 from . import checksum
 from . import kernels as kd
 from .admission import AdmissionFilter
-from .backends import create_backend
+from .backends import backend_class, create_backend
 from .backends.base import Extent, IOOutcome
 from .call_gate import CallGate
 from .config import ConfigError, SyncPolicy, TierConfig
@@ -51,7 +51,7 @@ from .copiers import PageCopier, PoolCopier, RegionCopier
 from .directory import PageDirectory, PageState
 from .journal import Journal, JournalFollower, check_key
 from .layout import KVLayout
-from .memory import cuda_available
+from .memory import check_device, cuda_available
 from .persistence import PersistentDirectory
 from .pool import KVPool, PoolCache
 from .staging import StagingParts
@@ -59,6 +59,10 @@ from .stats import TierStats
 from .store import SlabStore
 
 log = logging.getLogger("gdskv.tier")
+
+
+class TierClosedError(RuntimeError):
+    """A call on a tier after :meth:`Tier.close`."""
 
 
 class Tier:
@@ -83,7 +87,7 @@ class Tier:
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if cuda_available() \
                 else torch.device("cpu")
-        self.device = torch.device(device)
+        self.device = check_device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         depth = self.config.pipeline_depth
@@ -96,9 +100,17 @@ class Tier:
         self._stats = TierStats()
         self._logged: set[str] = set()
         self.read_only = bool(self.config.read_only)
-        self.store = SlabStore(layout, self.config)
+        #: why puts are refused now ("" while they are not): a store file removed under us
+        self._lost = ""
+        part_bytes = self._chunk_pages * layout.slot_bytes
+        # refused before the store is touched: a bad option changes nothing on disk
+        StagingParts.check_fits(part_bytes * depth, self.device)
+        backend_class(self.config, self.device)
         self._persist: PersistentDirectory | None = None
-        try:
+        self.backend = None
+        self._worker: ThreadPoolExecutor | None = None
+        self.store = SlabStore(layout, self.config)
+        try:  # whatever fails from here releases all it acquired: lock, files, threads
             self._checksums = checksum.default_for(self.device, layout)
             # pages are verified with the algorithm that made their checksum (see checksum.py)
             self._verifiers = {self._checksums.algorithm: self._checksums}
@@ -107,23 +119,22 @@ class Tier:
             self._followed_at = time.monotonic()
             self.backend = create_backend(self.config, self.device)
             self.backend.attach(self.store.files)
+            self._staging = StagingParts(part_bytes, depth, self.device)
+            # Gather/scatter run on the tier's own stream so the engine's stream is never
+            # blocked behind our I/O; the tier stream waits only for the engine work issued
+            # before a call.
+            self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+            if self._stream is not None:
+                self._warm_up_kernels()
+                self._warm_up_backend()
+            self._gate = CallGate()
+            self._worker = ThreadPoolExecutor(depth, thread_name_prefix="gdskv-tier")
+            self._admission = AdmissionFilter(self.config.admit_after, self._stored,
+                                              max_tracked=4 * self.store.num_slots)
+            self._pools = PoolCache(layout)
         except BaseException:
-            if self._persist is not None:
-                self._persist.close()
-            self.store.close()
+            self._release()
             raise
-        self._staging = StagingParts(self._chunk_pages * layout.slot_bytes, depth, self.device)
-        # Gather/scatter run on the tier's own stream so the engine's stream is never blocked
-        # behind our I/O; the tier stream waits only for the engine work issued before a call.
-        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        if self._stream is not None:
-            self._warm_up_kernels()
-            self._warm_up_backend()
-        self._gate = CallGate()
-        self._worker = ThreadPoolExecutor(depth, thread_name_prefix="gdskv-tier")
-        self._admission = AdmissionFilter(self.config.admit_after, self._stored,
-                                          max_tracked=4 * self.store.num_slots)
-        self._pools = PoolCache(layout)
         self._closed = False
         o_direct, o_direct_reason = self._direct_io()
         log.info("gdskv tier%s: %d slots of %d B in %s; backend %s; O_DIRECT %s (%s)",
@@ -150,18 +161,21 @@ class Tier:
 
         Returns per-page success. A key already stored (or being stored) is a no-op success.
         """
-        if self.read_only:
+        self._check_open()
+        if self.read_only or self._lost:
             return self._refuse_put(keys)
         keys, fill = self._pool_copier(keys, kv_pool, token_slots, kd.gather_pages)
         return self._run(self._put, keys, fill, self._engine_event())
 
     def get(self, keys: Sequence[Hashable], kv_pool, token_slots) -> list[bool]:
         """Restore pages into ``kv_pool`` at ``token_slots``; per-page hit (True) or miss."""
+        self._check_open()
         keys, drain = self._pool_copier(keys, kv_pool, token_slots, kd.scatter_pages)
         return self._run(self._get, keys, drain, self._engine_event())
 
     def put_async(self, keys, kv_pool, token_slots) -> Future:
-        if self.read_only:
+        self._check_open()
+        if self.read_only or self._lost:
             fut: Future = Future()
             fut.set_result(self._refuse_put(keys))
             return fut
@@ -169,6 +183,7 @@ class Tier:
         return self._worker.submit(self._run, self._put, keys, fill, self._engine_event())
 
     def get_async(self, keys, kv_pool, token_slots) -> Future:
+        self._check_open()
         keys, drain = self._pool_copier(keys, kv_pool, token_slots, kd.scatter_pages)
         return self._worker.submit(self._run, self._get, keys, drain, self._engine_event())
 
@@ -176,7 +191,8 @@ class Tier:
                   ) -> list[bool]:
         """Store pages given as page-format byte regions: ``pages[i]`` is a list of 1-D uint8
         tensors whose concatenation is page i's payload (``layout.page_bytes``)."""
-        if self.read_only:
+        self._check_open()
+        if self.read_only or self._lost:
             return self._refuse_put(keys)
         keys, fill = self._region_copier(keys, pages, to_staging=True)
         return self._run(self._put, keys, fill, self._engine_event())
@@ -184,16 +200,19 @@ class Tier:
     def get_pages(self, keys: Sequence[Hashable], pages: Sequence[Sequence[torch.Tensor]]
                   ) -> list[bool]:
         """Restore pages into page-format byte regions (see :meth:`put_pages`)."""
+        self._check_open()
         keys, drain = self._region_copier(keys, pages, to_staging=False)
         return self._run(self._get, keys, drain, self._engine_event())
 
     def contains(self, key: Hashable) -> bool:
+        self._check_open()
         if self.read_only:
             self._follow_if_idle()
         return self.directory.contains(key)
 
     def match_prefix(self, keys: Sequence[Hashable]) -> int:
         """How many leading keys are stored and readable."""
+        self._check_open()
         if self.read_only:
             self._follow_if_idle()
         return self.directory.match_prefix(keys)
@@ -201,15 +220,15 @@ class Tier:
     def refresh(self) -> int:
         """Read-only follower: catch up with the writer's journal now (reads do this by
         themselves, at most every ``FOLLOW_INTERVAL`` s); returns the records applied."""
+        self._check_open()
         if not self.read_only:
             return 0
-        if self._closed:
-            raise RuntimeError("tier is closed")
         with self._gate.alone():
             return self._follow()
 
     def evict(self, keys: Sequence[Hashable]) -> int:
         """Drop pages now (pinned ones as soon as their reads finish); returns how many."""
+        self._check_open()
         keys = self._check_keys(keys)
         gone = sum(self.directory.state(k) == PageState.READY for k in keys)  # not len() deltas:
         self._persist.journal_evictions(self.directory.remove(keys))  # others put meanwhile
@@ -218,11 +237,14 @@ class Tier:
 
     def clear(self) -> None:
         """Drop every page."""
+        self._check_open()
         with self._gate.alone():
+            self._check_open()  # closed while this waited
             keys = [k for k, _, _ in self.directory.ready_items()]
             self._persist.journal_evictions(self.directory.remove(keys))
 
     def stats(self) -> dict:
+        """Counters and what runs. Still readable after :meth:`close` (the final counters)."""
         s = self._stats.snapshot()
         o_direct, o_direct_reason = self._direct_io()
         s.update(pages_stored=len(self.directory), bytes_stored=len(self.directory) *
@@ -233,7 +255,7 @@ class Tier:
                  backend_selected_because=self.backend.selected_because,
                  o_direct=o_direct, o_direct_reason=o_direct_reason,
                  device=str(self.device), fingerprint=self.layout.fingerprint,
-                 read_only=self.read_only)
+                 read_only=self.read_only, state=self._state())
         return s
 
     def close(self) -> None:
@@ -245,10 +267,32 @@ class Tier:
         with self._gate.alone():  # calls other threads still run end first
             try:
                 self.backend.close()
-                self._persist.compact()
+                if not self._lost:  # never rewrite a journal that is no longer the store's
+                    self._persist.compact()
             finally:
                 self._persist.close()
                 self.store.close()
+
+    def _release(self) -> None:
+        """Undo a constructor that failed part way: threads, backend, journal, files, lock."""
+        for step in (lambda: self._worker and self._worker.shutdown(wait=True),
+                     lambda: self.backend and self.backend.close(),
+                     lambda: self._persist and self._persist.close(), self.store.close):
+            try:
+                step()
+            except Exception as exc:  # noqa: BLE001 - the first error is what the caller sees
+                log.debug("releasing a failed tier: %s", exc)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TierClosedError("tier is closed: open a new Tier to use the store again")
+
+    def _state(self) -> str:
+        if self._closed:
+            return "closed"
+        if self._lost:
+            return f"puts refused: {self._lost}"
+        return "read-only follower" if self.read_only else "ok"
 
     def _direct_io(self) -> tuple[bool, str]:
         """O_DIRECT as the I/O really runs: the backend's answer where it opens the files
@@ -293,6 +337,13 @@ class Tier:
             for r in regions:
                 if not isinstance(r, torch.Tensor) or r.dtype != torch.uint8 or r.dim() != 1:
                     raise TypeError(f"page {i}: regions must be 1-D uint8 tensors")
+                if r.device.type not in ("cpu", self.device.type) or \
+                        (r.device.type == "cuda" and r.device != self.device):
+                    raise ValueError(f"page {i}: a region is on {r.device}; regions must be in "
+                                     f"host memory or on the tier's device ({self.device})")
+                if not r.is_contiguous():
+                    raise ValueError(f"page {i}: regions must be contiguous byte ranges (got "
+                                     f"stride {r.stride(0)}: an expanded or strided view)")
                 total += r.numel()
             if total != self.layout.page_bytes:
                 raise ValueError(f"page {i}: regions hold {total} B, a page is "
@@ -343,15 +394,13 @@ class Tier:
         return ev
 
     def _run(self, fn, keys, copier, engine_event=None) -> list[bool]:
-        if self._closed:
-            raise RuntimeError("tier is closed")
+        self._check_open()
         if self.read_only and self._follow_due():
             with self._gate.alone():
                 if self._follow_due():  # another call may have caught up meanwhile
                     self._follow()
         with self._gate.shared():
-            if self._closed:
-                raise RuntimeError("tier is closed")
+            self._check_open()
             if self._stream is None:
                 return fn(keys, copier)
             with torch.cuda.stream(self._stream):
@@ -445,6 +494,9 @@ class Tier:
         outcome: IOOutcome = fut.result()
         failed = self._failed_positions(outcome, extents, "write")
         ok = [pos for pos in range(len(chunk)) if pos not in failed]
+        if ok and self._lost_files():
+            failed.update(ok)
+            ok = []
         if ok:
             try:
                 if self.config.sync == SyncPolicy.DATA:
@@ -554,13 +606,18 @@ class Tier:
         return sums
 
     def _failed_positions(self, outcome: IOOutcome, extents: list[Extent], op: str) -> set[int]:
+        """Positions (in the chunk) of the pages an I/O did not move whole. A page before the
+        point where a short read or write stopped moved whole: it is not failed (and a read
+        one is still verified)."""
         failed: set[int] = set()
         sb = self.layout.slot_bytes
         for idx, exc in outcome.errors.items():
             e = extents[idx]
-            failed.update(range(e.buffer_offset // sb, (e.buffer_offset + e.length) // sb))
+            ranges = outcome.failed.get(idx) or [(e.buffer_offset, e.buffer_offset + e.length)]
+            pages = {p for start, end in ranges for p in range(start // sb, -(-end // sb))}
+            failed |= pages
             self._log_once(f"{op}:{type(exc).__name__}", "%s of %d pages failed: %s", op,
-                           e.length // sb, exc)
+                           len(pages), exc)
         return failed
 
     # -- read-only follower ---------------------------------------------------------------------
@@ -585,9 +642,27 @@ class Tier:
 
     def _refuse_put(self, keys) -> list[bool]:
         keys = self._check_keys(keys)
-        self._log_once("read-only", "read-only tier: puts store nothing (the writer's process "
-                       "owns the store)")
+        if self._lost:
+            self._stats.add(put_pages=len(keys), put_refused=len(keys))
+        else:
+            self._log_once("read-only", "read-only tier: puts store nothing (the writer's "
+                           "process owns the store)")
         return [False] * len(keys)
+
+    def _lost_files(self) -> bool:
+        """Whether a store file was removed (unlinked) under this writer. Checked before every
+        commit (a few fstat calls): a page written to a removed file would be acknowledged and
+        then be gone at the next start, so from then on no put is acknowledged."""
+        if not self._lost:
+            gone = self.store.removed_files() + self._persist.removed_files()
+            if not gone:
+                return False
+            self._lost = (f"store files removed while open: {', '.join(gone)}; pages written "
+                          "from now on could not be found again. Close the tier and open the "
+                          "store again (its surviving files) or a new store")
+            self._stats.add(store_files_removed=len(gone))
+            log.error("gdskv: %s", self._lost)
+        return True
 
     def _stored(self, key: Hashable) -> bool:
         return self.directory.contains(key)

@@ -14,10 +14,12 @@ import pytest
 kvikio = pytest.importorskip("kvikio", reason="kvikio (kvikio-cu13, the gpu extra) is not installed")
 import kvikio.defaults  # noqa: E402
 
+import torch  # noqa: E402
+
 from gdskv.backends import kvikio as kb  # noqa: E402
 from gdskv.config import TierConfig  # noqa: E402
 from gdskv.layout import KVLayout  # noqa: E402
-from gdskv.tier import Tier  # noqa: E402
+from gdskv.store import SlabStore  # noqa: E402
 
 LAYOUT = KVLayout(num_layers=2, page_size=4, head_dim=16, kv_heads=2, dtype="fp16")
 KEYS = tuple(kb.KVIKIO_DEFAULTS)
@@ -82,60 +84,76 @@ def test_an_earlier_tiers_setting_is_not_changed_under_it():
     assert kvikio.defaults.get("auto_direct_io_read") is True
 
 
+@pytest.fixture
+def kvikio_on_store(tmp_path):
+    """A KvikioBackend attached to a real store's slab files (built directly: on a host without
+    the CUDA driver a Tier refuses backend=kvikio, see test_hardening.py)."""
+    opened = []
+
+    def make(**overrides):
+        base = dict(directories=(str(tmp_path),), capacity="4MiB", staging_size="256KiB",
+                    io_chunk_size="64KiB", backend="kvikio")
+        cfg = TierConfig(**{**base, **overrides})
+        store = SlabStore(LAYOUT, cfg)
+        backend = kb.KvikioBackend(cfg, "cpu")
+        backend.selected_because = "asked for by config"
+        backend.attach(store.files)
+        opened.append((backend, store))
+        return backend, store
+
+    yield make
+    for backend, store in opened:
+        backend.close()
+        store.close()
+
+
 @pytest.mark.parametrize("direct_io", ["auto", "off"])
-def test_tier_o_direct_is_what_kvikio_does(tmp_path, direct_io):
-    """The store probes O_DIRECT; the backend asks kvikio for the same; the tier reports
-    kvikio's handles and settings (a Tier with the kvikio backend builds on CPU: no I/O here)."""
-    cfg = TierConfig(directories=(str(tmp_path),), capacity="4MiB", staging_size="256KiB",
-                     io_chunk_size="64KiB", backend="kvikio", direct_io=direct_io, io_threads=5)
-    with Tier(LAYOUT, cfg, device="cpu") as tier:
-        s = tier.stats()
-        handles = all(f.is_direct_io_supported() for f in tier.backend._files)
-        compat = kvikio.defaults.is_compat_mode_preferred()
-        in_force = (kvikio.defaults.get("auto_direct_io_read")
-                    and kvikio.defaults.get("auto_direct_io_write"))
-        assert s["o_direct"] == (handles and (in_force or not compat))
-        assert s["o_direct"] == (tier.store.direct and handles)  # nobody else set them here
-        assert "auto_direct_io_read" in s["o_direct_reason"] or not compat
-        detail = s["backend_detail"]
-        assert detail["selected"] == "asked for by config" == s["backend_selected_because"]
-        assert detail["settings"]["num_threads"] == {"value": 5, "set_by": "gdskv"}
-        assert detail["task_size"] == 1 << 20  # a quarter of 64 KiB, at least 1 MiB
+def test_o_direct_is_what_kvikio_does(kvikio_on_store, direct_io):
+    """The store probes O_DIRECT; the backend asks kvikio for the same and reports kvikio's
+    handles and settings (what the tier's o_direct stat shows)."""
+    backend, store = kvikio_on_store(direct_io=direct_io, io_threads=5)
+    on, why = backend.direct_io()
+    handles = all(f.is_direct_io_supported() for f in backend._files)
+    compat = kvikio.defaults.is_compat_mode_preferred()
+    in_force = (kvikio.defaults.get("auto_direct_io_read")
+                and kvikio.defaults.get("auto_direct_io_write"))
+    assert on == (handles and (in_force or not compat))
+    assert on == (store.direct and handles)  # nobody else set them here
+    assert "auto_direct_io_read" in why or not compat
+    detail = backend.describe()
+    assert detail["selected"] == "asked for by config"
+    assert detail["settings"]["num_threads"] == {"value": 5, "set_by": "gdskv"}
+    assert detail["task_size"] == 1 << 20  # a quarter of 64 KiB, at least 1 MiB
 
 
-def test_host_setting_wins_and_o_direct_says_so(tmp_path):
+def test_host_setting_wins_and_o_direct_says_so(kvikio_on_store):
     kvikio.defaults.set("auto_direct_io_write", False)  # the host wants buffered writes
-    cfg = TierConfig(directories=(str(tmp_path),), capacity="4MiB", staging_size="256KiB",
-                     io_chunk_size="64KiB", backend="kvikio")
-    with Tier(LAYOUT, cfg, device="cpu") as tier:
-        if not kvikio.defaults.is_compat_mode_preferred():
-            pytest.skip("cuFile (GDS) runs: kvikio's auto_direct_io settings do not apply")
-        s = tier.stats()
-        assert s["o_direct"] is False
-        assert "auto_direct_io_write=False (set by the host process)" in s["o_direct_reason"]
-        assert kvikio.defaults.get("auto_direct_io_write") is False
+    backend, _ = kvikio_on_store()
+    if not kvikio.defaults.is_compat_mode_preferred():
+        pytest.skip("cuFile (GDS) runs: kvikio's auto_direct_io settings do not apply")
+    on, why = backend.direct_io()
+    assert on is False
+    assert "auto_direct_io_write=False (set by the host process)" in why
+    assert kvikio.defaults.get("auto_direct_io_write") is False
 
 
-def test_task_size_goes_with_each_call(tmp_path, monkeypatch):
+def test_task_size_goes_with_each_call(kvikio_on_store):
     """No process-wide task_size: each pread/pwrite carries the backend's own."""
-    cfg = TierConfig(directories=(str(tmp_path),), capacity="4MiB", staging_size="256KiB",
-                     io_chunk_size="8MiB", backend="kvikio")
     before = kvikio.defaults.get("task_size")
-    with Tier(LAYOUT, cfg, device="cpu") as tier:
-        calls = []
+    backend, store = kvikio_on_store(io_chunk_size="8MiB")
+    calls = []
 
-        class Recorder:
-            def __init__(self, real):
-                self.real = real
+    class Recorder:
+        def pread(self, buf, size, offset, task_size=None):
+            calls.append(task_size)
+            raise OSError("recorded")  # kvikio's own I/O needs CUDA: not run here
 
-            def pread(self, buf, size, offset, task_size=None):
-                calls.append(task_size)
-                raise OSError("recorded")  # no CUDA here: kvikio's I/O cannot run
-
-        tier.backend._files = [Recorder(f) for f in tier.backend._files]
-        import torch
+    real, backend._files = backend._files, [Recorder() for _ in backend._files]
+    try:
         buf = torch.zeros(LAYOUT.slot_bytes, dtype=torch.uint8)
-        outcome = tier.backend.read(buf, tier.store.extents([0])).result()
-        tier.backend._files = [r.real for r in tier.backend._files]
+        outcome = backend.read(buf, store.extents([0])).result()
+    finally:
+        backend._files = real
     assert calls == [2 << 20] and not outcome.ok
+    assert outcome.failed == {0: [(0, LAYOUT.slot_bytes)]}
     assert kvikio.defaults.get("task_size") == before

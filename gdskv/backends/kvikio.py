@@ -27,16 +27,19 @@ I/O needs CUDA.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import logging
 import os
 import threading
 from collections.abc import Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import torch
 
 from ..config import TierConfig
-from .base import MIN_PIECE_BYTES, Backend, Extent, IOOutcome, SlabFile, split_extents
+from .base import (MIN_PIECE_BYTES, Backend, Extent, IOOutcome, ShortIOError, SlabFile,
+                   WaitingFuture, split_extents)
 
 log = logging.getLogger("gdskv.kvikio")
 
@@ -100,6 +103,16 @@ def claim_settings(wanted: Mapping[str, object], environ: Mapping[str, str] = os
 class KvikioBackend(Backend):
     name = "kvikio"
 
+    @classmethod
+    def unavailable_reason(cls, device: torch.device) -> str | None:
+        # kvikio opens files and reads its settings without CUDA, but every pread/pwrite
+        # (compat mode and host buffers included) loads the CUDA driver first.
+        try:
+            ctypes.CDLL("libcuda.so.1")
+        except OSError as exc:
+            return f"kvikio needs the CUDA driver (libcuda.so.1) for every read and write: {exc}"
+        return None
+
     def __init__(self, config: TierConfig, device: torch.device | str = "cuda") -> None:
         kvikio = _kvikio()
         # Tasks of a quarter stripe unit: a 64 MiB call over 16 MiB stripes still spreads over
@@ -118,9 +131,7 @@ class KvikioBackend(Backend):
         self._files: list = []
         self._registered: dict[tuple[int, int], torch.Tensor] = {}
         self._lock = threading.Lock()
-        # kvikio futures block in .get(); one waiter thread per call the tier keeps in flight.
-        self._waiters: ThreadPoolExecutor | None = ThreadPoolExecutor(
-            max(2, config.pipeline_depth), thread_name_prefix="gdskv-kvikio")
+        self._closed = False
         if self._compat:
             log.warning("kvikio: cuFile runs in compat mode (no GPUDirect Storage: nvidia-fs "
                         "loaded=%s); bytes go through host bounce buffers", self._nvidia_fs)
@@ -155,6 +166,7 @@ class KvikioBackend(Backend):
         # O_DIRECT and buffered fds (whether it may use O_DIRECT is fixed when it opens); the
         # store's fds stay for fdatasync.
         self._files = [kvikio.CuFile(f.path, "r+") for f in files]
+        self._paths = [f.path for f in files]
 
     def direct_io(self) -> tuple[bool, str] | None:
         """Whether kvikio reads and writes the slab files with O_DIRECT, and why: its file
@@ -194,7 +206,7 @@ class KvikioBackend(Backend):
         return self._submit("pread", buffer, extents)
 
     def _submit(self, op: str, buffer: torch.Tensor, extents: Sequence[Extent]) -> Future:
-        if self._waiters is None:
+        if self._closed:
             raise RuntimeError("kvikio backend is closed")
         self._register(buffer)
         target = buffer if buffer.device.type == "cuda" else buffer.numpy()
@@ -208,27 +220,26 @@ class KvikioBackend(Backend):
                 started.append((i, piece, getattr(self._files[piece.file], op)(
                     view, piece.length, piece.file_offset, self._task)))
             except Exception as exc:  # noqa: BLE001 - recorded against this extent
-                outcome.errors.setdefault(i, exc)
-        return self._waiters.submit(self._wait, started, outcome, buffer)
+                outcome.fail(i, exc, piece)
+        # kvikio's own threads do the I/O; the caller's thread waits on kvikio's futures when it
+        # asks for the outcome (IOFuture.get releases the GIL): no waiter thread in between.
+        return WaitingFuture(functools.partial(self._wait, started, outcome, buffer, op))
 
-    @staticmethod
-    def _wait(started, outcome: IOOutcome, buffer: torch.Tensor) -> IOOutcome:
+    def _wait(self, started, outcome: IOOutcome, buffer: torch.Tensor, op: str) -> IOOutcome:
         # ``buffer`` is an argument so it stays alive until every future has completed.
         for i, piece, fut in started:
             try:
                 n = fut.get()
                 if n != piece.length:
-                    raise OSError(f"kvikio moved {n} of {piece.length} bytes at file offset "
-                                  f"{piece.file_offset}")
+                    raise ShortIOError(op[1:], self._paths[piece.file], piece.file_offset,
+                                       piece.length, n)
                 outcome.nbytes += n
             except Exception as exc:  # noqa: BLE001 - recorded against this extent
-                outcome.errors.setdefault(i, exc)
+                outcome.fail(i, exc, piece)
         return outcome
 
     def close(self) -> None:
-        if self._waiters is not None:
-            self._waiters.shutdown(wait=True)
-            self._waiters = None
+        self._closed = True
         if self._registered:
             import kvikio.buffer
             for buf in self._registered.values():

@@ -58,7 +58,7 @@ class PosixBackend(Backend):
         for idx, piece in io_pieces(extents, self._threads, self._chunk):
             f = self._files[piece.file]
             mv = view[piece.buffer_offset:piece.buffer_offset + piece.length]
-            futures.append((idx, self._pool.submit(fn, f, mv, piece.file_offset)))
+            futures.append((idx, piece, self._pool.submit(fn, f, mv, piece.file_offset)))
         return combine(futures, after=after)
 
     def close(self) -> None:
