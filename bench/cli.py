@@ -13,7 +13,8 @@ from collections.abc import Sequence
 
 from .options import Invocation, JobOptions, OptionError, build_parser, parse_args
 from .report import render, to_json
-from .measurements import DirStats, JobResult
+from .measurements import DirStats, JobResult, fmt_bw
+from .placement import SetupError
 from .runner import Progress, resolve, run_job
 from .sweep import plot, series, write_point
 
@@ -154,7 +155,7 @@ def _ratio_lines(ratios: list[dict]) -> list[str]:
         for direction, bws in r["bw_bytes"].items():
             if not any(bws.values()):
                 continue
-            cells = ", ".join(f"{e}={bw / 1e9:.3f} GB/s" for e, bw in bws.items())
+            cells = ", ".join(f"{e}={fmt_bw(bw)}" for e, bw in bws.items())
             rat = ", ".join(f"{k.split(': ')[1]}={v:.2f}x" for k, v in r["ratios"].items()
                             if k.startswith(direction))
             lines.append(f"  {direction:>5}: {cells}" + (f"  ({rat})" if rat else ""))
@@ -189,7 +190,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if bar is not None:
                 bar.stop()
     except OptionError as exc:
-        build_parser().print_usage(sys.stderr)
+        if not isinstance(exc, SetupError):  # a setup problem is not a usage problem
+            build_parser().print_usage(sys.stderr)
         print(f"gdskv-bench: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -206,11 +208,12 @@ def _sweep(inv: Invocation, progress) -> int:
     sweep_dir = inv.sweep_dir or os.path.join(os.getcwd(), "gdskv-sweep")
     points = []
     all_results: list[JobResult] = []
-    table = ["", f"Sweep over {key} (GB/s of KV payload; JSON and PNG in {sweep_dir}):"]
+    table = ["", f"Sweep over {key} (bandwidth of KV payload; JSON and PNG in {sweep_dir}):"]
     for text, value in values:
         jobs = [j.replace(**{key: value}) for j in inv.jobs]
         for j in jobs:
             j.given[key] = text
+            j.apply_kb_base()  # a swept size reads in the job's kb_base, as the job's own do
         results, notes, ratios = run_invocation(inv, jobs, progress)
         doc = to_json(results, {"gdskv_sweep": {"key": key, "value": text},
                                 **({"gdskv_compare": ratios} if ratios else {})})
@@ -223,7 +226,8 @@ def _sweep(inv: Invocation, progress) -> int:
     png = plot(lines, key, os.path.join(sweep_dir, f"sweep-{key}.png"))
     names = {float(v): t for t, v in values}
     for label, pts in lines.items():
-        table.append(f"  {label:28s} " + "  ".join(f"{names.get(x, x)}={y:.3f}" for x, y in pts))
+        table.append(f"  {label:28s} " + "  ".join(f"{names.get(x, x)}={fmt_bw(y * 1e9)}"
+                                                   for x, y in pts))
     table.append(f"  plot: {png}")
     if "normal" in inv.output_format:
         _emit("\n".join(table) + "\n", inv)
