@@ -208,6 +208,39 @@ class Tier:
         keys, drain = self._region_copier(keys, pages, to_staging=False)
         return self._run(self._get, keys, drain, self._engine_event())
 
+    def put_pages_async(self, keys: Sequence[Hashable],
+                        pages: Sequence[Sequence[torch.Tensor]]) -> Future:
+        """:meth:`put_pages` on the tier's workers; the regions are checked here, now (a bad
+        one raises in the caller), and must stay untouched until the future is done."""
+        self._check_open()
+        if self.read_only or self._lost:
+            fut: Future = Future()
+            fut.set_result(self._refuse_put(keys))
+            return fut
+        keys, fill = self._region_copier(keys, pages, to_staging=True)
+        return self._worker.submit(self._run, self._put, keys, fill, self._engine_event())
+
+    def get_pages_async(self, keys: Sequence[Hashable],
+                        pages: Sequence[Sequence[torch.Tensor]]) -> Future:
+        """:meth:`get_pages` on the tier's workers (see :meth:`put_pages_async`)."""
+        self._check_open()
+        keys, drain = self._region_copier(keys, pages, to_staging=False)
+        return self._worker.submit(self._run, self._get, keys, drain, self._engine_event())
+
+    def pin(self, keys: Sequence[Hashable]) -> list[int | None]:
+        """Hold stored pages for a later read: per key a handle (its slot) or None (not
+        stored). A pinned page is never evicted, neither by LRU nor by :meth:`evict` (which
+        drops it at its last unpin), so a read between pin and unpin finds it. Every handle
+        must be given back to :meth:`unpin` once."""
+        self._check_open()
+        keys = self._check_keys(keys)
+        return [None if p is None else p[0] for p in self.directory.pin(keys)]
+
+    def unpin(self, handles: Sequence[int]) -> None:
+        """Give back handles from :meth:`pin`; a page evicted meanwhile goes now."""
+        self._check_open()
+        self._persist.journal_evictions(self.directory.unpin(handles))
+
     def contains(self, key: Hashable) -> bool:
         self._check_open()
         if self.read_only:
