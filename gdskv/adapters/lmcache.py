@@ -26,7 +26,8 @@ in hex, hash hex, salt possibly empty; ``@`` cannot appear in a model or salt), 
 Asynchrony: a store or load is one ``Tier.put_pages_async`` / ``get_pages_async`` call; the
 future's done-callback records the result and signals LMCache's eventfd (no thread of ours).
 Lookup-and-lock is metadata only and completes in the submit: it pins each found page
-(``Tier.pin``), so nothing evicts it before its load; ``submit_unlock`` gives the pin back.
+(``Tier.pin``), so nothing evicts it before its load; ``submit_unlock`` gives the pin back. A
+``delete`` of a locked object is deferred to its last unlock (it stays loadable and counted).
 
 Eviction belongs to LMCache: the tier runs with ``eviction=none`` and the adapter declares its
 capacity (``capacity_pages x object_bytes``), so LMCache's L2 eviction controller (the spec's
@@ -170,6 +171,8 @@ class GdskvL2Adapter(L2AdapterInterface):
         self._loads: dict[L2TaskId, Bitmap] = {}
         #: pin handles (slots) held per key by lookups not yet unlocked
         self._pins: dict[str, list[int]] = defaultdict(list)
+        #: locked keys LMCache deleted: dropped at their last unlock
+        self._doomed: set[str] = set()
         #: keys LMCache has been told are stored (each once), for exact usage accounting
         self._accounted: set[str] = set()
         # zeros after a short object's bytes on store; where a load drops them
@@ -250,7 +253,7 @@ class GdskvL2Adapter(L2AdapterInterface):
             return self._lookups.pop(task_id, None)
 
     def submit_unlock(self, keys: list[ObjectKey]) -> None:
-        handles = []
+        handles, due = [], []
         with self._lock:
             for key in keys:
                 name = object_key_string(key)
@@ -259,8 +262,13 @@ class GdskvL2Adapter(L2AdapterInterface):
                     handles.append(held.pop())
                     if not held:
                         del self._pins[name]
+                        if name in self._doomed:
+                            self._doomed.discard(name)
+                            due.append(name)
         if handles and not self._closed:
             self.tier.unpin(handles)
+            if due:
+                self._drop(due)
 
     # -- load -----------------------------------------------------------------------------------
     def submit_load_task(self, keys: list[ObjectKey], objects: list) -> L2TaskId:
@@ -306,10 +314,20 @@ class GdskvL2Adapter(L2AdapterInterface):
 
     # -- eviction, listing, status --------------------------------------------------------------
     def delete(self, keys: list[ObjectKey]) -> None:
-        """Drop objects now (a locked one stays readable until its unlock)."""
+        """Drop objects: now, or a locked one at its last unlock (it stays loadable and
+        counted until then)."""
         if not keys or self._closed:
             return
-        names = [object_key_string(k) for k in keys]
+        with self._lock:
+            names = []
+            for name in map(object_key_string, keys):
+                if name in self._pins:
+                    self._doomed.add(name)
+                else:
+                    names.append(name)
+        self._drop(names)
+
+    def _drop(self, names: list[str]) -> None:
         try:
             self.tier.evict(names)
         except Exception as exc:  # noqa: BLE001 - nothing dropped: nothing to account
