@@ -17,3 +17,5 @@ fi
 .venv/bin/python -m pytest -q -rs -m "not slow" "$@"
 # The SGLang adapter against the real sglang package, in its own venv (torch 2.14.1; see there).
 bash tests/run_sglang.sh
+# The LMCache L2 adapter against the real lmcache package, in its own venv (see there).
+bash tests/run_lmcache.sh

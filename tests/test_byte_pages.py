@@ -157,3 +157,36 @@ def test_read_only_follower_reads_a_byte_store(make_config):
             out = [torch.zeros(2000, dtype=torch.uint8) for _ in keys]
             assert follower.get_pages(keys, [[o] for o in out]) == [True] * 3
             assert all(torch.equal(a, b) for a, b in zip(pages, out))
+
+
+def test_async_page_calls_round_trip(make_config, device):
+    """put_pages_async / get_pages_async: futures of the same per-page results; a bad region
+    raises in the caller at once, before anything is queued."""
+    layout = BytePageLayout(page_bytes=6000, kind=KIND)
+    pages = random_pages(5, 6000, seed=9, device=device)
+    keys = [f"a{i}" for i in range(5)]
+    with Tier(layout, make_config(), device=device) as tier:
+        assert tier.put_pages_async(keys, [[p] for p in pages]).result() == [True] * 5
+        out = [torch.zeros_like(p) for p in pages]
+        assert tier.get_pages_async(keys + ["absent"], [[o] for o in out] +
+                                    [[torch.zeros_like(pages[0])]]).result() == [True] * 5 + [False]
+        assert all(torch.equal(a, b) for a, b in zip(pages, out))
+        with pytest.raises(ValueError, match="regions hold 5999 B, a page is 6000 B"):
+            tier.put_pages_async(["x"], [[pages[0][:5999]]])
+
+
+def test_pinned_page_survives_lru_and_evict_until_unpinned(make_config, device):
+    layout = BytePageLayout(page_bytes=4096, kind=KIND)
+    config = make_config(capacity=4 * 4096, io_chunk_size=4096, files_per_dir=1)
+    with Tier(layout, config, device=device) as tier:
+        pages = random_pages(8, 4096, seed=4, device=device)
+        assert all(tier.put_pages([f"p{i}" for i in range(4)], [[p] for p in pages[:4]]))
+        handles = tier.pin(["p0", "missing"])
+        assert handles[0] is not None and handles[1] is None
+        # LRU must make room from the unpinned pages only
+        assert all(tier.put_pages([f"p{i}" for i in range(4, 7)], [[p] for p in pages[4:7]]))
+        assert tier.contains("p0")
+        tier.evict(["p0"])  # asked to go while pinned: goes at the unpin
+        tier.unpin([handles[0]])
+        assert not tier.contains("p0")
+        assert tier.put_pages(["p7"], [[pages[7]]]) == [True]
