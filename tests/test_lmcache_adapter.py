@@ -316,3 +316,15 @@ def test_lmcache_bench_l2_verifies_round_trip(tmp_path):
     ops = {m["operation"]: m for k, m in metrics.items() if k.startswith("op_")}
     for op in ("Store", "Lookup", "Load"):
         assert ops[op]["total_success"] == ops[op]["total_keys"] == 64, ops[op]
+
+
+def test_calls_after_close_fail_quietly(tmp_path):
+    a = make_adapter(tmp_path)
+    a.close()
+    a.submit_store_task([key(1)], [obj(random_bytes(OBJ, 1))])
+    assert list(a.pop_completed_store_tasks().values()) == [-1]
+    t = a.submit_load_task([key(1)], [obj(torch.zeros(OBJ, dtype=torch.uint8))])
+    assert a.query_load_result(t).test(0) is False
+    a.submit_unlock([key(1)])
+    a.delete([key(1)])
+    assert a.report_status()["state"] == "closed" and not a.report_status()["is_healthy"]

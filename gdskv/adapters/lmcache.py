@@ -220,7 +220,7 @@ class GdskvL2Adapter(L2AdapterInterface):
         new = self._account_stored([object_key_string(k) for k, ok in zip(keys, stored) if ok])
         with self._lock:
             self._stores[task] = L2StoreResult(all(stored), new * self.object_bytes)
-        self._store_efd.notify()
+        self._signal(self._store_efd)
 
     def pop_completed_store_tasks(self) -> dict[L2TaskId, L2StoreResult]:
         with self._lock:
@@ -245,7 +245,7 @@ class GdskvL2Adapter(L2AdapterInterface):
             bitmap = Bitmap(len(keys))
         with self._lock:
             self._lookups[task] = bitmap
-        self._lookup_efd.notify()
+        self._signal(self._lookup_efd)
         return task
 
     def query_lookup_and_lock_result(self, task_id: L2TaskId) -> Bitmap | None:
@@ -306,7 +306,7 @@ class GdskvL2Adapter(L2AdapterInterface):
         self._account_deleted([object_key_string(k) for k, ok in zip(keys, loaded)
                                if not ok and not self._closed
                                and not self.tier.contains(object_key_string(k))])
-        self._load_efd.notify()
+        self._signal(self._load_efd)
 
     def query_load_result(self, task_id: L2TaskId) -> Bitmap | None:
         with self._lock:
@@ -380,6 +380,10 @@ class GdskvL2Adapter(L2AdapterInterface):
                 efd.close()
 
     # -- helpers --------------------------------------------------------------------------------
+    def _signal(self, efd) -> None:
+        if not self._closed:  # a submit after close() fails its task with no fd to signal
+            efd.notify()
+
     def _new_task(self) -> L2TaskId:
         with self._lock:
             self._next_task += 1
