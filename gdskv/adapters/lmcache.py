@@ -195,25 +195,34 @@ class GdskvL2Adapter(L2AdapterInterface):
 
     # -- store ----------------------------------------------------------------------------------
     def submit_store_task(self, keys: list[ObjectKey], objects: list) -> L2TaskId:
+        return self._submit("store", self.tier.put_pages_async, keys, objects, self._zeros,
+                            self._store_done)
+
+    def _submit(self, op: str, call, keys: list[ObjectKey], objects: list, filler: torch.Tensor,
+                done) -> L2TaskId:
+        """One tier call for a store or load task; ``done(task, keys, future)`` completes it
+        (with ``None`` when the call was refused: every object failed)."""
         task = self._new_task()
         try:
             names = [object_key_string(k) for k in keys]
-            fut = self.tier.put_pages_async(names, [self._store_regions(o) for o in objects])
+            fut = call(names, [self._regions(o, filler) for o in objects])
         except Exception as exc:  # noqa: BLE001 - a bad call is a failed task, never a raise
-            self._log_once(f"store:{type(exc).__name__}", "gdskv: store task failed: %s", exc)
-            self._store_done(task, keys, None)
+            self._log_once(f"{op}:{type(exc).__name__}", "gdskv: %s task failed: %s", op, exc)
+            done(task, keys, None)
             return task
-        fut.add_done_callback(lambda f: self._store_done(task, keys, f))
+        fut.add_done_callback(lambda f: done(task, keys, f))
         return task
 
-    def _store_regions(self, obj) -> list[torch.Tensor]:
+    def _regions(self, obj, filler: torch.Tensor) -> list[torch.Tensor]:
+        """An object's page: its logical bytes, then ``filler`` up to ``object_bytes`` (zeros
+        a store writes, or a sink a load drops)."""
         data = _object_bytes(obj)
         if data.numel() > self.object_bytes:
             raise ValueError(f"object of {data.numel()} B is larger than object_bytes "
                              f"{self.object_bytes}: raise adapter_params object_bytes to the "
                              "bytes of one full chunk")
         pad = self.object_bytes - data.numel()
-        return [data, self._zeros[:pad]] if pad else [data]
+        return [data, filler[:pad]] if pad else [data]
 
     def _store_done(self, task: L2TaskId, keys: list[ObjectKey], fut: Future | None) -> None:
         stored = self._outcome(fut, "store", len(keys))
@@ -272,24 +281,8 @@ class GdskvL2Adapter(L2AdapterInterface):
 
     # -- load -----------------------------------------------------------------------------------
     def submit_load_task(self, keys: list[ObjectKey], objects: list) -> L2TaskId:
-        task = self._new_task()
-        try:
-            names = [object_key_string(k) for k in keys]
-            fut = self.tier.get_pages_async(names, [self._load_regions(o) for o in objects])
-        except Exception as exc:  # noqa: BLE001 - a bad call is all misses, never a raise
-            self._log_once(f"load:{type(exc).__name__}", "gdskv: load task failed: %s", exc)
-            self._load_done(task, keys, None)
-            return task
-        fut.add_done_callback(lambda f: self._load_done(task, keys, f))
-        return task
-
-    def _load_regions(self, obj) -> list[torch.Tensor]:
-        data = _object_bytes(obj)
-        if data.numel() > self.object_bytes:
-            raise ValueError(f"load buffer of {data.numel()} B is larger than object_bytes "
-                             f"{self.object_bytes}")
-        pad = self.object_bytes - data.numel()
-        return [data, self._sink[:pad]] if pad else [data]
+        return self._submit("load", self.tier.get_pages_async, keys, objects, self._sink,
+                            self._load_done)
 
     def _load_done(self, task: L2TaskId, keys: list[ObjectKey], fut: Future | None) -> None:
         loaded = self._outcome(fut, "load", len(keys))
