@@ -25,7 +25,7 @@ BENCH = os.path.join(os.path.dirname(sys.executable), "lmcache")
 
 
 def adapters(directory: str, object_bytes: int, keys: int, in_flight: int) -> dict[str, dict]:
-    capacity = 2 * object_bytes * keys * in_flight * 4  # warm-up and measured rounds, room
+    capacity = object_bytes * keys * in_flight * 6  # warm-up + 3 measured rounds, and room
     gdskv = {"type": "plugin", "module_path": "gdskv.adapters.lmcache",
              "class_name": "GdskvL2Adapter",
              "adapter_params": {"directories": [directory], "capacity": capacity,
@@ -53,7 +53,7 @@ def bench(spec: dict, op: str, kb: int, keys: int, in_flight: int, rounds: int, 
           out: str) -> dict:
     cmd = [BENCH, "bench", "l2", "--l2-adapter", json.dumps(spec), "--only", op,
            "--num-keys", str(keys), "--data-size-kb", str(kb), "--in-flight", str(in_flight),
-           "--rounds", str(rounds), "--warmup-rounds", "0", "--l1-align-bytes", str(align),
+           "--rounds", str(rounds), "--warmup-rounds", "1", "--l1-align-bytes", str(align),
            "--format", "json", "--output", out, "-q"]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
                          env={**os.environ, "LMCACHE_DISABLE_BANNER": "1"})
