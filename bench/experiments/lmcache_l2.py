@@ -21,7 +21,9 @@ import subprocess
 import sys
 import tempfile
 
-BENCH = os.path.join(os.path.dirname(sys.executable), "lmcache")
+#: `lmcache bench l2` as a module of this interpreter (works where lmcache was installed with
+#: --target and has no `lmcache` script on the PATH, as on the GPU machine)
+BENCH = [sys.executable, "-m", "lmcache.cli.main"]
 
 
 def adapters(directory: str, object_bytes: int, keys: int, in_flight: int) -> dict[str, dict]:
@@ -51,7 +53,7 @@ def drop_page_cache(directory: str) -> None:
 
 def bench(spec: dict, op: str, kb: int, keys: int, in_flight: int, rounds: int, align: int,
           out: str) -> dict:
-    cmd = [BENCH, "bench", "l2", "--l2-adapter", json.dumps(spec), "--only", op,
+    cmd = [*BENCH, "bench", "l2", "--l2-adapter", json.dumps(spec), "--only", op,
            "--num-keys", str(keys), "--data-size-kb", str(kb), "--in-flight", str(in_flight),
            "--rounds", str(rounds), "--warmup-rounds", "1", "--l1-align-bytes", str(align),
            "--format", "json", "--output", out, "-q"]
