@@ -65,17 +65,17 @@ class BlockTransfers:
     def __init__(self, shard: Shard, config: TierConfig, groups: Sequence[GroupGeometry]) -> None:
         self.groups = list(groups)
         self.tiers: list[Tier] = []
+        self._jobs: dict[int, _Job] = {}
+        self._logged: set[str] = set()
         try:
             for g in self.groups:
                 what = group_store_name(g.group_id, g.tokens_per_block)
                 layout = shard.layout(num_layers=len(g.rows), row_bytes=g.row_bytes, what=what)
-                cfg = config.replace(directories=shard.directories(config, what))
+                cfg = config.replace(directories=shard.directories(config, what, create=True))
                 self.tiers.append(Tier(layout, cfg, device=g.rows[0].device))
         except BaseException:
             self.close()
             raise
-        self._jobs: dict[int, _Job] = {}
-        self._logged: set[str] = set()
 
     # -- submitting -----------------------------------------------------------------------------
     def submit(self, job_id: int, is_store: bool,

@@ -26,6 +26,7 @@ Keys are vLLM's ``OffloadKey`` bytes (block hash + 4-byte group index), stored a
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -113,10 +114,16 @@ class Shard:
         dp = f"_dp{self.dp_index}" if self.dp_index else ""
         return f"{safe_name(self.model)}/{what}_rank{rank}-of-{self.world_size}{dp}"
 
-    def directories(self, config: TierConfig, what: str, rank: int | None = None
-                    ) -> tuple[str, ...]:
+    def directories(self, config: TierConfig, what: str, rank: int | None = None, *,
+                    create: bool = False) -> tuple[str, ...]:
+        """The store's directories: ``<directory>/<model>/<what>_rank<r>-of-<n>`` for each
+        configured directory (made, owner-only, when ``create``: the writer's side)."""
         name = self.store_name(what, rank)
-        return tuple(f"{d.rstrip('/')}/{name}" for d in config.directories)
+        dirs = tuple(os.path.join(d, name) for d in config.directories)
+        if create:
+            for d in dirs:
+                os.makedirs(d, mode=0o700, exist_ok=True)
+        return dirs
 
     def layout(self, *, num_layers: int, row_bytes: int, what: str) -> KVLayout:
         """The byte-row layout of one page: ``num_layers`` rows of ``row_bytes`` bytes."""

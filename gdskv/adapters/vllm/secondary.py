@@ -75,7 +75,8 @@ class GdskvSecondaryTier(SecondaryTierManager):
         what = (f"cpu-rows-w{cfg.parallel.world_size}-c{offloading_spec.blocks_per_chunk}"
                 f"{'-replicated' if offloading_spec.replicated_layout else ''}")
         self.tier = Tier(shard.layout(num_layers=1, row_bytes=row, what=what),
-                         self.config.replace(directories=shard.directories(self.config, what)),
+                         self.config.replace(directories=shard.directories(self.config, what,
+                                                                             create=True)),
                          device="cpu")
         self._pool = ThreadPoolExecutor(self.config.pipeline_depth,
                                         thread_name_prefix="gdskv-vllm-tier")
