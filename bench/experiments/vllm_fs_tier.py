@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import os
 import platform
 import shutil
@@ -102,8 +103,11 @@ def bench(args) -> dict:
     from gdskv.adapters.vllm.secondary import GdskvSecondaryTier  # noqa: F401 (import check)
     spec = make_spec()
     n = args.size // LLAMA3_8B_BLOCK
-    rows = np.random.default_rng(0).integers(0, 256, (2 * n, LLAMA3_8B_BLOCK), dtype=np.uint8)
-    view = memoryview(rows)
+    # page-aligned, like vLLM's primary (an mmap): O_DIRECT needs aligned buffers
+    region = mmap.mmap(-1, 2 * n * LLAMA3_8B_BLOCK)
+    rows = np.frombuffer(region, dtype=np.uint8).reshape(2 * n, LLAMA3_8B_BLOCK)
+    rows[:n] = np.random.default_rng(0).integers(0, 256, (n, LLAMA3_8B_BLOCK), dtype=np.uint8)
+    view = memoryview(region).cast("B", (2 * n, LLAMA3_8B_BLOCK))
     engines = {
         "vllm-fs": {"type": "fs", "n_read_threads": args.threads, "n_write_threads": args.threads},
         "gdskv-sync-data": {"type": "GdskvSecondaryTier",
@@ -122,6 +126,11 @@ def bench(args) -> dict:
                           "gdskv-sync-data": "fdatasync slab files + journal before READY",
                           "gdskv-sync-none": "no fsync (like vllm-fs)"},
            "runs": {}}
+    extra = {k: json.loads(v) if v.isdigit() or v in ("true", "false") else v
+             for k, v in (opt.split("=", 1) for opt in args.gdskv)}
+    engines = {name: dict(cfg, **extra) if name.startswith("gdskv") else cfg
+               for name, cfg in engines.items() if name in args.engines.split(",")}
+    out["gdskv_options"] = extra
     for rep in range(args.repeat):
         for name, cfg in engines.items():
             root = os.path.join(args.directory, name)
@@ -155,8 +164,9 @@ def bench(args) -> dict:
     med = {name: {k: statistics.median(r[k] for r in runs) for k in ("write_GBps", "read_GBps")}
            for name, runs in out["runs"].items()}
     out["median"] = med
-    base = med["vllm-fs"]
-    out["ratio_vs_vllm_fs"] = {name: {k: m[k] / base[k] for k in m} for name, m in med.items()}
+    base = med.get("vllm-fs")
+    out["ratio_vs_vllm_fs"] = {name: {k: m[k] / base[k] for k in m} for name, m in med.items()
+                               } if base else {}
     return out
 
 
@@ -168,6 +178,9 @@ def main(argv=None) -> int:
     p.add_argument("--job-blocks", type=int, default=16, help="blocks per job (2 MiB each)")
     p.add_argument("--threads", type=int, default=16, help="I/O threads of each tier")
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--gdskv", action="append", default=[], metavar="FIELD=VALUE",
+                   help="a TierConfig option for both gdskv runs (repeatable)")
+    p.add_argument("--engines", default="vllm-fs,gdskv-sync-data,gdskv-sync-none")
     p.add_argument("--output")
     args = p.parse_args(argv)
     out = bench(args)
