@@ -33,7 +33,7 @@ def fs_type(path: str) -> str:
     return kind
 
 
-def drop_page_cache(files: Sequence[str], *, use_drop_caches: bool = True) -> dict[str, Any]:
+def drop_page_cache(files: Sequence[str], *, machine_wide: bool = True) -> dict[str, Any]:
     """Drop cached pages of ``files``; returns what was done (for the JSON report)."""
     advised, errors = 0, []
     for path in files:
@@ -51,7 +51,7 @@ def drop_page_cache(files: Sequence[str], *, use_drop_caches: bool = True) -> di
         finally:
             os.close(fd)
     dropped, why = False, "not root"
-    if use_drop_caches and hasattr(os, "geteuid") and os.geteuid() == 0:
+    if machine_wide and hasattr(os, "geteuid") and os.geteuid() == 0:
         try:
             os.sync()
             with open(DROP_CACHES, "w", encoding="ascii") as f:

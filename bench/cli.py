@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from .options import Invocation, JobOptions, OptionError, build_parser, parse_args
 from .report import render, to_json
-from .results import DirStats, JobResult
+from .measurements import DirStats, JobResult
 from .runner import Progress, resolve, run_job
 from .sweep import plot, series, write_point
 

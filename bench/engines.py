@@ -171,8 +171,9 @@ class GdskvEngine(Engine):
 
     def _warm_up(self) -> None:
         """One untimed spill and restore of a batch (then forgotten), as raw warms its buffers:
-        a process's first tier call costs ~50 ms more on an H100 (bench/call_profile.py
-        measures it), which a 16-call job would otherwise count against the steady state."""
+        a process's first tier call costs ~50 ms more on an H100 (measured by
+        bench/experiments/call_profile.py), which a 16-call job would otherwise count against
+        the steady state."""
         pages = range(min(self.spec.batch_pages, self.spec.pages))
         keys = [f"warm-up/{p}" for p in pages]
         with self._engine_stream():

@@ -14,15 +14,19 @@ from __future__ import annotations
 
 import argparse
 import configparser
+import dataclasses
+import enum
 import os
 import re
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from gdskv.config import ConfigError, parse_size
+from gdskv.config import ENV_PREFIX, FIELD_DOCS, ConfigError, TierConfig, parse_size
 from gdskv.layout import canonical_dtype_name
 
+from .measurements import fmt_size_exact
 from .presets import PRESETS
 
 RW_MODES = ("read", "write", "randread", "randwrite", "rw", "readwrite", "randrw")
@@ -148,8 +152,11 @@ JOB_OPTIONS: tuple[Opt, ...] = (
         "read|write|randread|randwrite|rw|randrw. read jobs lay out their pages first "
         "(untimed), as fio lays out its file; rw/randrw mix reads and writes per --rwmixread"),
     Opt("rwmixread", _int_range(0, 100), 50, "percent of reads in rw/randrw"),
-    Opt("bs", _positive_size, None,
-        "bytes per I/O = one batch of whole pages (rounded down to pages; default 16M)"),
+    # 64 MiB: a few dozen pages per call, what the device results were measured at; SGLang
+    # hands its L3 backend 128 pages (256 MiB of Llama-3-8B 16-token pages).
+    Opt("bs", _positive_size, 64 << 20,
+        "bytes per call = one batch of whole pages (rounded down to pages, cut to size; "
+        "default 64M)"),
     Opt("size", _positive_size, 256 << 20, "bytes of KV pages per job (each numjobs clone)"),
     Opt("numjobs", _int_range(1, 1024), 1, "clones of the job, one thread each, same tier"),
     Opt("iodepth", _int_range(1, 4096), 1, "batches in flight per thread"),
@@ -353,6 +360,39 @@ def _sweep(text: str) -> tuple[str, list]:
     return name, parsed
 
 
+def env_help_text() -> str:
+    """Every ``GDSKV_*`` variable with its default and meaning (``--help-env``)."""
+    rows = []
+    for f in dataclasses.fields(TierConfig):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        if isinstance(default, enum.Enum):
+            default = default.value
+        elif isinstance(default, bool):
+            default = str(default).lower()
+        elif isinstance(default, int) and f.name in ("capacity", "staging_size",
+                                                     "io_chunk_size"):
+            default = fmt_size_exact(default)
+        elif isinstance(default, tuple):
+            default = ":".join(default) or "-"
+        rows.append((ENV_PREFIX + f.name.upper(), str(default), FIELD_DOCS[f.name]))
+    width = max(len(r[0]) for r in rows)
+    lines = ["GDSKV_* environment variables: the tier's configuration. gdskv-bench reads them as "
+             "the library does;",
+             "an unknown GDSKV_* name or a malformed value is an error naming it.", "",
+             f"  {'variable':<{width}}  {'default':<8}  meaning"]
+    lines += [f"  {var:<{width}}  {default:<8}  {doc}" for var, default, doc in rows]
+    return "\n".join(lines) + "\n"
+
+
+class _HelpEnv(argparse.Action):
+    def __init__(self, option_strings, dest, **kwargs) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        sys.stdout.write(env_help_text())  # stdout, as --help
+        parser.exit(0)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="gdskv-bench", allow_abbrev=False,
                 usage="gdskv-bench [options] [jobfile ...]  (--help lists the options)",
@@ -383,6 +423,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="OPTION=V1,V2,...: one run per value, one JSON each plus a PNG plot")
     o.add_argument("--sweep-dir", "--sweep_dir", dest="sweep_dir", default=None,
                    help="where sweep JSON files and the PNG go (default ./gdskv-sweep)")
+    p.add_argument("--help-env", "--help_env", action=_HelpEnv,
+                   help="list the GDSKV_* environment variables and exit")
     p.add_argument("--version", action="version", version="gdskv-bench 0.1.0")
     return p
 

@@ -13,8 +13,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from .results import (FIO_PERCENTILES, DirStats, JobResult, dir_json, fmt_bytes_iec,
-                      fmt_bytes_si, fmt_count, lat_stats)
+from .measurements import (FIO_PERCENTILES, DirStats, JobResult, dir_json, fmt_bytes_iec,
+                           fmt_bytes_si, fmt_count, fmt_size_exact, lat_stats)
 
 VERSION = "gdskv-bench-0.1.0"
 TERSE_VERSION = 3
@@ -106,8 +106,8 @@ def _gdskv_lines(g: dict[str, Any]) -> list[str]:
     lines = [f"  gdskv: engine={g.get('engine')}, backend={g.get('backend')}, "
              f"mem={g.get('mem')}, gpu_direct={int(bool(g.get('gpu_direct')))}, "
              f"compat_mode={g.get('compat_mode')}, O_DIRECT={g.get('o_direct')}",
-             f"  layout: {geo}, page={_exact(g.get('page_bytes', 0))} "
-             f"(slot {_exact(g.get('slot_bytes', 0))}), "
+             f"  layout: {geo}, page={fmt_size_exact(g.get('page_bytes', 0))} "
+             f"(slot {fmt_size_exact(g.get('slot_bytes', 0))}), "
              f"batch={g.get('pages_per_batch')} pages, iodepth={g.get('iodepth')}"]
     if g.get("note"):
         lines.append(f"  note: {g['note']}")
@@ -130,14 +130,6 @@ def _gdskv_lines(g: dict[str, Any]) -> list[str]:
             + (f", restore is {be['restore_speedup']:.2f}x faster than recompute"
                if be.get("restore_speedup") else ""))
     return lines
-
-
-def _exact(n: int) -> str:
-    """2MiB, 1098KiB, 4000B: the largest binary unit that divides the size exactly."""
-    for unit, div in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= div and n % div == 0:
-            return f"{n // div}{unit}"
-    return f"{n}B"
 
 
 def to_normal(results: Sequence[JobResult], extra_lines: Sequence[str] = ()) -> str:

@@ -41,9 +41,7 @@ from .cache import fs_type
 from .engines import Engine, EngineSpec, EngineUnavailable, make_engine, sglang_hicache
 from .options import JobOptions, OptionError, job_options_dict
 from .presets import ModelPreset, break_even, get_preset
-from .results import EIO, EILSEQ, DirStats, JobResult
-
-DEFAULT_BS = 64 << 20
+from .measurements import EIO, EILSEQ, DirStats, JobResult
 
 #: test hook: called as HOOK(engine) between a job's write phase and its read phase
 AFTER_WRITE_HOOK: Callable[[Engine], None] | None = None
@@ -97,7 +95,7 @@ def resolve(opts: JobOptions, engine: str | None = None) -> JobPlan:
     device = torch.device("cuda", torch.cuda.current_device()) if mem == "gpu" \
         else torch.device("cpu")
     notes = []
-    bs = opts.bs if opts.bs is not None else DEFAULT_BS
+    bs = opts.bs
     ppb = max(1, bs // layout.page_bytes)
     if bs % layout.page_bytes:
         notes.append(f"bs={bs} rounded to {ppb} whole page(s) of {layout.page_bytes} B")
@@ -181,107 +179,121 @@ def _ops(kind: str, batches: int, rng: np.random.Generator, randomize: bool, rep
             return
 
 
-def _run_phase(engine: Engine, plan: JobPlan, phase: _Phase, states: list[_ThreadState],
-               progress: Progress | None) -> None:
-    o = plan.opts
-    threads = o.numjobs
-    ppb = plan.pages_per_batch
-    pbytes = plan.layout.page_bytes
-    timed = phase.timed
-    ramp_ns = int(o.ramp_time * 1e9) if timed else 0
-    runtime_ns = int(o.runtime * 1e9) if (timed and o.runtime) else None
-    repeat = bool(timed and o.time_based)
-    randomize = o.rw.startswith("rand")
-    barrier = threading.Barrier(threads + 1)
-    errors: list[BaseException] = []
-    if progress is not None:
-        total = (plan.batches * plan.batch_bytes * threads) if not repeat else 0
-        progress.start(f"{o.name} {engine.name} {phase.kind if timed else 'layout'}", total)
+class _PhaseRun:
+    """One phase: ``numjobs`` threads, each keeping up to ``iodepth`` batches in flight."""
 
-    def one(op: str, t: int, b: int, t_submit: int) -> tuple[int, int, int]:
-        pages = list(range(b * ppb, (b + 1) * ppb))
+    def __init__(self, engine: Engine, plan: JobPlan, phase: _Phase,
+                 states: list[_ThreadState], progress: Progress | None) -> None:
+        o = plan.opts
+        self.engine, self.plan, self.phase, self.states, self.progress = (
+            engine, plan, phase, states, progress)
+        self.ppb = plan.pages_per_batch
+        self.ramp_ns = int(o.ramp_time * 1e9) if phase.timed else 0
+        self.runtime_ns = int(o.runtime * 1e9) if (phase.timed and o.runtime) else None
+        self.repeat = bool(phase.timed and o.time_based)
+        self.errors: list[BaseException] = []
+
+    def run(self) -> None:
+        o, threads = self.plan.opts, self.plan.opts.numjobs
+        if self.progress is not None:
+            total = (self.plan.batches * self.plan.batch_bytes * threads) if not self.repeat \
+                else 0
+            self.progress.start(f"{o.name} {self.engine.name} "
+                                f"{self.phase.kind if self.phase.timed else 'layout'}", total)
+        barrier = threading.Barrier(threads + 1)
+        workers = [threading.Thread(target=self._worker, args=(t, barrier),
+                                    name=f"bench-job-{t}", daemon=True) for t in range(threads)]
+        for w in workers:
+            w.start()
+        try:
+            barrier.wait()
+        except threading.BrokenBarrierError:
+            pass
+        for w in workers:
+            while w.is_alive():
+                w.join(0.1)
+                if self.progress is not None and getattr(self.progress, "tick", None):
+                    self.progress.tick()
+        if self.errors:
+            raise self.errors[0]
+
+    def _call(self, op: str, t: int, b: int) -> tuple[int, int, int]:
+        """One batch: (start ns, end ns, pages done)."""
+        pages = list(range(b * self.ppb, (b + 1) * self.ppb))
         start = time.perf_counter_ns()
-        ok = engine.write(t, pages) if op == "write" else engine.read(t, pages)
+        ok = self.engine.write(t, pages) if op == "write" else self.engine.read(t, pages)
         return start, time.perf_counter_ns(), ok
 
-    def worker(t: int) -> None:
-        st = states[t]
-        rng = np.random.default_rng((o.randseed, t, ("write", "read", "mixed").index(phase.kind)))
+    def _worker(self, t: int, barrier: threading.Barrier) -> None:
+        o, st = self.plan.opts, self.states[t]
+        rng = np.random.default_rng(
+            (o.randseed, t, ("write", "read", "mixed").index(self.phase.kind)))
         pool = ThreadPoolExecutor(o.iodepth, thread_name_prefix=f"bench-{t}") \
             if o.iodepth > 1 else None
         inflight: collections.deque = collections.deque()
         last_done = [0]
-
-        def complete(item) -> None:
-            op, b, t_submit, fut = item
-            start, end, ok = fut.result() if pool else fut
-            n = ppb
-            if op == "write":
-                st.written.add(b)
-            elif ok == n:
-                st.read_ok.add(b)
-            else:
-                st.read_failed_pages += n - ok
-                st.read_ok.discard(b)
-            if progress is not None:
-                progress.add(ok * pbytes)
-            if not timed or end - t0 < ramp_ns:
-                return
-            d = st.stats[op]
-            d.add(slat=start - t_submit, clat=end - start, done=end - t0 - ramp_ns,
-                  nbytes=ok * pbytes)
-            if ok < n:
-                d.failed_ios += 1
-                d.failed_pages += n - ok
-            last_done[0] = max(last_done[0], end)
-
         try:
             barrier.wait()
             t0 = time.perf_counter_ns()
-            for op, b in _ops(phase.kind, plan.batches, rng, randomize, repeat, o.rwmixread):
-                if runtime_ns is not None and time.perf_counter_ns() - t0 >= ramp_ns + runtime_ns:
+            for op, b in _ops(self.phase.kind, self.plan.batches, rng, o.rw.startswith("rand"),
+                              self.repeat, o.rwmixread):
+                if self.runtime_ns is not None and \
+                        time.perf_counter_ns() - t0 >= self.ramp_ns + self.runtime_ns:
                     break
                 if any(item[1] == b for item in inflight):  # never overlap ops on one batch
                     while inflight:
-                        complete(inflight.popleft())
+                        self._complete(st, inflight.popleft(), pool, t0, last_done)
                 while len(inflight) >= o.iodepth:
-                    complete(inflight.popleft())
+                    self._complete(st, inflight.popleft(), pool, t0, last_done)
                 if op == "write" and b in st.written:
-                    engine.forget(t, list(range(b * ppb, (b + 1) * ppb)))  # untimed
+                    self.engine.forget(t, list(range(b * self.ppb, (b + 1) * self.ppb)))  # untimed
                 t_submit = time.perf_counter_ns()
-                fut = pool.submit(one, op, t, b, t_submit) if pool else one(op, t, b, t_submit)
+                fut = pool.submit(self._call, op, t, b) if pool else self._call(op, t, b)
                 inflight.append((op, b, t_submit, fut))
                 if pool is None:
-                    complete(inflight.popleft())
+                    self._complete(st, inflight.popleft(), pool, t0, last_done)
             while inflight:
-                complete(inflight.popleft())
-            if timed and last_done[0]:
-                span = max(0, last_done[0] - t0 - ramp_ns)
-                kinds = ("read", "write") if phase.kind == "mixed" else (phase.kind,)
-                for k in kinds:
-                    if st.stats[k].total_ios:
-                        st.stats[k].runtime_ns += span
+                self._complete(st, inflight.popleft(), pool, t0, last_done)
+            self._close_runtime(st, t0, last_done[0])
         except BaseException as exc:  # noqa: BLE001 - re-raised in the calling thread
-            errors.append(exc)
+            self.errors.append(exc)
         finally:
             if pool is not None:
                 pool.shutdown(wait=True)
 
-    workers = [threading.Thread(target=worker, args=(t,), name=f"bench-job-{t}", daemon=True)
-               for t in range(threads)]
-    for w in workers:
-        w.start()
-    try:
-        barrier.wait()
-    except threading.BrokenBarrierError:
-        pass
-    for w in workers:
-        while w.is_alive():
-            w.join(0.1)
-            if progress is not None and getattr(progress, "tick", None):
-                progress.tick()
-    if errors:
-        raise errors[0]
+    def _complete(self, st: _ThreadState, item, pool, t0: int, last_done: list[int]) -> None:
+        """Account one finished batch: which batches hold data, stats when timed."""
+        op, b, t_submit, fut = item
+        start, end, ok = fut.result() if pool else fut
+        n = self.ppb
+        if op == "write":
+            st.written.add(b)
+        elif ok == n:
+            st.read_ok.add(b)
+        else:
+            st.read_failed_pages += n - ok
+            st.read_ok.discard(b)
+        if self.progress is not None:
+            self.progress.add(ok * self.plan.layout.page_bytes)
+        if not self.phase.timed or end - t0 < self.ramp_ns:
+            return
+        d = st.stats[op]
+        d.add(slat=start - t_submit, clat=end - start, done=end - t0 - self.ramp_ns,
+              nbytes=ok * self.plan.layout.page_bytes)
+        if ok < n:
+            d.failed_ios += 1
+            d.failed_pages += n - ok
+        last_done[0] = max(last_done[0], end)
+
+    def _close_runtime(self, st: _ThreadState, t0: int, last_done: int) -> None:
+        """The phase's runtime: from its start (after ramp) to the last counted completion."""
+        if not (self.phase.timed and last_done):
+            return
+        span = max(0, last_done - t0 - self.ramp_ns)
+        kinds = ("read", "write") if self.phase.kind == "mixed" else (self.phase.kind,)
+        for k in kinds:
+            if st.stats[k].total_ios:
+                st.stats[k].runtime_ns += span
 
 
 def _capacity(plan: JobPlan, config: TierConfig, ndirs: int) -> int:
@@ -296,9 +308,28 @@ def _capacity(plan: JobPlan, config: TierConfig, ndirs: int) -> int:
     return stripes * stripe_slots * slot
 
 
-def _rusage() -> tuple[float, float, int, int, int]:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime, r.ru_stime, r.ru_nvcsw + r.ru_nivcsw, r.ru_majflt, r.ru_minflt
+@dataclass
+class _CpuTime:
+    """CPU use over the timed phases (fio's ``cpu`` line)."""
+    wall: float = 0.0
+    usr: float = 0.0
+    sys: float = 0.0
+    ctx: int = 0
+    majf: int = 0
+    minf: int = 0
+
+    @staticmethod
+    def sample() -> tuple[float, float, int, int, int]:
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_utime, r.ru_stime, r.ru_nvcsw + r.ru_nivcsw, r.ru_majflt, r.ru_minflt
+
+    def add(self, before: tuple, after: tuple, wall: float) -> None:
+        self.wall += wall
+        self.usr += after[0] - before[0]
+        self.sys += after[1] - before[1]
+        self.ctx += after[2] - before[2]
+        self.majf += after[3] - before[3]
+        self.minf += after[4] - before[4]
 
 
 def run_job(plan: JobPlan, groupid: int, progress: Progress | None = None) -> list[JobResult]:
@@ -334,13 +365,19 @@ def run_job(plan: JobPlan, groupid: int, progress: Progress | None = None) -> li
 
 def _run_phases(engine: Engine, plan: JobPlan, config: TierConfig, made: list[str],
                 groupid: int, progress: Progress | None, start_wall: float) -> list[JobResult]:
+    states = [_ThreadState() for _ in range(plan.opts.numjobs)]
+    cpu, invalidations = _run_all(engine, plan, states, progress)
+    elapsed = time.time() - start_wall
+    verify = _verify(engine, plan, states) if plan.opts.verify else None
+    g = _gdskv_object(engine, plan, config, made, invalidations, verify)
+    return _job_results(plan, states, g, verify, cpu, groupid, start_wall, elapsed)
+
+
+def _run_all(engine: Engine, plan: JobPlan, states: list[_ThreadState],
+             progress: Progress | None) -> tuple[_CpuTime, list[dict]]:
+    """The job's phases in order; the page cache is dropped before each read phase."""
     o = plan.opts
-    states = [_ThreadState() for _ in range(o.numjobs)]
-    invalidations = []
-    wall, cpu0 = 0.0, None
-    usr = sys_ = 0.0
-    ctx = majf = minf = 0
-    wrote = False
+    cpu, invalidations, wrote = _CpuTime(), [], False
     for phase in _phases(o.rw, o.verify):
         if phase.kind in ("read", "mixed"):
             if wrote and AFTER_WRITE_HOOK is not None:
@@ -349,37 +386,32 @@ def _run_phases(engine: Engine, plan: JobPlan, config: TierConfig, made: list[st
                 engine.reset_read_buffers()
             if o.invalidate:
                 invalidations.append(engine.invalidate())
-        cpu0 = _rusage()
-        t = time.perf_counter()
-        _run_phase(engine, plan, phase, states, progress)
+        before, t = _CpuTime.sample(), time.perf_counter()
+        _PhaseRun(engine, plan, phase, states, progress).run()
         if phase.timed:
-            wall += time.perf_counter() - t
-            cpu1 = _rusage()
-            usr += cpu1[0] - cpu0[0]
-            sys_ += cpu1[1] - cpu0[1]
-            ctx += cpu1[2] - cpu0[2]
-            majf += cpu1[3] - cpu0[3]
-            minf += cpu1[4] - cpu0[4]
+            cpu.add(before, _CpuTime.sample(), time.perf_counter() - t)
         wrote = wrote or phase.kind in ("write", "mixed")
-    elapsed = time.time() - start_wall
+    return cpu, invalidations
 
-    # -- verify -----------------------------------------------------------------------------
-    verify = None
-    if o.verify:
-        checked = mismatched = 0
-        missing = sum(s.read_failed_pages for s in states)
-        for t, st in enumerate(states):
-            pages = [p for b in sorted(st.read_ok)
-                     for p in range(b * plan.pages_per_batch, (b + 1) * plan.pages_per_batch)]
-            checked += len(pages)
-            if pages:
-                mismatched += engine.verify(t, pages)
-        verify = {"ok": mismatched == 0 and missing == 0 and checked > 0,
-                  "pages_checked": checked, "mismatched": mismatched, "missing": missing}
 
-    # -- the gdskv object ---------------------------------------------------------------------
-    info = engine.info()
-    lay = plan.layout
+def _verify(engine: Engine, plan: JobPlan, states: list[_ThreadState]) -> dict[str, Any]:
+    """Compare every page read back with what was written; pages not read count as missing."""
+    checked = mismatched = 0
+    missing = sum(s.read_failed_pages for s in states)
+    ppb = plan.pages_per_batch
+    for t, st in enumerate(states):
+        pages = [p for b in sorted(st.read_ok) for p in range(b * ppb, (b + 1) * ppb)]
+        checked += len(pages)
+        if pages:
+            mismatched += engine.verify(t, pages)
+    return {"ok": mismatched == 0 and missing == 0 and checked > 0,
+            "pages_checked": checked, "mismatched": mismatched, "missing": missing}
+
+
+def _gdskv_object(engine: Engine, plan: JobPlan, config: TierConfig, made: list[str],
+                  invalidations: list[dict], verify: dict | None) -> dict[str, Any]:
+    """What fio has no name for: engine, backend, O_DIRECT, layout, store, cache drop, verify."""
+    o, info, lay = plan.opts, engine.info(), plan.layout
     g: dict[str, Any] = {
         "engine": plan.engine, "backend": info.get("backend"),
         "gpu_direct": bool(info.get("gpu_direct")), "compat_mode": info.get("compat_mode", "n/a"),
@@ -407,14 +439,20 @@ def _run_phases(engine: Engine, plan: JobPlan, config: TierConfig, made: list[st
     if "tier_stats" in info:
         g["tier_stats"] = info["tier_stats"]
     g["note"] = "; ".join(notes)
+    return g
 
-    # -- results ------------------------------------------------------------------------------
+
+def _job_results(plan: JobPlan, states: list[_ThreadState], g: dict[str, Any],
+                 verify: dict | None, cpu: _CpuTime, groupid: int, start_wall: float,
+                 elapsed: float) -> list[JobResult]:
+    """One result per clone, or one for the job (group_reporting or a single clone)."""
+    o = plan.opts
     error = 0
     if any(s.stats["write"].failed_pages or s.stats["read"].failed_pages for s in states):
         error = EIO
     if verify is not None and not verify["ok"]:
         error = EILSEQ if verify["mismatched"] else EIO
-    cpu_wall = max(wall, 1e-9)
+    cpu_wall = max(cpu.wall, 1e-9)
 
     def result(name_states: list[_ThreadState], clone: int | None) -> JobResult:
         return JobResult(
@@ -422,9 +460,9 @@ def _run_phases(engine: Engine, plan: JobPlan, config: TierConfig, made: list[st
             read=DirStats.merge([s.stats["read"] for s in name_states]),
             write=DirStats.merge([s.stats["write"] for s in name_states]),
             options=job_options_dict(o), gdskv=dict(g), error=error, elapsed_s=elapsed,
-            usr_cpu=100.0 * usr / cpu_wall, sys_cpu=100.0 * sys_ / cpu_wall, ctx=ctx,
-            majf=majf, minf=minf, start_time=start_wall, description=o.description,
-            clone=clone)
+            usr_cpu=100.0 * cpu.usr / cpu_wall, sys_cpu=100.0 * cpu.sys / cpu_wall,
+            ctx=cpu.ctx, majf=cpu.majf, minf=cpu.minf, start_time=start_wall,
+            description=o.description, clone=clone)
 
     if o.group_reporting or o.numjobs == 1:
         results = [result(states, None)]
@@ -432,7 +470,8 @@ def _run_phases(engine: Engine, plan: JobPlan, config: TierConfig, made: list[st
         results = [result([s], t) for t, s in enumerate(states)]
     if o.prefill_tflops and plan.preset is not None:
         read_bw = DirStats.merge([s.stats["read"] for s in states]).bw_bytes or None
-        be = break_even(lay, plan.preset.flops_per_token, o.prefill_tflops, read_bw).to_dict()
+        be = break_even(plan.layout, plan.preset.flops_per_token, o.prefill_tflops,
+                        read_bw).to_dict()
         for r in results:
             r.gdskv["break_even"] = be
     return results

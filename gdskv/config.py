@@ -12,7 +12,7 @@ import enum
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 ENV_PREFIX = "GDSKV_"
 
@@ -51,8 +51,19 @@ class NixlPlugin(str, enum.Enum):
     POSIX = "POSIX"
 
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?b?)\s*$", re.IGNORECASE)
+_SIZE_RE = re.compile(r"^\s*(\d+)(?:\.(\d+))?\s*([kmgtp]?)(i?b?)\s*$", re.IGNORECASE)
 _UNITS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
+#: the largest size or count a field takes (file offsets and numpy indices are 64-bit signed)
+MAX_INT = (1 << 63) - 1
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def _check_range(value: int, what: str) -> int:
+    if value > MAX_INT:
+        raise ConfigError(f"{what}: {value} is larger than this platform handles (at most "
+                          f"2**63-1); give a realistic value")
+    return value
 
 
 def parse_size(text: str | int, *, what: str = "size") -> int:
@@ -61,30 +72,74 @@ def parse_size(text: str | int, *, what: str = "size") -> int:
     Like fio, a bare suffix (``k``, ``M``...) and ``KiB``/``MiB`` are powers of 1024; ``KB``/``MB``
     (with a B and no i) are powers of 1000.
     """
-    if isinstance(text, bool):
-        raise ConfigError(f"{what}: expected a size, got {text!r}")
+    if isinstance(text, bool) or not isinstance(text, (int, str)):
+        raise ConfigError(f"{what}: expected a size (examples: 4096, 4k, 64MiB, 2G), got "
+                          f"{text!r}")
     if isinstance(text, int):
         if text < 0:
             raise ConfigError(f"{what}: size must be >= 0, got {text}")
-        return text
-    m = _SIZE_RE.match(str(text))
+        return _check_range(text, what)
+    m = _SIZE_RE.match(text)
     if not m:
         raise ConfigError(f"{what}: cannot parse size {text!r} (examples: 4096, 4k, 64MiB, 2G)")
-    number, unit, suffix = m.groups()
+    whole, frac, unit, suffix = m.groups()
     base = 1000 if suffix.lower() == "b" and unit else 1024
-    value = float(number) * base ** _UNITS[unit.lower()]
-    if value != int(value):
+    scale = base ** _UNITS[unit.lower()]
+    frac = frac or ""
+    # exact integer arithmetic: floats would round sizes beyond 2**53
+    numerator = (int(whole) * 10 ** len(frac) + int(frac or 0)) * scale
+    value, rest = divmod(numerator, 10 ** len(frac))
+    if rest:
         raise ConfigError(f"{what}: size {text!r} is not a whole number of bytes")
-    return int(value)
+    return _check_range(value, what)
 
 
-def _parse_bool(text: str, what: str) -> bool:
-    t = text.strip().lower()
-    if t in ("1", "true", "yes", "on"):
-        return True
-    if t in ("0", "false", "no", "off"):
-        return False
-    raise ConfigError(f"{what}: expected a boolean (1/0, true/false, on/off), got {text!r}")
+def parse_bool(value, what: str) -> bool:
+    """A boolean from Python, JSON or the environment: ``True``/``False``, ``1``/``0`` or
+    true/false, yes/no, on/off, 1/0 in any case; anything else is a ConfigError."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str):
+        t = value.strip().lower()
+        if t in _TRUE:
+            return True
+        if t in _FALSE:
+            return False
+    raise ConfigError(f"{what}: expected a boolean (true/false, 1/0, yes/no, on/off), got "
+                      f"{value!r}")
+
+
+def parse_int(value, what: str) -> int:
+    """An integer from Python, JSON (a number) or the environment (decimal text)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return _check_range(value, what)
+    if isinstance(value, str):
+        try:
+            return _check_range(int(value.strip()), what)
+        except ValueError:
+            pass
+    raise ConfigError(f"{what}: expected an integer, got {value!r}")
+
+
+def parse_directories(value, what: str = "directories") -> tuple[str, ...]:
+    """Store directories: a list of paths, or one string with ``:`` or ``,`` between them."""
+    if isinstance(value, str):
+        paths = split_dirs(value)
+    elif isinstance(value, os.PathLike):
+        paths = (os.fspath(value),)
+    elif isinstance(value, (list, tuple)) and all(isinstance(p, (str, os.PathLike))
+                                                  for p in value):
+        paths = tuple(os.fspath(p) for p in value)
+    else:
+        raise ConfigError(f"{what}: expected a list of directory paths (or one string with ':' "
+                          f"or ',' between them), got {value!r}")
+    for p in paths:
+        if not isinstance(p, str) or "\0" in p or not p.strip():
+            raise ConfigError(f"{what}: {p!r} is not a usable path (empty, or it holds a NUL "
+                              "byte)")
+    return paths
 
 
 @dataclass(frozen=True)
@@ -125,34 +180,17 @@ class TierConfig:
     read_only: bool = False
 
     def __post_init__(self) -> None:
-        dirs = self.directories
-        if isinstance(dirs, str):
-            dirs = split_dirs(dirs)
-        object.__setattr__(self, "directories", tuple(str(d) for d in dirs))
+        # Every field is checked and converted here, the same way whether it came from Python,
+        # JSON (an engine's extra config) or the environment (text).
         for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if isinstance(f.type, str) and f.type in _ENUMS:
-                enum_cls = _ENUMS[f.type]
-                try:
-                    object.__setattr__(self, f.name, enum_cls(value.value if isinstance(
-                        value, enum.Enum) else str(value).strip()))
-                except ValueError:
-                    if enum_cls is NixlPlugin:
-                        upper = str(value).strip().upper()
-                        if upper in NixlPlugin.__members__ or upper == "AUTO":
-                            object.__setattr__(self, f.name, NixlPlugin[upper])
-                            continue
-                    raise ConfigError(f"{f.name}: {value!r} is not one of "
-                                      f"{', '.join(m.value for m in enum_cls)}") from None
-        for name in _SIZE_FIELDS:
-            object.__setattr__(self, name, parse_size(getattr(self, name), what=name))
-        if not isinstance(self.pipeline_depth, int) or not 2 <= self.pipeline_depth <= 64:
+            object.__setattr__(self, f.name, _coerce(f, getattr(self, f.name)))
+        if not 2 <= self.pipeline_depth <= 64:
             raise ConfigError(f"pipeline_depth: must be an integer in 2..64, got "
                               f"{self.pipeline_depth!r}")
         for name in ("capacity", "staging_size", "io_threads", "io_chunk_size",
                      "files_per_dir", "admit_after"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if value < 1:
                 raise ConfigError(f"{name}: must be a positive integer, got {value!r}")
         if self.io_chunk_size % 4096:
             raise ConfigError(f"io_chunk_size: must be a multiple of 4096, got {self.io_chunk_size}")
@@ -177,7 +215,7 @@ class TierConfig:
                 known = ", ".join(ENV_PREFIX + n.upper() for n in fields)
                 raise ConfigError(f"unknown environment variable {var}={text!r}; known: {known}")
             try:
-                values[name] = _parse_field(fields[name], text, var)
+                values[name] = _coerce(fields[name], text)
                 if name != "directories":
                     cls(**{name: values[name]})  # validate this one value, naming the var
             except ConfigError as exc:
@@ -199,19 +237,52 @@ def split_dirs(text: str) -> tuple[str, ...]:
     return tuple(p for p in re.split(r"[:,]", text) if p.strip())
 
 
-def _parse_field(f: dataclasses.Field, text: str, var: str):
+def _coerce(f: dataclasses.Field, value):
+    """One field's value, checked and converted to its type (ConfigError naming the field)."""
     if f.name == "directories":
-        return split_dirs(text)
+        return parse_directories(value)
     if f.type == "bool":
-        return _parse_bool(text, var)
+        return parse_bool(value, f.name)
+    if f.name in _SIZE_FIELDS:
+        return parse_size(value, what=f.name)
     if f.type == "int":
-        if f.name in _SIZE_FIELDS:
-            return parse_size(text, what=var)
-        try:
-            return int(text.strip())
-        except ValueError:
-            raise ConfigError(f"expected an integer, got {text!r}") from None
-    return text
+        return parse_int(value, f.name)
+    if f.type in _ENUMS:
+        return _parse_enum(_ENUMS[f.type], value, f.name)
+    if not isinstance(value, str):
+        raise ConfigError(f"{f.name}: expected a string, got {value!r}")
+    return value.strip()
 
 
-FIELD_DOCS = {f.name: ENV_PREFIX + f.name.upper() for f in dataclasses.fields(TierConfig)}
+def _parse_enum(enum_cls: type[enum.Enum], value, what: str):
+    if isinstance(value, enum_cls):
+        return value
+    if isinstance(value, str):
+        text = value.strip()
+        for member in enum_cls:
+            if text.lower() == member.value.lower():  # NIXL plugins are upper case
+                return member
+    raise ConfigError(f"{what}: {value!r} is not one of {', '.join(m.value for m in enum_cls)}")
+
+
+#: what each ``TierConfig`` field (``GDSKV_<FIELD>``) means, for ``gdskv-bench --help-env``
+FIELD_DOCS: dict[str, str] = {
+    "directories": "store directories, ':' or ',' separated (one per drive; slots are striped)",
+    "capacity": "disk capacity of the store (64GiB, 512M...; reserved at creation if preallocate)",
+    "backend": "auto (kvikio on a CUDA device, posix otherwise), posix, kvikio or nixl",
+    "staging_size": "staging buffer on the pool's device (the tier's only GPU memory)",
+    "pipeline_depth": "staging parts shared by concurrent calls, also the async workers (2..64)",
+    "io_threads": "I/O threads (POSIX pool, kvikio thread pool)",
+    "io_chunk_size": "stripe unit and largest I/O, a multiple of 4096",
+    "direct_io": "auto (O_DIRECT where accepted, else buffered and said so), on or off",
+    "eviction": "lru, or none (a put that does not fit fails those pages)",
+    "sync": "data (fdatasync before a page is READY) or none",
+    "files_per_dir": "slab files per directory",
+    "verify": "verify page checksums on read (a mismatch is a miss)",
+    "preallocate": "reserve the slab files' space at creation (false: grow as written)",
+    "read_only": "follower: open a store another process writes, read-only (needs verify)",
+    "admit_after": "store a page only once it has been offered this many times (SSD wear)",
+    "nixl_plugin": "auto (GDS_MT, GDS, then POSIX), GDS, GDS_MT or POSIX",
+    "nixl_posix_queue": "NIXL POSIX plugin queue: aio, uring or posix_aio",
+}
+

@@ -17,7 +17,7 @@ import torch
 from .layout import KVLayout
 from .pool import KVPool
 
-#: gather_pages / scatter_pages: (pool rows, layout, token slots on the pool's device, staging)
+#: gather_pages / scatter_pages: (pool, layout, token slots on the pool's device, staging)
 KernelCopy = Callable[[object, KVLayout, torch.Tensor, torch.Tensor], None]
 
 
@@ -56,6 +56,13 @@ class PoolCopier(PageCopier):
         if not order or self.pool.device.type != "cuda":
             return  # a host pool needs no upload: chunks are selected where they are
         order = list(order)
+        if self.slots.device == self.pool.device and order == list(range(len(self.slots))):
+            # The whole call in call order, indices already where the kernels run (the usual
+            # small restore): use them as they are, no gather and no upload.
+            self._device_slots = self.slots
+            self._order = order
+            self._row = {page: page for page in order}
+            return
         idx = torch.as_tensor(order, dtype=torch.int64)
         if self.slots.device.type == "cpu":
             rows = self.slots.index_select(0, idx).pin_memory()
@@ -79,7 +86,7 @@ class PoolCopier(PageCopier):
         return chunk.to(self.pool.device, non_blocking=True)
 
     def __call__(self, staging: torch.Tensor, page_idx: list[int]) -> None:
-        self.kernel(self.pool.rows, self.layout, self._chunk_slots(page_idx), staging)
+        self.kernel(self.pool, self.layout, self._chunk_slots(page_idx), staging)
 
 
 class RegionCopier(PageCopier):

@@ -20,6 +20,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .config import ConfigError
+from .memory import available_host_memory
+
 
 class PageState(enum.IntEnum):
     FREE = 0
@@ -46,6 +49,22 @@ class Reservation:
 
 class PageDirectory:
     """Thread-safe map of page keys to slots with LRU eviction and pinning."""
+
+    #: host memory per slot when the store is full (arrays, key list, free list, index entry;
+    #: keys themselves not counted): the upper end of what tests/test_directory.py measures
+    BYTES_PER_SLOT = 80
+
+    @classmethod
+    def check_memory(cls, num_slots: int, capacity: int, slot_bytes: int) -> None:
+        """Refuse (ConfigError naming the capacity) a directory of ``num_slots`` that would not
+        fit in the host memory available now."""
+        need = num_slots * cls.BYTES_PER_SLOT
+        free = available_host_memory()
+        if need > free:
+            raise ConfigError(f"capacity {capacity} B is {num_slots} slots of {slot_bytes} B; "
+                              f"their page directory needs about {need} B of host memory "
+                              f"({cls.BYTES_PER_SLOT} B per slot) and {free} B is available: "
+                              "lower capacity (GDSKV_CAPACITY) or use larger pages")
 
     def __init__(self, num_slots: int, *, evict: bool = True, follower: bool = False) -> None:
         if num_slots < 1:
@@ -273,10 +292,6 @@ class PageDirectory:
                     freed.append((key, slot))
                     self._free_locked(slot, was_ready=False)
         return freed
-
-    def evict_lru(self, count: int) -> list[tuple[Hashable, int]]:
-        with self._lock:
-            return self._evict_lru_locked(count, protect=set())
 
     def _evict_lru_locked(self, count: int, protect: set) -> list[tuple[Hashable, int]]:
         candidates = np.flatnonzero((self._state == _READY) & (self._pins == 0))

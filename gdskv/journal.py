@@ -285,6 +285,14 @@ class Journal:
         finally:
             os.close(dfd)
 
+    def removed(self) -> bool:
+        """Whether the journal file was unlinked (deleted or renamed away) while open."""
+        with self._lock:
+            try:
+                return self._fd >= 0 and os.fstat(self._fd).st_nlink == 0
+            except OSError:
+                return True
+
     def close(self) -> None:
         if self._fd >= 0:
             os.close(self._fd)

@@ -8,15 +8,63 @@ Engines hand their pool over in one of these forms (checked against a :class:`KV
   or one stacked tensor ``[num_layers, num_slots, 1, head_dim]`` (or ``[layers, slots, dim]``).
 
 Rows must be contiguous (the token stride may be anything); copies are byte-wise.
+
+This module is the one place that validates a pool and a call's token slots, and the one cache
+of validated pools (:class:`PoolCache`); the kernels take a :class:`KVPool` and read its
+:attr:`KVPool.row_table`.
 """
 
 from __future__ import annotations
 
+import functools
+import math
+import weakref
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
 from .layout import KVLayout
+
+
+class RowTable(NamedTuple):
+    """Where a pool's rows are, as the Triton kernels read it."""
+    #: ``[kv * layers + layer] -> [row base address, token stride in bytes]``, int64, on the
+    #: pool's device
+    table: torch.Tensor
+    #: largest power of two (<= 16) dividing every row address, stride and the row length
+    align: int
+
+
+def check_token_slots(token_slots, page_size: int, *, num_pages: int | None = None,
+                      num_slots: int | None = None,
+                      device: torch.device | None = None) -> torch.Tensor:
+    """Validate a page batch's token slot indices; returns them 1-D and contiguous.
+
+    ``num_pages``: the count must be exactly ``num_pages * page_size`` (else a multiple of
+    ``page_size``); ``num_slots``: every index must be in ``[0, num_slots)`` (this reads the
+    indices, a device sync when they are on a GPU); ``device``: where they must be.
+    """
+    if not isinstance(token_slots, torch.Tensor):
+        token_slots = torch.as_tensor(token_slots)
+    if token_slots.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"token slot indices must be int32 or int64, got {token_slots.dtype}")
+    if device is not None and token_slots.device != device:
+        raise ValueError(f"token slot indices are on {token_slots.device}, the KV pool on "
+                         f"{device}")
+    token_slots = token_slots.reshape(-1).contiguous()
+    n = token_slots.numel()
+    if num_pages is not None and n != num_pages * page_size:
+        raise ValueError(f"got {n} slot indices for {num_pages} pages; expected pages x "
+                         f"page_size = {num_pages * page_size}")
+    if n % page_size:
+        raise ValueError(f"got {n} slot indices, not a multiple of page_size {page_size}")
+    if num_slots is not None and n:
+        lo, hi = int(token_slots.min()), int(token_slots.max())
+        if lo < 0 or hi >= num_slots:
+            raise ValueError(f"slot index out of range: [{lo}, {hi}] not within pool of "
+                             f"{num_slots} slots")
+    return token_slots
 
 
 class KVPool:
@@ -26,12 +74,38 @@ class KVPool:
     """
 
     def __init__(self, layout: KVLayout, pool) -> None:
-        self.layout = layout
         parts = self._split_kv(layout, pool)
-        self.rows: list[list[torch.Tensor]] = [
+        self._set_rows(layout, [
             self._layer_rows(layout, part, "KV pool" if layout.mla else ("K pool", "V pool")[i])
             for i, part in enumerate(parts)
-        ]
+        ])
+
+    @classmethod
+    def from_rows(cls, layout: KVLayout, rows) -> "KVPool":
+        """A pool given directly as ``rows[kv][layer]``: ``[num_slots, row_bytes]`` uint8 views
+        with contiguous rows (kernel tests and benchmarks build these)."""
+        if not isinstance(rows, (list, tuple)) or len(rows) != layout.kv_count:
+            raise ValueError(f"rows must be a list of {layout.kv_count} per-layer lists "
+                             f"(rows[kv][layer]), got {type(rows).__name__} of length "
+                             f"{len(rows) if isinstance(rows, (list, tuple)) else '?'}")
+        for kv, layers in enumerate(rows):
+            if len(layers) != layout.num_layers:
+                raise ValueError(f"rows[{kv}] has {len(layers)} layers, layout expects "
+                                 f"{layout.num_layers}")
+            for layer, r in enumerate(layers):
+                if not isinstance(r, torch.Tensor) or r.dtype != torch.uint8 or r.dim() != 2 \
+                        or r.shape[1] != layout.row_bytes or (r.shape[1] > 1 and r.stride(1) != 1):
+                    raise ValueError(
+                        f"rows[{kv}][{layer}] must be a [num_slots, {layout.row_bytes}] uint8 "
+                        f"view with contiguous rows, got "
+                        f"{getattr(r, 'dtype', type(r))} {tuple(getattr(r, 'shape', ()))}")
+        pool = cls.__new__(cls)
+        pool._set_rows(layout, [list(layers) for layers in rows])
+        return pool
+
+    def _set_rows(self, layout: KVLayout, rows: list[list[torch.Tensor]]) -> None:
+        self.layout = layout
+        self.rows = rows
         first = self.rows[0][0]
         self.device = first.device
         self.num_slots = first.shape[0]
@@ -59,6 +133,9 @@ class KVPool:
             if part.dim() not in (3, 4) or (part.dim() == 3 and not layout.mla):
                 raise ValueError(f"stacked {what} must be [layers, slots, heads, head_dim], "
                                  f"got shape {tuple(part.shape)}")
+            if part.shape[0] > 1 and part.stride(0) == 0:
+                raise ValueError(f"stacked {what}: every layer is the same memory (layer "
+                                 "stride 0, an expanded tensor); pass the real KV pool")
             layers: Sequence[torch.Tensor] = list(part.unbind(0))
         elif isinstance(part, Sequence) and all(isinstance(t, torch.Tensor) for t in part):
             layers = part
@@ -79,28 +156,91 @@ class KVPool:
             if t.stride(2) != 1 or t.stride(1) != layout.head_dim:
                 raise ValueError(f"{what} layer {i}: each token row must be contiguous "
                                  f"(strides {t.stride()})")
+            if t.shape[0] > 1 and abs(t.stride(0)) < layout.kv_heads * layout.head_dim:
+                raise ValueError(f"{what} layer {i}: token rows overlap (token stride "
+                                 f"{t.stride(0)} < row of {layout.kv_heads * layout.head_dim} "
+                                 "elements, an expanded tensor); pass the real KV pool")
             rows = t.flatten(1) if t.is_contiguous() else t.as_strided(
                 (t.shape[0], layout.kv_heads * layout.head_dim), (t.stride(0), 1))
             out.append(rows.view(torch.uint8))
         return out
 
-    def check_token_slots(self, token_slots: torch.Tensor, num_pages: int) -> torch.Tensor:
-        """Validate a page batch's token slot indices; returns them 1-D, on the device they
-        came on. The tier copies them to the GPU on its own stream (:mod:`gdskv.copiers`): a
-        copy on the caller's stream, when that is the legacy default stream, would wait for
-        every blocking stream's work, kvikio's compat-mode copies included."""
-        if not isinstance(token_slots, torch.Tensor):
-            token_slots = torch.as_tensor(token_slots)
-        if token_slots.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"slot indices must be int32 or int64, got {token_slots.dtype}")
-        token_slots = token_slots.reshape(-1)
-        expected = num_pages * self.layout.page_size
-        if token_slots.numel() != expected:
-            raise ValueError(f"got {token_slots.numel()} slot indices for {num_pages} pages; "
-                             f"expected pages x page_size = {expected}")
-        if expected:
-            lo, hi = int(token_slots.min()), int(token_slots.max())
-            if lo < 0 or hi >= self.num_slots:
-                raise ValueError(f"slot index out of range: [{lo}, {hi}] not within pool of "
-                                 f"{self.num_slots} slots")
-        return token_slots
+    def check_token_slots(self, token_slots, num_pages: int) -> torch.Tensor:
+        """Validate a call's token slot indices against this pool; returns them 1-D, on the
+        device they came on. The tier copies them to the GPU on its own stream
+        (:mod:`gdskv.copiers`): a copy on the caller's stream, when that is the legacy default
+        stream, would wait for every blocking stream's work, kvikio's compat-mode copies
+        included."""
+        return check_token_slots(token_slots, self.layout.page_size, num_pages=num_pages,
+                                 num_slots=self.num_slots)
+
+    @functools.cached_property
+    def row_table(self) -> RowTable:
+        """The kernels' table of row addresses and strides, built once per pool: checking and
+        copying it to the device costs far more host time than launching a kernel."""
+        entries, align = [], math.gcd(self.layout.row_bytes, 16)
+        for layers in self.rows:
+            for r in layers:
+                stride = r.stride(0) if r.shape[0] > 1 else self.layout.row_bytes
+                align = math.gcd(align, r.data_ptr(), stride)
+                entries += [r.data_ptr(), stride]
+        table = torch.tensor(entries, dtype=torch.int64).reshape(-1, 2).to(self.device)
+        return RowTable(table, align)
+
+
+def as_pool(layout: KVLayout, rows) -> KVPool:
+    """``rows`` as a :class:`KVPool` of ``layout``: a KVPool as it is, or ``rows[kv][layer]``
+    uint8 views (see :meth:`KVPool.from_rows`)."""
+    if isinstance(rows, KVPool):
+        if rows.layout != layout:
+            raise ValueError(f"the KV pool was validated for layout {rows.layout.fingerprint!r}, "
+                             f"not {layout.fingerprint!r}")
+        return rows
+    return KVPool.from_rows(layout, rows)
+
+
+def _leaf_tensors(pool) -> list:
+    """The tensors an engine passes as its pool, flattened ((k, v), lists, stacked)."""
+    if isinstance(pool, torch.Tensor):
+        return [pool]
+    if isinstance(pool, (list, tuple)):
+        return [t for part in pool for t in _leaf_tensors(part)]
+    return [pool]
+
+
+class PoolCache:
+    """The validated view of the pool an engine passes, reused while it passes the same tensors.
+
+    Rebuilding the view (and its row table) cost more host time per call than the copies of a
+    typical batch. The engine's tensors are held weakly: when the engine drops them, the cached
+    view goes too.
+    """
+
+    def __init__(self, layout: KVLayout) -> None:
+        self.layout = layout
+        self._entry = None   # (key, weak refs to the engine's tensors, KVPool)
+
+    def get(self, kv_pool) -> KVPool:
+        leaves = _leaf_tensors(kv_pool)
+        if not all(isinstance(t, torch.Tensor) for t in leaves):
+            return KVPool(self.layout, kv_pool)  # raises the clear TypeError
+        key = tuple((id(t), t.data_ptr()) for t in leaves)
+        hit = self._entry
+        if hit is not None and hit[0] == key and all(r() is t for r, t in zip(hit[1], leaves)):
+            return hit[2]
+        pool = KVPool(self.layout, kv_pool)
+
+        def forget(_ref, cache_key=key) -> None:
+            if self._entry is not None and self._entry[0] == cache_key:
+                self._entry = None
+
+        self._entry = (key, [weakref.ref(t, forget) for t in leaves], pool)
+        return pool
+
+    @property
+    def cached(self) -> KVPool | None:
+        """The view held now (None when empty)."""
+        return None if self._entry is None else self._entry[2]
+
+    def clear(self) -> None:
+        self._entry = None

@@ -14,20 +14,39 @@ import threading
 
 import torch
 
+from .config import ConfigError
 from .layout import ALIGNMENT
-from .memory import alloc_host
+from .memory import alloc_host, available_host_memory
 
 
 class StagingParts:
-    def __init__(self, part_bytes: int, depth: int, device: torch.device) -> None:
-        if device.type == "cpu":
-            raw = alloc_host(depth * part_bytes)
-            self.parts = [raw[i * part_bytes:(i + 1) * part_bytes] for i in range(depth)]
+    @staticmethod
+    def check_fits(nbytes: int, device: torch.device) -> None:
+        """Refuse (ConfigError naming staging_size) a staging buffer larger than the memory
+        free on ``device`` now."""
+        if device.type == "cuda":
+            free, where = torch.cuda.mem_get_info(device)[0], f"free on {device}"
         else:
-            raw = torch.empty(depth * part_bytes + ALIGNMENT, dtype=torch.uint8, device=device)
-            skew = (-raw.data_ptr()) % ALIGNMENT
-            self.parts = [raw[skew + i * part_bytes:skew + (i + 1) * part_bytes]
-                          for i in range(depth)]
+            free, where = available_host_memory(), "of host memory available"
+        if nbytes > free:
+            raise ConfigError(f"staging_size: a staging buffer of {nbytes} B does not fit "
+                              f"({free} B {where}); lower staging_size (GDSKV_STAGING_SIZE)")
+
+    def __init__(self, part_bytes: int, depth: int, device: torch.device) -> None:
+        try:
+            if device.type == "cpu":
+                raw = alloc_host(depth * part_bytes)
+                self.parts = [raw[i * part_bytes:(i + 1) * part_bytes] for i in range(depth)]
+            else:
+                raw = torch.empty(depth * part_bytes + ALIGNMENT, dtype=torch.uint8,
+                                  device=device)
+                skew = (-raw.data_ptr()) % ALIGNMENT
+                self.parts = [raw[skew + i * part_bytes:skew + (i + 1) * part_bytes]
+                              for i in range(depth)]
+        except (MemoryError, OSError, RuntimeError) as exc:  # RuntimeError: torch's OOM
+            raise ConfigError(f"staging_size: cannot allocate a staging buffer of "
+                              f"{depth * part_bytes} B on {device} ({exc}); lower staging_size "
+                              "(GDSKV_STAGING_SIZE)") from exc
         self._free: queue.SimpleQueue = queue.SimpleQueue()
         self._after: list = [None] * depth   # event the part's next user waits for
         self._lock = threading.Lock()

@@ -26,17 +26,20 @@ deleted and recreated) keeps the store usable but its pages are dropped at recov
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
 import logging
 import mmap
 import os
+import re
 import stat
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from .backends.base import Extent, SlabFile
-from .config import DirectIO, TierConfig
+from .config import ConfigError, DirectIO, TierConfig
+from .directory import PageDirectory
 from .layout import ALIGNMENT, FORMAT_VERSION, KVLayout
 
 log = logging.getLogger("gdskv.store")
@@ -45,6 +48,9 @@ MANIFEST = "gdskv-manifest.json"
 LOCK = "gdskv.lock"
 JOURNAL = "gdskv-journal.log"
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_SLAB_NAME = re.compile(r"slab-\d{3,}\.bin")
+#: free space a new preallocated store leaves beside its slab files (manifest, journal)
+CREATION_HEADROOM = 1 << 20
 
 
 class StoreError(OSError):
@@ -70,8 +76,11 @@ class SlabStore:
         self.slot_bytes = layout.slot_bytes
         self.read_only = bool(config.read_only)
         self.directories = [self._check_dir(d, self.read_only) for d in config.directories]
+        _check_distinct(config.directories, self.directories)
         self._lock_fds: list[int] = []
         self.files: list[SlabFile] = []
+        self.created = False
+        self._created_paths: list[str] = []   # what a creation made: removed if it fails
         #: indices of slab files replaced since the store was last open: their pages are gone
         self.replaced_files: set[int] = set()
         try:
@@ -80,11 +89,15 @@ class SlabStore:
                     self._lock_fds.append(self._lock(d))
             self._plan(config)
             self._open_manifest()
+            if self.created and config.preallocate:
+                self._check_free_space(config.capacity)
             self._open_files(config.direct_io, config.preallocate)
-            self._check_identity()
+            self._check_identity()  # a new store's manifest is written here, after its files
         except BaseException:
             self.close()
+            self._remove_created()
             raise
+        self._created_paths = []
 
     # -- geometry ------------------------------------------------------------------------------
     def _plan(self, config: TierConfig) -> None:
@@ -102,6 +115,29 @@ class SlabStore:
         num_stripes -= num_stripes % self.num_files  # equal files
         self.num_slots = num_stripes * self.stripe_slots
         self.file_bytes = num_stripes // self.num_files * self.stripe_slots * self.slot_bytes
+        # before any file exists: a directory that cannot fit in memory fails the open here
+        PageDirectory.check_memory(self.num_slots, config.capacity, self.slot_bytes)
+
+    def _check_free_space(self, capacity: int) -> None:
+        """A new, preallocated store must fit in each directory's free space (with room for
+        the manifest and journal): refused before anything is written."""
+        by_fs: dict[int, list[str]] = {}  # directories on one file system share its space
+        nfiles: dict[str, int] = {}
+        for i, d in enumerate(self.directories):
+            by_fs.setdefault(os.stat(d).st_dev, []).append(d)
+            nfiles[d] = len(range(i, self.num_files, len(self.directories)))
+        for dirs in by_fs.values():
+            files = sum(nfiles[d] for d in dirs)
+            need = files * self.file_bytes + CREATION_HEADROOM * len(dirs)
+            st = os.statvfs(dirs[0])
+            free = st.f_bavail * st.f_frsize
+            if need > free:
+                raise StoreError(errno.ENOSPC, f"capacity {capacity} B needs {need} B in "
+                                 f"{', '.join(dirs)} ({files} slab files of {self.file_bytes} B "
+                                 f"and {CREATION_HEADROOM} B a directory for the manifest and "
+                                 f"journal), which has {free} B free: lower capacity "
+                                 "(GDSKV_CAPACITY), free space, or set preallocate=false to "
+                                 "grow the files as pages are written")
 
     def location(self, slot: int) -> tuple[int, int]:
         """(file index, byte offset) of a global slot."""
@@ -144,8 +180,7 @@ class SlabStore:
             raise StoreError(errno.ENOENT, f"read-only store in {', '.join(self.directories)} "
                              "has no manifest: the writer has not created the store yet")
         if self.created:
-            for i, path in enumerate(existing):
-                _atomic_write(path, json.dumps(self._manifest(i), indent=1).encode())
+            self._refuse_orphans()
             return
         if len(found) != len(existing):
             raise StoreMismatchError(f"store manifest missing in {sorted(set(existing) - set(found))} "
@@ -157,6 +192,10 @@ class SlabStore:
                     have = json.load(fh)
             except (OSError, ValueError) as exc:
                 raise StoreMismatchError(f"unreadable store manifest {path}: {exc}") from exc
+            if not isinstance(have, dict):
+                raise StoreMismatchError(f"unreadable store manifest {path}: a JSON "
+                                         f"{type(have).__name__}, not an object; restore the "
+                                         "manifest, or remove the store's files to start over")
             self._stored.append(have)
             if have.get("fingerprint") != self.layout.fingerprint:
                 raise StoreMismatchError(
@@ -170,6 +209,44 @@ class SlabStore:
                     f"store in {os.path.dirname(path)} has another geometry (stored, asked): {diff}; "
                     "open it with the same capacity, files_per_dir, io_chunk_size and "
                     "directories, or use a new directory")
+
+    def _refuse_orphans(self) -> None:
+        """No manifest: a new store, unless store files are there. Slab files or a journal
+        without their manifest hold pages of a layout nobody can prove (the manifest was
+        deleted or lost): adopting them would serve another layout's bytes."""
+        orphans = sorted(os.path.join(d, name) for d in self.directories
+                         for name in os.listdir(d)
+                         if name == JOURNAL or _SLAB_NAME.fullmatch(name))
+        if orphans:
+            raise StoreMismatchError(
+                f"store files without a manifest ({MANIFEST}): {', '.join(orphans)}; their "
+                "layout cannot be proven, so they are not adopted. Restore the manifest, or "
+                "remove these files (their pages are lost) to create a new store here")
+
+    def _remove_created(self) -> None:
+        """Undo a failed creation: remove the files this attempt made (the space they took
+        included), so a retry starts from an empty directory."""
+        for path in reversed(self._created_paths):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                log.warning("could not remove %s after a failed store creation: %s", path, exc)
+        self._created_paths = []
+
+    def removed_files(self) -> list[str]:
+        """Slab files unlinked (deleted or renamed away) while open: their pages live only
+        until this process closes them, so new writes to them would be lost."""
+        out = []
+        for f in self.files:
+            try:
+                gone = os.fstat(f.fd).st_nlink == 0
+            except OSError:
+                gone = True
+            if gone:
+                out.append(f.path)
+        return out
 
     # -- files ---------------------------------------------------------------------------------
     @staticmethod
@@ -196,9 +273,11 @@ class SlabStore:
             raise StoreError(f"store directory {path!r} is not writable")
         return real
 
-    @staticmethod
-    def _lock(directory: str) -> int:
-        fd = _open_store_file(os.path.join(directory, LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC)
+    def _lock(self, directory: str) -> int:
+        path = os.path.join(directory, LOCK)
+        if not os.path.lexists(path):  # ours to remove if this open fails
+            self._created_paths.append(path)
+        fd = _open_store_file(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
@@ -234,7 +313,10 @@ class SlabStore:
                                  "exist (the writer has not created the store yet)") from None
         else:
             flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | _NOFOLLOW
-            fd = _open_store_file(path, flags)
+            # a new store's files are this attempt's own (O_EXCL): removed if creation fails
+            fd = _open_store_file(path, flags | (os.O_EXCL if self.created else 0))
+            if self.created:
+                self._created_paths.append(path)
         try:
             st = os.fstat(fd)
             if st.st_size < self.file_bytes and self.read_only:
@@ -274,10 +356,11 @@ class SlabStore:
             raise StoreError(f"direct_io=on but O_DIRECT is not usable on {path}: {reason}")
         return fd, False, reason
 
-    def sync(self) -> None:
-        """Make written slab data durable (fdatasync every file)."""
-        for f in self.files:
-            os.fdatasync(f.fd)
+    def sync(self, files: Iterable[int] | None = None) -> None:
+        """Make written slab data durable: fdatasync the files with these indices (all of
+        them by default). Raises OSError (e.g. EIO after a failed writeback)."""
+        for i in range(len(self.files)) if files is None else sorted(files):
+            os.fdatasync(self.files[i].fd)
 
     def close(self) -> None:
         for f in self.files:
@@ -309,9 +392,24 @@ class SlabStore:
             log.warning("store manifest has no slab file identities: recovered pages dropped")
         if had != inodes and not self.read_only:
             for i, d in enumerate(self.directories):
-                _atomic_write(os.path.join(d, MANIFEST),
-                              json.dumps(dict(self._manifest(i), slab_inodes=inodes),
-                                         indent=1).encode())
+                path = os.path.join(d, MANIFEST)
+                if self.created:
+                    self._created_paths.append(path)
+                _atomic_write(path, json.dumps(dict(self._manifest(i), slab_inodes=inodes),
+                                               indent=1).encode())
+
+
+def _check_distinct(given: Sequence[str], resolved: Sequence[str]) -> None:
+    """Each directory once: the same one listed twice (also through a symlink or a bind mount)
+    would lock against itself and stripe a file over itself."""
+    seen: dict[tuple[int, int], str] = {}
+    for name, real in zip(given, resolved):
+        st = os.stat(real)
+        other = seen.get((st.st_dev, st.st_ino))
+        if other is not None:
+            raise ConfigError(f"directories: {other!r} and {name!r} are the same directory "
+                              f"({real}); list each store directory once")
+        seen[(st.st_dev, st.st_ino)] = name
 
 
 def _open_store_file(path: str, flags: int) -> int:
@@ -353,16 +451,26 @@ def _fsync_dir(path: str) -> None:
 
 
 def _atomic_write(path: str, data: bytes) -> None:
+    """Replace ``path`` with ``data`` (temp file, fsync, rename): a crash or a failure leaves
+    the old file. A failure (e.g. ENOSPC) removes the temp file and raises StoreError."""
     tmp = path + ".tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | _NOFOLLOW, 0o600)
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | _NOFOLLOW,
+                     0o600)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise StoreError(exc.errno, f"cannot write the store manifest {path}: {exc.strerror}; "
+                         f"the previous manifest (if any) is unchanged. Free space in "
+                         f"{os.path.dirname(path)} and open the store again") from exc
     _fsync_dir(os.path.dirname(path))
 
 

@@ -23,17 +23,17 @@ with the writer's journal (at most every ``FOLLOW_INTERVAL`` s: one ``stat`` and
 new bytes; the whole journal again after the writer compacted it). A slot the writer reuses
 while a follower still maps it to the old page fails its checksum on read and is a miss, which
 is why followers must verify.
+
+Beside the data path: the directory and its journal (recovery, compaction, follower catch-up)
+are :mod:`.persistence`; the call gate :mod:`.call_gate`; the admission filter
+:mod:`.admission`; the validated-pool cache :mod:`.pool`; the staging parts :mod:`.staging`.
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
 import logging
-import os
-import threading
 import time
-import weakref
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -42,15 +42,18 @@ import torch
 
 from . import checksum
 from . import kernels as kd
-from .backends import create_backend
+from .admission import AdmissionFilter
+from .backends import backend_class, create_backend
 from .backends.base import Extent, IOOutcome
-from .config import ConfigError, Eviction, SyncPolicy, TierConfig
+from .call_gate import CallGate
+from .config import ConfigError, SyncPolicy, TierConfig
 from .copiers import PageCopier, PoolCopier, RegionCopier
 from .directory import PageDirectory, PageState
-from .journal import Journal, JournalFollower, Record, RecordKind, check_key, live_records
+from .journal import Journal, JournalFollower, check_key
 from .layout import KVLayout
-from .memory import cuda_available
-from .pool import KVPool
+from .memory import check_device, cuda_available
+from .persistence import PersistentDirectory
+from .pool import KVPool, PoolCache
 from .staging import StagingParts
 from .stats import TierStats
 from .store import SlabStore
@@ -58,66 +61,8 @@ from .store import SlabStore
 log = logging.getLogger("gdskv.tier")
 
 
-def _leaf_tensors(pool) -> list:
-    """The tensors an engine passes as its pool, flattened ((k, v), lists, stacked)."""
-    if isinstance(pool, torch.Tensor):
-        return [pool]
-    if isinstance(pool, (list, tuple)):
-        return [t for part in pool for t in _leaf_tensors(part)]
-    return [pool]
-
-
-class _CallGate:
-    """Data calls enter shared; follower catch-up, clear and close enter alone (exclusive).
-
-    A waiting exclusive entry holds back new shared ones, so it is not starved by a stream of
-    overlapping calls."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._active = 0
-        self._alone = False
-        self._waiting = 0
-
-    @contextlib.contextmanager
-    def shared(self):
-        with self._cond:
-            while self._alone or self._waiting:
-                self._cond.wait()
-            self._active += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._active -= 1
-                if not self._active:
-                    self._cond.notify_all()
-
-    def enter_alone(self, blocking: bool = True) -> bool:
-        with self._cond:
-            if not blocking and (self._active or self._alone):
-                return False
-            self._waiting += 1
-            try:
-                while self._active or self._alone:
-                    self._cond.wait()
-            finally:
-                self._waiting -= 1
-            self._alone = True
-            return True
-
-    def leave_alone(self) -> None:
-        with self._cond:
-            self._alone = False
-            self._cond.notify_all()
-
-    @contextlib.contextmanager
-    def alone(self):
-        self.enter_alone()
-        try:
-            yield
-        finally:
-            self.leave_alone()
+class TierClosedError(RuntimeError):
+    """A call on a tier after :meth:`Tier.close`."""
 
 
 class Tier:
@@ -142,7 +87,7 @@ class Tier:
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if cuda_available() \
                 else torch.device("cpu")
-        self.device = torch.device(device)
+        self.device = check_device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         depth = self.config.pipeline_depth
@@ -155,51 +100,60 @@ class Tier:
         self._stats = TierStats()
         self._logged: set[str] = set()
         self.read_only = bool(self.config.read_only)
+        #: why puts are refused now ("" while they are not): a store file removed under us
+        self._lost = ""
+        part_bytes = self._chunk_pages * layout.slot_bytes
+        # refused before the store is touched: a bad option changes nothing on disk
+        StagingParts.check_fits(part_bytes * depth, self.device)
+        backend_class(self.config, self.device)
+        self._persist: PersistentDirectory | None = None
+        self.backend = None
+        self._worker: ThreadPoolExecutor | None = None
         self.store = SlabStore(layout, self.config)
-        try:
-            self.directory = PageDirectory(self.store.num_slots,
-                                           evict=self.config.eviction == Eviction.LRU,
-                                           follower=self.read_only)
+        try:  # whatever fails from here releases all it acquired: lock, files, threads
             self._checksums = checksum.default_for(self.device, layout)
             # pages are verified with the algorithm that made their checksum (see checksum.py)
             self._verifiers = {self._checksums.algorithm: self._checksums}
-            if self.read_only:
-                self.journal = JournalFollower(self.store.journal_path)
-                # seq of the COMMIT that put each slot's page there: the newest one wins
-                self._slot_seq = np.zeros(self.store.num_slots, dtype=np.uint64)
-                self._followed_at = time.monotonic()
-            else:
-                self.journal = Journal(self.store.journal_path,
-                                       sync=self.config.sync == SyncPolicy.DATA)
-            self._recover()
+            self._persist = PersistentDirectory(self.store, self.config, self._stats,
+                                                self._log_once)
+            self._followed_at = time.monotonic()
             self.backend = create_backend(self.config, self.device)
             self.backend.attach(self.store.files)
+            self._staging = StagingParts(part_bytes, depth, self.device)
+            # Gather/scatter run on the tier's own stream so the engine's stream is never
+            # blocked behind our I/O; the tier stream waits only for the engine work issued
+            # before a call.
+            self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+            if self._stream is not None:
+                self._warm_up_kernels()
+                self._warm_up_backend()
+            self._gate = CallGate()
+            self._worker = ThreadPoolExecutor(depth, thread_name_prefix="gdskv-tier")
+            self._admission = AdmissionFilter(self.config.admit_after, self._stored,
+                                              max_tracked=4 * self.store.num_slots)
+            self._pools = PoolCache(layout)
         except BaseException:
-            if getattr(self, "journal", None) is not None:
-                self.journal.close()
-            self.store.close()
+            self._release()
             raise
-        self._staging = StagingParts(self._chunk_pages * layout.slot_bytes, depth, self.device)
-        # Gather/scatter run on the tier's own stream so the engine's stream is never blocked
-        # behind our I/O; the tier stream waits only for the engine work issued before a call.
-        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        if self._stream is not None:
-            self._warm_up_kernels()
-            self._warm_up_backend()
-        self._gate = _CallGate()
-        self._worker = ThreadPoolExecutor(depth, thread_name_prefix="gdskv-tier")
-        self._offers: collections.OrderedDict = collections.OrderedDict()
-        self._offers_lock = threading.Lock()
-        self._pool_cache = None
         self._closed = False
+        o_direct, o_direct_reason = self._direct_io()
         log.info("gdskv tier%s: %d slots of %d B in %s; backend %s; O_DIRECT %s (%s)",
                  " (read-only follower)" if self.read_only else "", self.store.num_slots,
                  layout.slot_bytes, ", ".join(self.store.directories),
-                 self.backend.name, "on" if self.store.direct else "off", self.store.direct_reason)
+                 self.backend.name, "on" if o_direct else "off", o_direct_reason)
 
     @classmethod
     def from_env(cls, layout: KVLayout, *, device=None, **overrides) -> "Tier":
         return cls(layout, TierConfig.from_env(**overrides), device=device)
+
+    @property
+    def directory(self) -> PageDirectory:
+        """Where each page is (a follower's is replaced when the writer compacts)."""
+        return self._persist.directory
+
+    @property
+    def journal(self) -> Journal | JournalFollower:
+        return self._persist.journal
 
     # -- public API -----------------------------------------------------------------------------
     def put(self, keys: Sequence[Hashable], kv_pool, token_slots) -> list[bool]:
@@ -207,18 +161,21 @@ class Tier:
 
         Returns per-page success. A key already stored (or being stored) is a no-op success.
         """
-        if self.read_only:
+        self._check_open()
+        if self.read_only or self._lost:
             return self._refuse_put(keys)
         keys, fill = self._pool_copier(keys, kv_pool, token_slots, kd.gather_pages)
         return self._run(self._put, keys, fill, self._engine_event())
 
     def get(self, keys: Sequence[Hashable], kv_pool, token_slots) -> list[bool]:
         """Restore pages into ``kv_pool`` at ``token_slots``; per-page hit (True) or miss."""
+        self._check_open()
         keys, drain = self._pool_copier(keys, kv_pool, token_slots, kd.scatter_pages)
         return self._run(self._get, keys, drain, self._engine_event())
 
     def put_async(self, keys, kv_pool, token_slots) -> Future:
-        if self.read_only:
+        self._check_open()
+        if self.read_only or self._lost:
             fut: Future = Future()
             fut.set_result(self._refuse_put(keys))
             return fut
@@ -226,6 +183,7 @@ class Tier:
         return self._worker.submit(self._run, self._put, keys, fill, self._engine_event())
 
     def get_async(self, keys, kv_pool, token_slots) -> Future:
+        self._check_open()
         keys, drain = self._pool_copier(keys, kv_pool, token_slots, kd.scatter_pages)
         return self._worker.submit(self._run, self._get, keys, drain, self._engine_event())
 
@@ -233,7 +191,8 @@ class Tier:
                   ) -> list[bool]:
         """Store pages given as page-format byte regions: ``pages[i]`` is a list of 1-D uint8
         tensors whose concatenation is page i's payload (``layout.page_bytes``)."""
-        if self.read_only:
+        self._check_open()
+        if self.read_only or self._lost:
             return self._refuse_put(keys)
         keys, fill = self._region_copier(keys, pages, to_staging=True)
         return self._run(self._put, keys, fill, self._engine_event())
@@ -241,16 +200,19 @@ class Tier:
     def get_pages(self, keys: Sequence[Hashable], pages: Sequence[Sequence[torch.Tensor]]
                   ) -> list[bool]:
         """Restore pages into page-format byte regions (see :meth:`put_pages`)."""
+        self._check_open()
         keys, drain = self._region_copier(keys, pages, to_staging=False)
         return self._run(self._get, keys, drain, self._engine_event())
 
     def contains(self, key: Hashable) -> bool:
+        self._check_open()
         if self.read_only:
             self._follow_if_idle()
         return self.directory.contains(key)
 
     def match_prefix(self, keys: Sequence[Hashable]) -> int:
         """How many leading keys are stored and readable."""
+        self._check_open()
         if self.read_only:
             self._follow_if_idle()
         return self.directory.match_prefix(keys)
@@ -258,57 +220,84 @@ class Tier:
     def refresh(self) -> int:
         """Read-only follower: catch up with the writer's journal now (reads do this by
         themselves, at most every ``FOLLOW_INTERVAL`` s); returns the records applied."""
+        self._check_open()
         if not self.read_only:
             return 0
-        if self._closed:
-            raise RuntimeError("tier is closed")
         with self._gate.alone():
-            return self._follow(force=True)
+            return self._follow()
 
     def evict(self, keys: Sequence[Hashable]) -> int:
         """Drop pages now (pinned ones as soon as their reads finish); returns how many."""
+        self._check_open()
         keys = self._check_keys(keys)
         gone = sum(self.directory.state(k) == PageState.READY for k in keys)  # not len() deltas:
-        self._journal_evictions(self.directory.remove(keys))  # other threads put meanwhile
+        self._persist.journal_evictions(self.directory.remove(keys))  # others put meanwhile
         self._stats.add(evictions=gone)
         return gone
 
     def clear(self) -> None:
         """Drop every page."""
+        self._check_open()
         with self._gate.alone():
+            self._check_open()  # closed while this waited
             keys = [k for k, _, _ in self.directory.ready_items()]
-            self._journal_evictions(self.directory.remove(keys))
+            self._persist.journal_evictions(self.directory.remove(keys))
 
     def stats(self) -> dict:
+        """Counters and what runs. Still readable after :meth:`close` (the final counters)."""
         s = self._stats.snapshot()
+        o_direct, o_direct_reason = self._direct_io()
         s.update(pages_stored=len(self.directory), bytes_stored=len(self.directory) *
                  self.layout.page_bytes, capacity_pages=self.store.num_slots,
                  slot_bytes=self.layout.slot_bytes, page_bytes=self.layout.page_bytes,
                  backend=self.backend.name, gpu_direct=self.backend.gpu_direct,
                  backend_detail=self.backend.describe(),
-                 backend_selected_because=getattr(self.backend, "selected_because", ""),
-                 o_direct=self.store.direct, o_direct_reason=self.store.direct_reason,
+                 backend_selected_because=self.backend.selected_because,
+                 o_direct=o_direct, o_direct_reason=o_direct_reason,
                  device=str(self.device), fingerprint=self.layout.fingerprint,
-                 read_only=self.read_only)
+                 read_only=self.read_only, state=self._state())
         return s
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        self._pool_cache = None
+        self._pools.clear()
         self._worker.shutdown(wait=True)
         with self._gate.alone():  # calls other threads still run end first
             try:
                 self.backend.close()
-                try:
-                    if not self.read_only:  # the journal is the writer's
-                        self._maybe_compact()
-                except OSError as exc:  # e.g. ENOSPC: the long journal is still valid
-                    log.warning("gdskv: journal compaction at close failed: %s", exc)
+                if not self._lost:  # never rewrite a journal that is no longer the store's
+                    self._persist.compact()
             finally:
-                self.journal.close()
+                self._persist.close()
                 self.store.close()
+
+    def _release(self) -> None:
+        """Undo a constructor that failed part way: threads, backend, journal, files, lock."""
+        for step in (lambda: self._worker and self._worker.shutdown(wait=True),
+                     lambda: self.backend and self.backend.close(),
+                     lambda: self._persist and self._persist.close(), self.store.close):
+            try:
+                step()
+            except Exception as exc:  # noqa: BLE001 - the first error is what the caller sees
+                log.debug("releasing a failed tier: %s", exc)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TierClosedError("tier is closed: open a new Tier to use the store again")
+
+    def _state(self) -> str:
+        if self._closed:
+            return "closed"
+        if self._lost:
+            return f"puts refused: {self._lost}"
+        return "read-only follower" if self.read_only else "ok"
+
+    def _direct_io(self) -> tuple[bool, str]:
+        """O_DIRECT as the I/O really runs: the backend's answer where it opens the files
+        itself (kvikio), else the store's."""
+        return self.backend.direct_io() or (self.store.direct, self.store.direct_reason)
 
     def __enter__(self) -> "Tier":
         return self
@@ -333,32 +322,11 @@ class Tier:
 
     def _pool_copier(self, keys, kv_pool, token_slots, copy_fn) -> tuple[list, PageCopier]:
         keys = self._check_keys(keys)
-        pool = self._kv_pool(kv_pool)
+        pool = self._pools.get(kv_pool)
         if pool.device != self.device:
             raise ValueError(f"KV pool is on {pool.device} but this tier stages on {self.device}")
         slots = pool.check_token_slots(token_slots, len(keys)).view(len(keys), self.layout.page_size)
         return keys, PoolCopier(pool, self.layout, slots, copy_fn)
-
-    def _kv_pool(self, kv_pool) -> KVPool:
-        """The validated view of the engine's pool, reused while the engine passes the same
-        tensors: rebuilding it (and the kernels' pointer table) cost more host time per call
-        than the copies of a typical batch. Held through weak references to the engine's
-        tensors: when the engine drops them, the cached views go too."""
-        leaves = _leaf_tensors(kv_pool)
-        if not all(isinstance(t, torch.Tensor) for t in leaves):
-            return KVPool(self.layout, kv_pool)  # raises the clear TypeError
-        key = tuple((id(t), t.data_ptr()) for t in leaves)
-        hit = self._pool_cache
-        if hit is not None and hit[0] == key and all(r() is t for r, t in zip(hit[1], leaves)):
-            return hit[2]
-        pool = KVPool(self.layout, kv_pool)
-
-        def forget(_ref, cache_key=key) -> None:
-            if self._pool_cache is not None and self._pool_cache[0] == cache_key:
-                self._pool_cache = None
-
-        self._pool_cache = (key, [weakref.ref(t, forget) for t in leaves], pool)
-        return pool
 
     def _region_copier(self, keys, pages, *, to_staging: bool) -> tuple[list, PageCopier]:
         keys = self._check_keys(keys)
@@ -369,6 +337,13 @@ class Tier:
             for r in regions:
                 if not isinstance(r, torch.Tensor) or r.dtype != torch.uint8 or r.dim() != 1:
                     raise TypeError(f"page {i}: regions must be 1-D uint8 tensors")
+                if r.device.type not in ("cpu", self.device.type) or \
+                        (r.device.type == "cuda" and r.device != self.device):
+                    raise ValueError(f"page {i}: a region is on {r.device}; regions must be in "
+                                     f"host memory or on the tier's device ({self.device})")
+                if not r.is_contiguous():
+                    raise ValueError(f"page {i}: regions must be contiguous byte ranges (got "
+                                     f"stride {r.stride(0)}: an expanded or strided view)")
                 total += r.numel()
             if total != self.layout.page_bytes:
                 raise ValueError(f"page {i}: regions hold {total} B, a page is "
@@ -384,7 +359,7 @@ class Tier:
         shape = (lay.num_layers, pages * lay.page_size, lay.kv_heads, lay.head_dim)
         parts = [torch.zeros(shape, dtype=lay.torch_dtype, device=self.device)
                  for _ in range(lay.kv_count)]
-        rows = KVPool(lay, parts[0] if lay.mla else tuple(parts)).rows
+        pool = KVPool(lay, parts[0] if lay.mla else tuple(parts))
         # The first CUDA event of a call path costs ~13 ms on an H100 (measured by
         # bench/call_profile.py): make it here, with the cross-stream wait every call does.
         self._stream.wait_event(self._engine_event())
@@ -392,9 +367,9 @@ class Tier:
             for dtype in (torch.int64, torch.int32):  # engines use either for slot indices
                 slots = torch.arange(pages * lay.page_size, dtype=dtype).to(self.device,
                                                                               non_blocking=True)
-                kd.gather_pages(rows, lay, slots, self._staging[0])
+                kd.gather_pages(pool, lay, slots, self._staging[0])
                 self._checksums.compute(self._staging[0], pages)
-                kd.scatter_pages(rows, lay, slots, self._staging[0])
+                kd.scatter_pages(pool, lay, slots, self._staging[0])
             self._scatter_event()
             self._copies_done()
         self._stream.synchronize()
@@ -418,14 +393,13 @@ class Tier:
         return ev
 
     def _run(self, fn, keys, copier, engine_event=None) -> list[bool]:
-        if self._closed:
-            raise RuntimeError("tier is closed")
+        self._check_open()
         if self.read_only and self._follow_due():
             with self._gate.alone():
-                self._follow()
+                if self._follow_due():  # another call may have caught up meanwhile
+                    self._follow()
         with self._gate.shared():
-            if self._closed:
-                raise RuntimeError("tier is closed")
+            self._check_open()
             if self._stream is None:
                 return fn(keys, copier)
             with torch.cuda.stream(self._stream):
@@ -461,9 +435,10 @@ class Tier:
 
     def _put(self, keys: list, fill: PageCopier) -> list[bool]:
         results = [False] * len(keys)
-        admitted = self._admit(keys)
+        admitted = self._admission.admit(keys)
+        self._stats.add(not_admitted=len(keys) - len(admitted))
         res = self.directory.reserve([keys[i] for i in admitted])
-        self._journal_evictions(res.evicted)
+        self._persist.journal_evictions(res.evicted)
         self._stats.add(evictions=len(res.evicted))
         todo: list[tuple[int, int]] = []
         for i, slot, present in zip(admitted, res.slots, res.present):
@@ -518,15 +493,16 @@ class Tier:
         outcome: IOOutcome = fut.result()
         failed = self._failed_positions(outcome, extents, "write")
         ok = [pos for pos in range(len(chunk)) if pos not in failed]
+        if ok and self._lost_files():
+            failed.update(ok)
+            ok = []
         if ok:
             try:
                 if self.config.sync == SyncPolicy.DATA:
-                    for fidx in {e.file for e in extents}:
-                        os.fdatasync(self.store.files[fidx].fd)
-                self.journal.append(
-                    Record(RecordKind.COMMIT, self.journal.next_seq(), chunk[pos][1],
-                           int(sums[pos]), self._checksums.algorithm, keys[chunk[pos][0]])
-                    for pos in ok)
+                    self.store.sync({e.file for e in extents})
+                self._persist.journal_commits(
+                    (keys[chunk[pos][0]], chunk[pos][1], int(sums[pos]),
+                     self._checksums.algorithm) for pos in ok)
             except OSError as exc:
                 self._log_once(f"commit:{exc.errno}", "commit of %d pages failed: %s", len(ok), exc)
                 failed.update(ok)
@@ -571,9 +547,9 @@ class Tier:
                 item[3].exception()
                 self._staging.give_back(item[1])
             freed = self.directory.unpin([s for _, s, _ in todo])
-            self._journal_evictions(freed)
+            self._persist.journal_evictions(freed)
             if corrupt:
-                self._journal_evictions(self.directory.remove(corrupt))
+                self._persist.journal_evictions(self.directory.remove(corrupt))
         hits = sum(results)
         self._stats.add(get_pages=len(keys), hits=hits, misses=len(keys) - hits,
                         corrupt_pages=len(corrupt))
@@ -629,59 +605,19 @@ class Tier:
         return sums
 
     def _failed_positions(self, outcome: IOOutcome, extents: list[Extent], op: str) -> set[int]:
+        """Positions (in the chunk) of the pages an I/O did not move whole. A page before the
+        point where a short read or write stopped moved whole: it is not failed (and a read
+        one is still verified)."""
         failed: set[int] = set()
         sb = self.layout.slot_bytes
         for idx, exc in outcome.errors.items():
             e = extents[idx]
-            failed.update(range(e.buffer_offset // sb, (e.buffer_offset + e.length) // sb))
+            ranges = outcome.failed.get(idx) or [(e.buffer_offset, e.buffer_offset + e.length)]
+            pages = {p for start, end in ranges for p in range(start // sb, -(-end // sb))}
+            failed |= pages
             self._log_once(f"{op}:{type(exc).__name__}", "%s of %d pages failed: %s", op,
-                           e.length // sb, exc)
+                           len(pages), exc)
         return failed
-
-    # -- directory persistence ------------------------------------------------------------------
-    def _recover(self) -> None:
-        t0 = time.perf_counter()
-        if self.read_only:  # never cut, rewrite or compact the writer's journal
-            _, records = self.journal.poll()
-            live, nrec = live_records(records), len(records)
-        else:
-            live, nrec = self.journal.replay()
-        recovered = self._newest_per_slot(live, self.store.replaced_files)
-        self.directory.load([r.key for r in recovered], [r.slot for r in recovered],
-                            [r.checksum for r in recovered], [r.algorithm for r in recovered])
-        if self.read_only:
-            self._slot_seq[[r.slot for r in recovered]] = [r.seq for r in recovered]
-        self._live_at_open = len(recovered)
-        if not self.read_only and nrec > 2 * len(recovered) + 1024:
-            try:
-                self.journal.rewrite(recovered)
-            except OSError as exc:  # e.g. ENOSPC: the long journal is still valid
-                log.warning("gdskv: journal compaction at open failed: %s", exc)
-        self._stats.add(recovered_pages=len(recovered),
-                        recovery_seconds=time.perf_counter() - t0)
-        if recovered:
-            log.info("gdskv: recovered %d pages from %s in %.3f s", len(recovered),
-                     self.journal.path, time.perf_counter() - t0)
-
-    def _newest_per_slot(self, live: dict, replaced: set[int]) -> list[Record]:
-        """The journal's live COMMITs this store can serve, the newest one per slot, oldest
-        first (LRU order)."""
-        by_slot: dict[int, Record] = {}
-        unknown = 0
-        for rec in live.values():
-            if rec.slot >= self.store.num_slots or \
-                    (replaced and self.store.location(rec.slot)[0] in replaced):
-                continue
-            if not checksum.known(rec.algorithm):  # cannot be verified: a miss, not a risk
-                unknown += 1
-                continue
-            cur = by_slot.get(rec.slot)
-            if cur is None or rec.seq > cur.seq:  # a lost EVICT: the newer commit owns the slot
-                by_slot[rec.slot] = rec
-        if unknown:
-            self._log_once("unknown-algo", "gdskv: dropped %d pages checksummed with an "
-                           "algorithm this process cannot verify", unknown)
-        return sorted(by_slot.values(), key=lambda r: r.seq)  # LRU order: oldest first
 
     # -- read-only follower ---------------------------------------------------------------------
     def _follow_if_idle(self) -> None:
@@ -690,95 +626,45 @@ class Tier:
         if self._closed or not self._follow_due() or not self._gate.enter_alone(blocking=False):
             return
         try:
-            self._follow()
+            if self._follow_due():  # a data call may have caught up meanwhile
+                self._follow()
         finally:
             self._gate.leave_alone()
 
     def _follow_due(self) -> bool:
         return time.monotonic() - self._followed_at >= self.FOLLOW_INTERVAL
 
-    def _follow(self, force: bool = False) -> int:
-        """Apply the writer's journal records appended since the last catch-up (alone: no data
-        call is in flight, so no page is pinned). Returns how many records were applied."""
-        now = time.monotonic()
-        if not force and now - self._followed_at < self.FOLLOW_INTERVAL:
-            return 0
-        self._followed_at = now
-        try:
-            reset, records = self.journal.poll()
-        except OSError as exc:  # the pages we know stay readable (and verified)
-            self._log_once("follow", "read-only tier: cannot read the writer's journal %s: %s",
-                           self.journal.path, exc)
-            return 0
-        if reset:  # the writer compacted (or restarted and cut) its journal: start over
-            recovered = self._newest_per_slot(live_records(records), set())
-            directory = PageDirectory(self.store.num_slots, evict=False, follower=True)
-            directory.load([r.key for r in recovered], [r.slot for r in recovered],
-                           [r.checksum for r in recovered], [r.algorithm for r in recovered])
-            self._slot_seq[:] = 0
-            self._slot_seq[[r.slot for r in recovered]] = [r.seq for r in recovered]
-            self.directory = directory
-            self._stats.add(follower_resets=1, follower_records=len(records))
-            return len(records)
-        commit, num_slots, seqs = RecordKind.COMMIT, self.store.num_slots, self._slot_seq
-        applied = 0
-        for rec in records:
-            if rec.kind is commit:
-                if rec.slot >= num_slots or rec.seq < int(seqs[rec.slot]) or \
-                        not checksum.known(rec.algorithm):
-                    continue
-                if self.directory.place(rec.key, rec.slot, rec.checksum, rec.algorithm):
-                    seqs[rec.slot] = rec.seq
-                    applied += 1
-            elif self.directory.drop(rec.key, rec.slot):
-                applied += 1
-        if records:
-            self._stats.add(follower_records=len(records))
-        return applied
+    def _follow(self) -> int:
+        """Catch up with the writer's journal now (alone: no data call in flight)."""
+        self._followed_at = time.monotonic()
+        return self._persist.catch_up()
 
     def _refuse_put(self, keys) -> list[bool]:
         keys = self._check_keys(keys)
-        self._log_once("read-only", "read-only tier: puts store nothing (the writer's process "
-                       "owns the store)")
+        if self._lost:
+            self._stats.add(put_pages=len(keys), put_refused=len(keys))
+        else:
+            self._log_once("read-only", "read-only tier: puts store nothing (the writer's "
+                           "process owns the store)")
         return [False] * len(keys)
 
-    def _journal_evictions(self, evicted: list[tuple[Hashable, int]]) -> None:
-        if not evicted or self.read_only:  # a follower only forgets pages locally
-            return
-        try:
-            self.journal.append(Record(RecordKind.EVICT, self.journal.next_seq(), slot, 0, 0, key)
-                                for key, slot in evicted)
-        except OSError as exc:
-            # The slot may be rewritten later; its old COMMIT then fails its checksum on replay.
-            self._log_once("evict-journal", "journaling %d evictions failed: %s", len(evicted), exc)
+    def _lost_files(self) -> bool:
+        """Whether a store file was removed (unlinked) under this writer. Checked before every
+        commit (a few fstat calls): a page written to a removed file would be acknowledged and
+        then be gone at the next start, so from then on no put is acknowledged."""
+        if not self._lost:
+            gone = self.store.removed_files() + self._persist.removed_files()
+            if not gone:
+                return False
+            self._lost = (f"store files removed while open: {', '.join(gone)}; pages written "
+                          "from now on could not be found again. Close the tier and open the "
+                          "store again (its surviving files) or a new store")
+            self._stats.add(store_files_removed=len(gone))
+            log.error("gdskv: %s", self._lost)
+        return True
 
-    def _maybe_compact(self) -> None:
-        live = len(self.directory)
-        if self.journal.records_written > 2 * live + 1024:
-            items = self.directory.ready_entries()
-            self.journal.rewrite([Record(RecordKind.COMMIT, n + 1, slot, csum, algo, key)
-                                  for n, (key, slot, csum, algo) in enumerate(items)])
-
-    def _admit(self, keys: list) -> list[int]:
-        """Indices of keys the admission filter lets in (all of them when admit_after == 1)."""
-        need = self.config.admit_after
-        if need <= 1:
-            return list(range(len(keys)))
-        out = []
-        with self._offers_lock:  # puts from several threads
-            for i, key in enumerate(keys):
-                if self.directory.contains(key):
-                    out.append(i)
-                    continue
-                count = self._offers.pop(key, 0) + 1
-                if count >= need:
-                    out.append(i)
-                else:
-                    self._offers[key] = count
-                    if len(self._offers) > 4 * self.store.num_slots:
-                        self._offers.popitem(last=False)
-        self._stats.add(not_admitted=len(keys) - len(out))
-        return out
+    def _stored(self, key: Hashable) -> bool:
+        return self.directory.contains(key)
 
     def _log_once(self, tag: str, msg: str, *args) -> None:
         if tag not in self._logged:

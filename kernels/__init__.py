@@ -1,9 +1,14 @@
-"""Gather/scatter kernels between an engine's layer-first KV pool and page-first pages.
+"""Gather/scatter and page-checksum kernels: this module is the one dispatcher between Triton and
+the torch reference.
 
-``gather_pages`` / ``scatter_pages`` (and the one-layer variants) pick the implementation: the
-Triton kernels when the tensors are on CUDA, or on CPU under ``TRITON_INTERPRET=1`` (Triton's
-interpreter, for tests); the pure-torch reference otherwise, including where Triton is not
-installed. ``page_checksums`` dispatches the same way (see :mod:`.checksum`).
+``gather_pages`` / ``scatter_pages`` (and the one-layer variants) and ``page_checksums`` pick the
+implementation: the Triton kernels (:mod:`.triton_gather`, :mod:`.triton_checksum`) when the
+tensors are on CUDA, or on CPU under ``TRITON_INTERPRET=1`` (Triton's interpreter, for tests);
+the pure-torch reference (:mod:`.reference`, :mod:`.checksum`) otherwise, including where Triton
+is not installed.
+
+The pool argument (``rows``) is a :class:`gdskv.pool.KVPool` (the tier passes its validated,
+cached view) or ``rows[kv][layer]`` uint8 views.
 """
 
 from __future__ import annotations
@@ -13,7 +18,9 @@ import os
 
 import torch
 
-from .checksum import page_checksums, page_checksums_reference
+from gdskv.pool import as_pool
+
+from .checksum import page_checksums_reference
 from .reference import (gather_pages_layer_reference, gather_pages_reference,
                         scatter_pages_layer_reference, scatter_pages_reference,
                         staging_pages_view)
@@ -28,7 +35,7 @@ __all__ = ["gather_pages", "scatter_pages", "gather_pages_layer", "scatter_pages
 def triton_available() -> bool:
     """Whether the Triton kernels import (triton installed and working)."""
     try:
-        from . import triton_gather  # noqa: F401
+        from . import triton_checksum, triton_gather  # noqa: F401
     except ImportError:
         return False
     return True
@@ -48,7 +55,7 @@ def gather_pages(rows, layout, token_slots, staging) -> None:
         from .triton_gather import gather_pages_triton
         gather_pages_triton(rows, layout, token_slots, staging)
     else:
-        gather_pages_reference(rows, layout, token_slots, staging)
+        gather_pages_reference(as_pool(layout, rows).rows, layout, token_slots, staging)
 
 
 def scatter_pages(rows, layout, token_slots, staging) -> None:
@@ -57,7 +64,7 @@ def scatter_pages(rows, layout, token_slots, staging) -> None:
         from .triton_gather import scatter_pages_triton
         scatter_pages_triton(rows, layout, token_slots, staging)
     else:
-        scatter_pages_reference(rows, layout, token_slots, staging)
+        scatter_pages_reference(as_pool(layout, rows).rows, layout, token_slots, staging)
 
 
 def gather_pages_layer(rows, layout, token_slots, staging, layer: int,
@@ -67,7 +74,8 @@ def gather_pages_layer(rows, layout, token_slots, staging, layer: int,
         from .triton_gather import gather_pages_layer_triton
         gather_pages_layer_triton(rows, layout, token_slots, staging, layer, kv)
     else:
-        gather_pages_layer_reference(rows, layout, token_slots, staging, layer, kv)
+        gather_pages_layer_reference(as_pool(layout, rows).rows, layout, token_slots, staging,
+                                     layer, kv)
 
 
 def scatter_pages_layer(rows, layout, token_slots, staging, layer: int,
@@ -77,4 +85,17 @@ def scatter_pages_layer(rows, layout, token_slots, staging, layer: int,
         from .triton_gather import scatter_pages_layer_triton
         scatter_pages_layer_triton(rows, layout, token_slots, staging, layer, kv)
     else:
-        scatter_pages_layer_reference(rows, layout, token_slots, staging, layer, kv)
+        scatter_pages_layer_reference(as_pool(layout, rows).rows, layout, token_slots, staging,
+                                      layer, kv)
+
+
+def page_checksums(staging: torch.Tensor, num_pages: int, page_bytes: int,
+                   slot_bytes: int) -> torch.Tensor:
+    """Checksums of ``num_pages`` pages of ``staging`` (the algorithm: :mod:`.checksum`), int64.
+
+    The Triton kernel needs 4-byte aligned words; other buffers take the reference."""
+    if isinstance(staging, torch.Tensor) and uses_triton(staging.device) \
+            and staging.data_ptr() % 4 == 0 and (num_pages <= 1 or slot_bytes % 4 == 0):
+        from .triton_checksum import page_checksums_triton
+        return page_checksums_triton(staging, num_pages, page_bytes, slot_bytes)
+    return page_checksums_reference(staging, num_pages, page_bytes, slot_bytes)

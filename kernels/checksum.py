@@ -27,25 +27,23 @@ data to another position changes ``S`` unless a 64-bit coincidence happens (prob
 2**-64). The final mix folds in the length and spreads ``S`` over all bits.
 
 :func:`page_checksums_reference` is the pure-torch definition (runs on any device, used on CPU
-to verify pages a GPU wrote); :func:`page_checksums` runs the Triton kernel on CUDA tensors (or
-under ``TRITON_INTERPRET=1`` on CPU) and the reference otherwise. Both give identical bits.
+to verify pages a GPU wrote); :mod:`.triton_checksum` is the Triton kernel, and
+:func:`gdskv.kernels.page_checksums` picks between them. Both give identical bits.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-__all__ = ["page_checksums", "page_checksums_reference", "fmix64_torch", "GOLDEN", "FMIX_C1",
-           "FMIX_C2"]
+__all__ = ["page_checksums_reference", "check_checksum_args", "as_int64", "fmix64_torch",
+           "GOLDEN", "FMIX_C1", "FMIX_C2"]
 
 GOLDEN = 0x9E3779B97F4A7C15
 FMIX_C1 = 0xBF58476D1CE4E5B9
 FMIX_C2 = 0x94D049BB133111EB
 
 
-def _signed(v: int) -> int:
+def as_int64(v: int) -> int:
     """The int64 with the same bits as uint64 ``v`` (torch has no full uint64 arithmetic)."""
     return v - (1 << 64) if v >= 1 << 63 else v
 
@@ -58,13 +56,16 @@ def _shr(z: torch.Tensor, s: int) -> torch.Tensor:
 def fmix64_torch(z: torch.Tensor) -> torch.Tensor:
     """SplitMix64 finalizer on int64 tensors holding uint64 bit patterns (wrapping multiply)."""
     z = z ^ _shr(z, 30)
-    z = z * _signed(FMIX_C1)
+    z = z * as_int64(FMIX_C1)
     z = z ^ _shr(z, 27)
-    z = z * _signed(FMIX_C2)
+    z = z * as_int64(FMIX_C2)
     return z ^ _shr(z, 31)
 
 
-def _check_args(staging: torch.Tensor, num_pages: int, page_bytes: int, slot_bytes: int) -> None:
+def check_checksum_args(staging: torch.Tensor, num_pages: int, page_bytes: int,
+                        slot_bytes: int) -> None:
+    """Raise ValueError unless ``num_pages`` pages of ``page_bytes`` at a ``slot_bytes`` pitch
+    fit in ``staging`` (a 1-D uint8 tensor)."""
     if not isinstance(staging, torch.Tensor) or staging.dtype != torch.uint8 or staging.dim() != 1:
         raise ValueError(f"staging must be a 1-D uint8 tensor, got "
                          f"{getattr(staging, 'dtype', type(staging).__name__)} "
@@ -86,14 +87,14 @@ def _check_args(staging: torch.Tensor, num_pages: int, page_bytes: int, slot_byt
 
 def finalize(sums: torch.Tensor, page_bytes: int) -> torch.Tensor:
     """Step 4 of the algorithm on per-page word-hash sums (int64 bit patterns)."""
-    return fmix64_torch(sums + _signed((page_bytes * GOLDEN) % (1 << 64)))
+    return fmix64_torch(sums + as_int64((page_bytes * GOLDEN) % (1 << 64)))
 
 
 def page_checksums_reference(staging: torch.Tensor, num_pages: int, page_bytes: int,
                              slot_bytes: int) -> torch.Tensor:
     """Checksums of pages ``staging[p * slot_bytes : p * slot_bytes + page_bytes]`` -> int64
     ``[num_pages]`` (uint64 bit patterns). Pure torch, on staging's device."""
-    _check_args(staging, num_pages, page_bytes, slot_bytes)
+    check_checksum_args(staging, num_pages, page_bytes, slot_bytes)
     n_words = -(-page_bytes // 4)
     idx = torch.arange(n_words, dtype=torch.int64, device=staging.device) << 32
     out = torch.empty(num_pages, dtype=torch.int64, device=staging.device)
@@ -107,22 +108,3 @@ def page_checksums_reference(staging: torch.Tensor, num_pages: int, page_bytes: 
         out[p] = fmix64_torch(idx | words).sum()
     return finalize(out, page_bytes)
 
-
-def _use_triton(staging: torch.Tensor) -> bool:
-    if staging.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        return False
-    try:
-        from . import triton_checksum  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def page_checksums(staging: torch.Tensor, num_pages: int, page_bytes: int,
-                   slot_bytes: int) -> torch.Tensor:
-    """Checksums of ``num_pages`` pages of ``staging`` (see the module docstring), int64."""
-    if isinstance(staging, torch.Tensor) and _use_triton(staging) and staging.data_ptr() % 4 == 0 \
-            and (num_pages <= 1 or slot_bytes % 4 == 0):
-        from .triton_checksum import page_checksums_triton
-        return page_checksums_triton(staging, num_pages, page_bytes, slot_bytes)
-    return page_checksums_reference(staging, num_pages, page_bytes, slot_bytes)

@@ -12,7 +12,7 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
-from .checksum import GOLDEN, _check_args, _signed
+from .checksum import GOLDEN, as_int64, check_checksum_args
 
 __all__ = ["page_checksums_triton", "BLOCK", "ITERS"]
 
@@ -96,9 +96,9 @@ def page_checksums_triton(staging: torch.Tensor, num_pages: int, page_bytes: int
     """Checksums of ``num_pages`` pages at a ``slot_bytes`` pitch -> int64 ``[num_pages]``.
 
     Needs ``staging`` 4-byte aligned and ``slot_bytes % 4 == 0`` (staging buffers are 4 KiB
-    aligned); :func:`.checksum.page_checksums` falls back to the reference otherwise.
+    aligned); :func:`gdskv.kernels.page_checksums` falls back to the reference otherwise.
     """
-    _check_args(staging, num_pages, page_bytes, slot_bytes)
+    check_checksum_args(staging, num_pages, page_bytes, slot_bytes)
     if staging.data_ptr() % 4 or (num_pages > 1 and slot_bytes % 4):
         raise ValueError(f"staging address ({staging.data_ptr():#x}) and slot_bytes "
                          f"({slot_bytes}) must be multiples of 4 for the Triton checksum")
@@ -117,6 +117,6 @@ def page_checksums_triton(staging: torch.Tensor, num_pages: int, page_bytes: int
                                   n_chunks, BLOCK=block, ITERS=iters, **kwargs)
     out = torch.empty(num_pages, dtype=torch.int64, device=staging.device)
     final = _final_interp if staging.device.type == "cpu" else _final_cuda
-    final[(num_pages,)](partial, out, n_chunks, _signed(page_bytes * GOLDEN % (1 << 64)),
+    final[(num_pages,)](partial, out, n_chunks, as_int64(page_bytes * GOLDEN % (1 << 64)),
                         BLOCK=triton.next_power_of_2(n_chunks))
     return out

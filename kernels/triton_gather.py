@@ -2,8 +2,8 @@
 
 One launch moves every (K/V, layer) row of a page batch. The pool's per-layer tensors may be
 separate allocations, so the kernel reads a small device table, one ``[row base address, token
-stride in bytes]`` entry per (kv, layer) (a :class:`RowTable`, built and validated once per
-pool and cached). A stacked pool is the same table with evenly spaced addresses.
+stride in bytes]`` entry per (kv, layer) (:attr:`gdskv.pool.KVPool.row_table`, built once per
+validated pool). A stacked pool is the same table with evenly spaced addresses.
 
 Bytes are copied as the widest word (4, 2 or 1 bytes) that every row, stride and buffer address
 allows; when they are all 16-byte aligned the kernel says so (``tl.multiple_of``) and the
@@ -20,9 +20,6 @@ interpreter (slow, for tests), independent of ``TRITON_INTERPRET``.
 from __future__ import annotations
 
 import math
-import threading
-import weakref
-from collections import OrderedDict
 
 import torch
 import triton
@@ -31,10 +28,10 @@ from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
 from gdskv.layout import KVLayout
+from gdskv.pool import as_pool, check_token_slots
 
 __all__ = ["gather_pages_triton", "scatter_pages_triton", "gather_pages_layer_triton",
-           "scatter_pages_layer_triton", "RowTable", "row_table", "LaunchConfig",
-           "default_config"]
+           "scatter_pages_layer_triton", "LaunchConfig", "default_config"]
 
 
 def copy_rows_kernel(table_ptr, slots_ptr, staging_ptr, n_tokens, slot_words, entry_start,
@@ -119,111 +116,8 @@ def default_config(row_words: int, word: int) -> LaunchConfig:
     return LaunchConfig(block_t, block_c, 8)
 
 
-class RowTable:
-    """A pool's ``rows[kv][layer]``, validated, with the device table the kernel reads.
-
-    Build once per pool (:func:`row_table` caches them): checking 2 x layers tensors and copying
-    the table to the device costs far more host time than launching the kernel. It refers to
-    the tensors weakly (a cached table never keeps an engine's pool alive); using it after the
-    pool is freed raises.
-    """
-
-    def __init__(self, rows, layout: KVLayout) -> None:
-        self.layout = layout
-        self.device = _check_rows(rows, layout)
-        entries, align = [], math.gcd(layout.row_bytes, 16)
-        for layers in rows:
-            for r in layers:
-                stride = r.stride(0) if r.shape[0] > 1 else layout.row_bytes
-                align = math.gcd(align, r.data_ptr(), stride)
-                entries += [r.data_ptr(), stride]
-        #: largest power of two (<= 16) dividing every row address, stride and the row length
-        self.align = align
-        self.num_slots = rows[0][0].shape[0]
-        self.table = torch.tensor(entries, dtype=torch.int64).reshape(-1, 2).to(self.device)
-        self._refs = [weakref.ref(r) for layers in rows for r in layers]
-        self._ids = tuple(id(r) for layers in rows for r in layers)
-        self._first_ptr = rows[0][0].data_ptr()
-
-    def alive(self) -> bool:
-        return all(ref() is not None for ref in self._refs)
-
-    def matches(self, rows) -> bool:
-        """Whether ``rows`` are the very tensors this table was built from, all still alive.
-
-        (Engines never move a live KV tensor's storage; the first address is re-checked as a
-        cheap guard against in-place ``set_``.)
-        """
-        return tuple(id(r) for layers in rows for r in layers) == self._ids and self.alive() \
-            and rows[0][0].data_ptr() == self._first_ptr
-
-
-_TABLES: OrderedDict = OrderedDict()
-_TABLES_SIZE = 16
-_TABLES_LOCK = threading.Lock()
-
-
-def row_table(rows, layout: KVLayout) -> RowTable:
-    """The :class:`RowTable` of ``rows`` (a ``rows[kv][layer]`` list or a RowTable), cached."""
-    if isinstance(rows, RowTable):
-        if rows.layout != layout:
-            raise ValueError("RowTable was built for another layout")
-        if not rows.alive():
-            raise ValueError("RowTable's KV pool tensors have been freed")
-        return rows
-    key = (id(rows), layout)
-    with _TABLES_LOCK:  # tier calls from several threads
-        hit = _TABLES.get(key)
-        if hit is not None and hit.matches(rows):
-            _TABLES.move_to_end(key)
-            return hit
-    table = RowTable(rows, layout)
-    with _TABLES_LOCK:
-        _TABLES[key] = table
-        if len(_TABLES) > _TABLES_SIZE:
-            _TABLES.popitem(last=False)
-    return table
-
-
-def _check_rows(rows, layout: KVLayout) -> torch.device:
-    if not isinstance(rows, (list, tuple)) or len(rows) != layout.kv_count:
-        raise ValueError(f"rows must be a list of {layout.kv_count} per-layer lists "
-                         f"(rows[kv][layer]), got {type(rows).__name__} of length "
-                         f"{len(rows) if isinstance(rows, (list, tuple)) else '?'}")
-    device = None
-    num_slots = None
-    for kv, layers in enumerate(rows):
-        if len(layers) != layout.num_layers:
-            raise ValueError(f"rows[{kv}] has {len(layers)} layers, layout expects "
-                             f"{layout.num_layers}")
-        for layer, r in enumerate(layers):
-            if not isinstance(r, torch.Tensor) or r.dtype != torch.uint8 or r.dim() != 2 \
-                    or r.shape[1] != layout.row_bytes or (r.shape[1] > 1 and r.stride(1) != 1):
-                raise ValueError(
-                    f"rows[{kv}][{layer}] must be a [num_slots, {layout.row_bytes}] uint8 view "
-                    f"with contiguous rows, got "
-                    f"{getattr(r, 'dtype', type(r))} {tuple(getattr(r, 'shape', ()))}")
-            device = r.device if device is None else device
-            num_slots = r.shape[0] if num_slots is None else num_slots
-            if r.device != device or r.shape[0] != num_slots:
-                raise ValueError(f"rows[{kv}][{layer}] is {r.device}/{r.shape[0]} slots, "
-                                 f"rows[0][0] {device}/{num_slots}")
-    return device
-
-
-def _check_batch(layout: KVLayout, token_slots: torch.Tensor, staging: torch.Tensor,
-                 device: torch.device) -> tuple[torch.Tensor, int]:
-    if not isinstance(token_slots, torch.Tensor) or token_slots.dtype not in (torch.int32,
-                                                                             torch.int64):
-        raise TypeError(f"token_slots must be an int32 or int64 tensor, got "
-                        f"{getattr(token_slots, 'dtype', type(token_slots).__name__)}")
-    if token_slots.device != device:
-        raise ValueError(f"token_slots is on {token_slots.device}, the KV pool on {device}")
-    token_slots = token_slots.reshape(-1).contiguous()
-    if token_slots.numel() % layout.page_size:
-        raise ValueError(f"token_slots has {token_slots.numel()} entries, not a multiple of "
-                         f"page_size {layout.page_size}")
-    num_pages = token_slots.numel() // layout.page_size
+def _check_staging(layout: KVLayout, num_pages: int, staging: torch.Tensor,
+                   device: torch.device) -> None:
     need = num_pages * layout.slot_bytes
     if not isinstance(staging, torch.Tensor) or staging.dtype != torch.uint8 \
             or staging.dim() != 1 or staging.numel() < need or not staging.is_contiguous():
@@ -232,17 +126,19 @@ def _check_batch(layout: KVLayout, token_slots: torch.Tensor, staging: torch.Ten
                          f"{tuple(getattr(staging, 'shape', ()))}")
     if staging.device != device:
         raise ValueError(f"staging is on {staging.device}, the KV pool on {device}")
-    return token_slots, num_pages
 
 
 def _launch(rows, layout: KVLayout, token_slots: torch.Tensor, staging: torch.Tensor,
             entries: tuple[int, int, int], gather: bool,
             config: LaunchConfig | None = None) -> None:
     """``entries``: (first, step, count) of the (kv * layers + layer) entries to copy."""
-    table = row_table(rows, layout)
-    token_slots, num_pages = _check_batch(layout, token_slots, staging, table.device)
+    pool = as_pool(layout, rows)
+    token_slots = check_token_slots(token_slots, layout.page_size, device=pool.device)
+    num_pages = token_slots.numel() // layout.page_size
+    _check_staging(layout, num_pages, staging, pool.device)
     if num_pages == 0:
         return
+    table = pool.row_table
     staging = staging[:num_pages * layout.slot_bytes]
     # The widest word and alignment that every address, stride and row length allows.
     align = math.gcd(table.align, staging.data_ptr(), layout.slot_bytes)
@@ -255,7 +151,7 @@ def _launch(rows, layout: KVLayout, token_slots: torch.Tensor, staging: torch.Te
     if grid[1] > 65535 or grid[2] > 65535:
         raise ValueError(f"launch grid {grid} too large: row of {row_words} words or "
                          f"{count} (kv, layer) entries")
-    cpu = table.device.type == "cpu"
+    cpu = pool.device.type == "cpu"
     kernel = _copy_rows_interp if cpu else _copy_rows_cuda
     kwargs = {} if cpu else {"num_warps": cfg.num_warps}
     kernel[grid](table.table, token_slots, staging.view(_WORD_DTYPES[word]), n_tokens,
@@ -282,8 +178,8 @@ def gather_pages_triton(rows, layout: KVLayout, token_slots: torch.Tensor,
                         staging: torch.Tensor, config: LaunchConfig | None = None) -> None:
     """Pack ``rows[kv][layer][token_slots]`` into page-first ``staging`` pages (one launch).
 
-    ``rows[kv][layer]``: ``[num_slots, row_bytes]`` uint8 views (see :class:`gdskv.pool.KVPool`)
-    or a :class:`RowTable` of them;
+    ``rows``: a :class:`gdskv.pool.KVPool` (its row table is reused), or ``rows[kv][layer]``
+    ``[num_slots, row_bytes]`` uint8 views (validated and tabled on every call);
     ``token_slots``: int32/int64, pages x page_size entries, all within the pool (not checked
     here: that needs a device sync; :meth:`KVPool.check_token_slots` does it).
     """

@@ -5,6 +5,7 @@ kvikio when a CUDA device exists)."""
 from __future__ import annotations
 
 import importlib.util
+import subprocess
 
 import pytest
 import torch
@@ -92,3 +93,19 @@ def pool_rows_bytes(pool, slots: torch.Tensor) -> list[torch.Tensor]:
 def assert_same_rows(pool_a, slots_a, pool_b, slots_b) -> None:
     for a, b in zip(pool_rows_bytes(pool_a, slots_a), pool_rows_bytes(pool_b, slots_b), strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """An 8 MiB tmpfs, to produce ENOSPC for real (needs root / CAP_SYS_ADMIN; skipped with the
+    reason elsewhere)."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir(mode=0o700)
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m,mode=0700", "tmpfs", str(mnt)],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs to produce ENOSPC: {proc.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from gdskv.bench import cli, runner
-from gdskv.bench.results import EILSEQ, EIO
+from gdskv.bench.measurements import EILSEQ, EIO
 
 # 2 layers x 2 heads x 128 dim bf16, 16 tokens: 32 KiB pages
 SMALL = ["--layers=2", "--kv-heads=2", "--head-dim=128", "--page-tokens=16", "--mem=host"]
@@ -235,9 +235,9 @@ def test_a_job_that_cannot_run_is_reported_and_others_go_on(tmp_path, capsys, mo
 
 
 def test_call_profile_phases_and_threads(tmp_path):
-    """bench/call_profile.py: gdskv and raw per-call times, and the tier's steps timed in the
+    """bench/experiments/call_profile.py: gdskv and raw per-call times, and the tier's steps timed in the
     calling thread, the first write call on its own."""
-    from gdskv.bench import call_profile
+    import call_profile
 
     out = tmp_path / "profile.json"
     call_profile.main(["--directory", str(tmp_path), "--bs", "4M", "--size", "16M",

@@ -39,6 +39,16 @@ def test_fio_names_and_kv_options():
     assert job.rwmixread == 50 and job.ioengine == "gdskv"  # defaults
 
 
+def test_one_default_for_bs_64m_in_the_parser_the_plan_and_the_docs():
+    (job,) = parse_args(["--model=llama3-8b"]).jobs
+    assert job.bs == 64 << 20 and "bs" not in job.given
+    plan = resolve(job)
+    assert plan.pages_per_batch == (64 << 20) // plan.layout.page_bytes == 32  # 2 MiB pages
+    assert "default 64M" in " ".join(cli.build_parser().format_help().split())
+    with open(os.path.join(JOBS_DIR, "..", "README.md"), encoding="utf-8") as f:
+        assert "(default 64M" in f.read()
+
+
 def test_sizes_follow_fio_units():
     assert parse_args(["--bs=4k"]).jobs[0].bs == 4096
     assert parse_args(["--bs=4KiB"]).jobs[0].bs == 4096

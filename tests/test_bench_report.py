@@ -10,7 +10,7 @@ import re
 import pytest
 
 from gdskv.bench.report import render, to_json, to_normal, to_terse
-from gdskv.bench.results import FIO_PERCENTILES, DirStats, JobResult
+from gdskv.bench.measurements import FIO_PERCENTILES, DirStats, JobResult
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "fio_sample.json")
 
@@ -154,7 +154,7 @@ def _job(name: str, engine: str, backend: str, write_bw: int, read_bw: int) -> d
 def test_summary_ratios_across_result_files(tmp_path):
     """device_results.sh writes HiCacheFile's job to <geometry>-hicache.json beside gdskv's and
     raw's <geometry>.json: the summary must still put gdskv over raw and over HiCacheFile."""
-    from gdskv.bench.summary import table
+    from summary_table import table
 
     place = tmp_path / "disk"
     place.mkdir()

@@ -49,6 +49,11 @@ def test_gpu_round_trip_1gib_pipelined(tmp_path, backend):
         if backend == "kvikio":
             assert "compat_mode" in s["backend_detail"]
             assert s["gpu_direct"] == (not s["backend_detail"]["compat_mode"])
+            # o_direct is what kvikio does (its handles and settings), not the store's guess
+            on, why = tier.backend.direct_io()
+            assert (s["o_direct"], s["o_direct_reason"]) == (on, why)
+            assert s["backend_detail"]["settings"]["num_threads"]["value"] >= 1
+            assert s["backend_detail"]["selected"] == "asked for by config"
 
 
 def test_auto_picks_kvikio_on_gpu(tmp_path):

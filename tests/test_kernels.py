@@ -8,24 +8,26 @@ other tests); the dispatcher test sets it with monkeypatch only.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
+from gdskv.kernels import (gather_pages, page_checksums_reference, scatter_pages,
+                           triton_available, uses_triton)
+from gdskv.kernels.checksum import FMIX_C1, FMIX_C2, GOLDEN
+from gdskv.kernels.reference import (gather_pages_layer_reference, gather_pages_reference,
+                                     scatter_pages_layer_reference, scatter_pages_reference)
 from gdskv.layout import KVLayout
 from gdskv.pool import KVPool
-from kernels import (gather_pages, page_checksums_reference, scatter_pages, triton_available,
-                     uses_triton)
-from kernels.checksum import FMIX_C1, FMIX_C2, GOLDEN
-from kernels.reference import (gather_pages_layer_reference, gather_pages_reference,
-                               scatter_pages_layer_reference, scatter_pages_reference)
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 
 if triton_available():
-    from kernels.triton_checksum import page_checksums_triton
-    from kernels.triton_gather import (LaunchConfig, RowTable, gather_pages_layer_triton,
-                                       gather_pages_triton, row_table,
-                                       scatter_pages_layer_triton, scatter_pages_triton)
+    from gdskv.kernels.triton_checksum import page_checksums_triton
+    from gdskv.kernels.triton_gather import (LaunchConfig, gather_pages_layer_triton,
+                                             gather_pages_triton, scatter_pages_layer_triton,
+                                             scatter_pages_triton)
 
 DEVICES = [
     pytest.param("cpu", id="cpu-interpreter"),
@@ -217,22 +219,19 @@ def test_empty_batch_is_a_no_op(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_row_table_is_cached_and_rebuilt_when_the_pool_changes(device):
+def test_a_validated_pool_keeps_its_row_table(device):
     layout, rows, slots, staging = setup_case(CASES[1], device, seed=8)
-    table = row_table(rows, layout)
-    assert row_table(rows, layout) is table  # same list, same tensors: cached
+    pool = KVPool.from_rows(layout, rows)
+    table = pool.row_table
+    assert pool.row_table is table  # built once per validated pool
+    assert table.table[1, 0] == rows[0][1].data_ptr() and table.table.device == rows[0][0].device
     expected = staging.clone()
     gather_pages_reference(rows, layout, slots, expected)
-    gather_pages_triton(table, layout, slots, staging)  # an explicit RowTable works too
+    gather_pages_triton(pool, layout, slots, staging)  # a KVPool works like its rows
     assert torch.equal(staging, expected)
-
-    rows[0][1] = rows[0][1].clone()  # engine swapped one layer's tensor: table is stale
-    fresh = row_table(rows, layout)
-    assert fresh is not table and fresh.table[1, 0] == rows[0][1].data_ptr()
-
-    other = RowTable(clone_rows(rows), layout)  # its tensors die with the temporary list
-    with pytest.raises(ValueError, match="freed"):
-        gather_pages_triton(other, layout, slots, staging)
+    other = dataclasses.replace(layout, model_name="another")
+    with pytest.raises(ValueError, match="validated for layout"):
+        gather_pages_triton(pool, other, slots, staging)
 
 
 def test_bad_inputs_raise_clear_errors():

@@ -20,16 +20,16 @@ def test_pool_view_reused_then_released(make_config):
     with Tier(LAYOUT, make_config(), device="cpu") as tier:
         pool = random_pool(LAYOUT, 64)
         tier.put(["a"], pool, torch.arange(4))
-        first = tier._pool_cache[2]
+        first = tier._pools.cached
         tier.get(["a"], pool, torch.arange(4, 8))
-        assert tier._pool_cache[2] is first  # same tensors: same view
+        assert tier._pools.cached is first  # same tensors: same view
         other = random_pool(LAYOUT, 64, seed=3)
         tier.put(["b"], other, torch.arange(4))
-        assert tier._pool_cache[2] is not first  # other tensors: validated again
+        assert tier._pools.cached is not first  # other tensors: validated again
         ref = weakref.ref(other[0])
         del other
         gc.collect()
-        assert ref() is None and tier._pool_cache is None  # dropped with the engine's pool
+        assert ref() is None and tier._pools.cached is None  # dropped with the engine's pool
         # the restored bytes came from the first pool, into other slots of it
         k = pool[0].view(torch.int16)  # raw bits (random fp16 bits include NaNs)
         assert torch.equal(k[:, 4:8], k[:, 0:4])

@@ -1,4 +1,5 @@
-"""Restart recovery speed (loose bound for CI; bench/recovery_bench.py measures 100k pages)."""
+"""Restart recovery speed (loose bound for CI; bench/experiments/recovery_bench.py measures 100k
+pages)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import os
 
 import pytest
 
-from gdskv.bench import recovery_bench
+import recovery_bench
 
 
 @pytest.mark.parametrize("pages", [20_000])

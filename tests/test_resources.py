@@ -7,7 +7,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import subprocess
 
 import pytest
 
@@ -15,21 +14,6 @@ from gdskv.store import StoreError
 from gdskv.tier import Tier
 from reliability_helpers import (LAYOUT, SLOT, check_pages, file_size_limit_child, forkserver, put,
                                  ready_keys, slot_location, small_config)
-
-
-@pytest.fixture
-def small_fs(tmp_path):
-    """An 8 MiB tmpfs (needs root / CAP_SYS_ADMIN)."""
-    mnt = tmp_path / "mnt"
-    mnt.mkdir(mode=0o700)
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m,mode=0700", "tmpfs", str(mnt)],
-                          capture_output=True, text=True)
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs to produce ENOSPC: {proc.stderr.strip()}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def _fill(path, leave: int) -> None:
@@ -44,9 +28,16 @@ def _fill(path, leave: int) -> None:
 
 
 def test_enospc_at_creation(small_fs):
-    with pytest.raises(StoreError, match="cannot preallocate") as info:
+    """A capacity over the free space is refused before anything is written (issue 19 #2): the
+    error names the capacity and the free bytes, the directory stays empty, and a retry with a
+    capacity that fits creates the store."""
+    with pytest.raises(StoreError, match=r"capacity 16777216 B needs .* which has \d+ B free") \
+            as info:
         Tier(LAYOUT, small_config(small_fs, capacity=16 << 20), device="cpu")
     assert info.value.errno == errno.ENOSPC
+    assert os.listdir(small_fs) == []
+    with Tier(LAYOUT, small_config(small_fs, capacity=4 << 20), device="cpu") as tier:
+        assert all(put(tier, ["a", "b"]))
 
 
 def test_enospc_journal_full(small_fs):
@@ -113,6 +104,11 @@ def test_efbig_rlimit_fsize(tmp_path):
     out = json.loads(result.read_text())
     print(out)
     assert out["prealloc"].startswith(f"StoreError errno={errno.EFBIG}")
+    # the failed creation removed what it made (issue 19 #2): a retry is a fresh creation,
+    # not "another geometry"
+    assert os.listdir(tmp_path / "prealloc") == []
+    with Tier(LAYOUT, small_config(tmp_path / "prealloc", capacity=8 * SLOT), device="cpu") as t:
+        assert all(put(t, ["retry"]))
     assert out["stored"] == 32 and out["failed"] == 32  # 16 slots fit under the limit per file
     assert out["stored_hits"] == 32 and out["stored_wrong"] == 0 and out["sizes_ok"]
     assert out["after_evict_stored"] == 16 and out["final_hits"] == 32 and out["final_wrong"] == 0

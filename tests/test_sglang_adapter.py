@@ -30,7 +30,7 @@ except ImportError as exc:  # the main venv has no sglang
 from gdskv.adapters.sglang import GdskvHiCacheStorage  # noqa: E402
 from gdskv.config import ConfigError  # noqa: E402
 
-from gdskv.bench.sglang_pools import make_host_pool, pool_kind  # noqa: E402
+from sglang_pools import make_host_pool, pool_kind  # noqa: E402
 
 MODULE = "gdskv.adapters.sglang"
 CLASS = "GdskvHiCacheStorage"
@@ -167,7 +167,7 @@ def test_pools_are_sglangs_own():
     kind = pool_kind()
     if kind != "sglang":
         pytest.skip(f"SGLang's host pool classes do not import here ({kind}); the tests used "
-                    "the formula-following pool in bench/sglang_pools.py")
+                    "the formula-following pool in tests/sglang_pools.py")
     pool = build_pool(False, "page_first_direct")
     assert type(pool).__module__.startswith("sglang.")
 
@@ -482,3 +482,73 @@ def test_unsupported_pool_layout_fails_at_attach(tmp_path):
     with pytest.raises(ValueError, match="page_head"):
         attach(storage_config(tmp_path), pool)
     assert os.path.isdir(tmp_path / "l3")
+
+
+# -- issue 19: one clear error for every bad input through SGLang's extra config ---------------
+@pytest.mark.parametrize("field, text", [("read_only", "false"), ("verify", "false"),
+                                         ("preallocate", "no")])
+def test_string_booleans_in_the_json_extra_config(tmp_path, field, text):
+    """JSON strings are parsed like GDSKV_* values: "false" is False (it used to be truthy and
+    silently turned a writer into a follower, or left verification on)."""
+    pool = build_pool(False, "page_first_direct")
+    fill_random(pool, seed=21)
+    s = attach(storage_config(tmp_path, **{field: text}), pool)
+    try:
+        assert getattr(s.config, field) is False
+        assert not s.tier.read_only
+        hashes = page_hashes(4, seed=22)
+        assert controller_backup(s, hashes, host_indices_for([0, 1, 2, 3])) == 4
+    finally:
+        s.close()
+    with pytest.raises(ConfigError, match=r"read_only: expected a boolean .* got 'nope'"):
+        GdskvHiCacheStorage(storage_config(tmp_path, read_only="nope"), {})
+
+
+@pytest.mark.parametrize("device, match", [
+    (None, r"device: None is not a device"),
+    ("tpu", r"device: 'tpu'"),
+    pytest.param("cuda", r"device: 'cuda' but no CUDA device is usable here; use \"cpu\"",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is here")),
+])
+def test_bad_device_is_one_config_error(tmp_path, device, match):
+    with pytest.raises(ConfigError, match=match):
+        GdskvHiCacheStorage(storage_config(tmp_path, device=device), {})
+
+
+def test_store_directory_must_exist_unless_asked_to_create(tmp_path):
+    missing = tmp_path / "nvme0" / "kv"  # e.g. a drive that is not mounted
+    with pytest.raises(ConfigError, match=r"directories: '.*nvme0/kv' does not exist \(an "
+                       r"unmounted drive\?\).*\"create_directories\": true"):
+        GdskvHiCacheStorage(storage_config(tmp_path, directories=str(missing)), {})
+    assert not (tmp_path / "nvme0").exists()
+    with pytest.raises(ConfigError, match=r"directories: '/etc/hostname' exists but is not a "
+                       r"directory"):
+        GdskvHiCacheStorage(storage_config(tmp_path, directories="/etc/hostname"), {})
+    pool = build_pool(False, "page_first")
+    s = attach(storage_config(tmp_path, directories=str(missing), create_directories=True), pool)
+    try:
+        assert missing.is_dir() and s.tier is not None
+    finally:
+        s.close()
+
+
+def test_negative_host_indices_are_refused_not_wrapped(tmp_path, caplog):
+    """page_first_direct: -4..-1 used to wrap to the last host page (Python indexing) and report
+    True for the wrong page; they are refused like out-of-range pool slots."""
+    pool = build_pool(False, "page_first_direct")
+    fill_random(pool, seed=23)
+    last = pool.kv_buffer.shape[1] - 1  # the page a wrapped -1 would hit
+    before = page_bytes(pool, last)
+    s = attach(storage_config(tmp_path), pool)
+    try:
+        hashes = page_hashes(2, seed=24)
+        bad = torch.cat([torch.arange(-PAGE, 0), torch.arange(0, PAGE)]).to(torch.int64)
+        with caplog.at_level(logging.ERROR, logger="gdskv.sglang"):
+            assert s.batch_set_v1(hashes, bad) == [False, False]
+        assert s.batch_exists(hashes) == 0  # nothing was stored
+        assert controller_backup(s, hashes, host_indices_for([0, 1])) == 2
+        assert s.batch_get_v1(hashes, bad) == [False, False]
+        assert torch.equal(page_bytes(pool, last), before)  # the last page was not written
+        assert any("host index out of range" in r.getMessage() for r in caplog.records)
+    finally:
+        s.close()

@@ -55,9 +55,10 @@ import torch
 
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 
-from ..config import TierConfig
-from ..store import StoreError
+from ..config import ConfigError, TierConfig, parse_bool
 from ..layout import KVLayout
+from ..memory import check_device
+from ..store import StoreError
 from ..tier import Tier
 
 log = logging.getLogger("gdskv.sglang")
@@ -65,7 +66,7 @@ log = logging.getLogger("gdskv.sglang")
 #: extra_config keys that SGLang's dynamic loader itself reads.
 LOADER_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1"})
 #: extra_config keys this adapter reads besides TierConfig fields.
-ADAPTER_KEYS = frozenset({"device"})
+ADAPTER_KEYS = frozenset({"device", "create_directories"})
 _TIER_FIELDS = frozenset(f.name for f in dataclasses.fields(TierConfig))
 _LAYOUTS = ("page_first_direct", "page_first", "layer_first")
 # One-byte KV types SGLang stores as raw bytes (fp8 caches): copies are byte-wise, so they are
@@ -106,7 +107,12 @@ class GdskvHiCacheStorage(HiCacheStorage):
         if not self.config.directories:
             raise ValueError("gdskv: no store directory: set \"directories\" in "
                              "--hicache-storage-backend-extra-config or GDSKV_DIRECTORIES")
-        self.device = torch.device(extra.get("device", "cpu"))
+        self.device = check_device(extra.get("device", "cpu"), "device")
+        # An unmounted drive's mount point must not silently become a store on the root disk:
+        # the configured directories must exist unless the user says to create them.
+        self.create_directories = parse_bool(extra.get("create_directories", False),
+                                             "create_directories")
+        self._check_directories()
 
         sc = storage_config
         self.model_name = _safe_name(sc.model_name or "")
@@ -139,6 +145,19 @@ class GdskvHiCacheStorage(HiCacheStorage):
                          "backup_bandwidth": []}
 
     # -- set-up ---------------------------------------------------------------------------------
+    def _check_directories(self) -> None:
+        for d in self.config.directories:
+            if os.path.isdir(d):
+                continue
+            if os.path.lexists(d):
+                raise ConfigError(f"directories: {d!r} exists but is not a directory; give "
+                                  "the store's directory (one per drive)")
+            if not self.create_directories:
+                raise ConfigError(f"directories: {d!r} does not exist (an unmounted drive?); "
+                                  "create it (mount the drive), or set \"create_directories\": "
+                                  "true to have gdskv create it")
+            os.makedirs(d, mode=0o700, exist_ok=True)
+
     def register_mem_pool_host(self, mem_pool_host) -> None:
         """Open this rank's store for the host pool's KV geometry (SGLang calls this once,
         right after construction). Unsupported pools raise here, at start-up."""
@@ -182,9 +201,9 @@ class GdskvHiCacheStorage(HiCacheStorage):
         else:  # layer_first: [kv, layers, tokens, heads, dim]
             self._pool_views = self._as_pool(buf)
         dirs = []
-        for d in self.config.directories:
+        for d in self.config.directories:  # each exists (checked at construction)
             sub = os.path.join(d, self.model_name, self.shard_dir)
-            os.makedirs(sub, exist_ok=True)
+            os.makedirs(sub, mode=0o700, exist_ok=True)
             dirs.append(sub)
         if self.is_mla and not self.is_writer:
             # Nothing is written from here; the writer rank owns the store and this rank
@@ -246,6 +265,10 @@ class GdskvHiCacheStorage(HiCacheStorage):
         idx = host_indices.reshape(-1).to("cpu", torch.int64)
         if idx.numel() != n * ps:
             raise ValueError(f"{idx.numel()} host indices for {n} pages of {ps} tokens")
+        num_pages = self._kv.shape[1]
+        if n and (int(idx.min()) < 0 or int(idx.max()) >= num_pages * ps):
+            raise ValueError(f"host index out of range: [{int(idx.min())}, {int(idx.max())}] "
+                             f"not within the host pool's {num_pages * ps} token slots")
         first = idx[::ps]
         if n and (bool((first % ps).any()) or not torch.equal(
                 idx.view(n, ps) - first[:, None], torch.arange(ps).expand(n, ps))):

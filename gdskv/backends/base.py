@@ -48,13 +48,60 @@ class ShortIOError(OSError):
 
 @dataclass
 class IOOutcome:
-    """Result of one write/read call: bytes moved and the extents that failed (index -> error)."""
+    """Result of one write/read call: bytes moved and the extents that failed (index -> error).
+
+    ``failed`` says, where the backend knows it, which buffer byte ranges ``[start, end)`` of a
+    failed extent were not moved (a short read ends part way: what came before it is whole);
+    an extent in ``errors`` without ranges failed as a whole."""
     nbytes: int = 0
     errors: dict[int, BaseException] = field(default_factory=dict)
+    failed: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
         return not self.errors
+
+    def fail(self, idx: int, exc: BaseException, piece: Extent) -> None:
+        """Record ``exc`` for extent ``idx``: the bytes of ``piece`` that did not move."""
+        self.errors.setdefault(idx, exc)
+        moved = exc.actual if isinstance(exc, ShortIOError) else 0
+        self.failed.setdefault(idx, []).append((piece.buffer_offset + moved,
+                                                piece.buffer_offset + piece.length))
+
+
+class WaitingFuture(Future):
+    """A Future completed by the thread that first asks for its result, which runs ``wait``.
+
+    For backends whose library already runs the I/O on its own threads and returns futures
+    (kvikio): a waiter thread in between only adds two thread hand-offs to every call, which a
+    1-page restore on fast media feels (bench/RESULTS.md, "Where the time goes"). Done-callbacks
+    run when the result is first asked for, so a caller must ask (``result``/``exception``);
+    ``concurrent.futures.wait`` on it alone would block."""
+
+    def __init__(self, wait: Callable[[], object]) -> None:
+        super().__init__()
+        self._wait: Callable[[], object] | None = wait
+        self._claim = threading.RLock()  # a done-callback may ask for the result again
+
+    def _complete(self) -> None:
+        with self._claim:  # a second asker waits here for the first one's answer
+            if self._wait is None:
+                return
+            wait, self._wait = self._wait, None  # drops the buffers it holds once done
+            try:
+                result = wait()
+            except BaseException as exc:  # noqa: BLE001 - handed to the asker as the outcome
+                self.set_exception(exc)
+            else:
+                self.set_result(result)
+
+    def result(self, timeout: float | None = None):
+        self._complete()
+        return super().result(timeout)
+
+    def exception(self, timeout: float | None = None):
+        self._complete()
+        return super().exception(timeout)
 
 
 class Backend(abc.ABC):
@@ -62,6 +109,15 @@ class Backend(abc.ABC):
 
     #: short name: "posix", "kvikio", "nixl"
     name: str = "?"
+    #: why :func:`gdskv.backends.create_backend` picked this backend ("" when built directly)
+    selected_because: str = ""
+
+    @classmethod
+    def unavailable_reason(cls, device: torch.device) -> str | None:
+        """Why this backend cannot do I/O on this host for ``device`` (None: it can). Asked
+        before building it, so a backend that would open and then fail every call is refused
+        at open, with the reason."""
+        return None
 
     @property
     @abc.abstractmethod
@@ -81,8 +137,16 @@ class Backend(abc.ABC):
         """Read file extents into ``buffer`` ranges; returns Future[IOOutcome]."""
 
     def describe(self) -> dict:
-        """What runs and why, for stats and logs (name, gpu_direct, fallbacks...)."""
-        return {"name": self.name, "gpu_direct": self.gpu_direct}
+        """What runs and why, for stats and logs: name, gpu_direct, ``selected`` (why it was
+        picked); implementations add their own (fallbacks, settings...)."""
+        return {"name": self.name, "gpu_direct": self.gpu_direct,
+                "selected": self.selected_because}
+
+    def direct_io(self) -> tuple[bool, str] | None:
+        """Whether this backend's file I/O bypasses the page cache (O_DIRECT), and why. None
+        (the default): it does its I/O on the store's file descriptors, so the store's answer
+        (``SlabStore.direct``) is what happens."""
+        return None
 
     def close(self) -> None:
         """Release handles and registrations. Idempotent."""
@@ -126,13 +190,15 @@ def io_pieces(extents: Sequence[Extent], threads: int, max_bytes: int
     return split_extents(extents, piece)
 
 
-def combine(futures: Sequence[tuple[int, Future]], *, after: Callable[[], None] | None = None
-            ) -> Future:
+def combine(futures: Sequence[tuple[int, Extent, Future]], *,
+            after: Callable[[], None] | None = None) -> Future:
     """One Future[IOOutcome] over per-piece futures that each resolve to a byte count.
 
-    ``futures`` pairs each piece's future with the index of its extent; an exception in a piece
-    is recorded against that extent. ``after`` runs once when all pieces are done (before the
-    outcome future is resolved), e.g. to copy a bounce buffer back to the GPU.
+    ``futures``: (index of the extent, the piece, its future); an exception in a piece is
+    recorded against that extent, with the piece's bytes that did not move. ``after`` runs once
+    when all pieces are done (before the outcome future is resolved), e.g. to copy a bounce
+    buffer back to the GPU; it runs after failed pieces too, so the pieces that completed reach
+    the buffer.
     """
     result: Future = Future()
     outcome = IOOutcome()
@@ -140,19 +206,19 @@ def combine(futures: Sequence[tuple[int, Future]], *, after: Callable[[], None] 
     remaining = [len(futures)]
 
     def finish() -> None:
-        if after is not None and outcome.ok:
+        if after is not None:
             try:
                 after()
             except BaseException as exc:  # noqa: BLE001 - reported as a failure of every extent
-                for idx, _ in futures:
-                    outcome.errors.setdefault(idx, exc)
+                for idx, piece, _ in futures:
+                    outcome.fail(idx, exc, piece)
         result.set_result(outcome)
 
-    def done(idx: int, fut: Future) -> None:
+    def done(idx: int, piece: Extent, fut: Future) -> None:
         exc = fut.exception()
         with lock:
             if exc is not None:
-                outcome.errors.setdefault(idx, exc)
+                outcome.fail(idx, exc, piece)
             else:
                 outcome.nbytes += fut.result()
             remaining[0] -= 1
@@ -162,6 +228,6 @@ def combine(futures: Sequence[tuple[int, Future]], *, after: Callable[[], None] 
 
     if not futures:
         finish()
-    for idx, fut in futures:
-        fut.add_done_callback(lambda f, idx=idx: done(idx, f))
+    for idx, piece, fut in futures:
+        fut.add_done_callback(lambda f, idx=idx, piece=piece: done(idx, piece, f))
     return result

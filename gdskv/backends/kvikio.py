@@ -6,25 +6,40 @@ bounce buffers with POSIX calls. Which one runs is kvikio's decision
 (``kvikio.defaults.is_compat_mode_preferred()``); this backend reports it in ``describe()`` and
 one log line, and ``gpu_direct`` is True only when compat mode is off.
 
-Settings are deliberate: kvikio's default of 1 thread serialises a batch; we set ``num_threads``
-to ``io_threads`` and ``task_size`` (and the compat-mode bounce buffer) to a quarter of
-``io_chunk_size``, at least 1 MiB (kvikio's settings are process-wide). Each extent (at most one
-stripe unit) is one kvikio call; measured on an H100 VM with 64 MiB calls on /dev/shm, 16 MiB
-tasks read at 11 GB/s and 4 MiB tasks at 23 GB/s.
-The module imports without a CUDA driver; the backend is only built where CUDA works.
+Settings. Each extent (at most one stripe unit) is one kvikio call, cut into tasks of a quarter
+of ``io_chunk_size`` (at least 1 MiB), passed with each ``pread``/``pwrite``: measured on an H100
+VM with 64 MiB calls on /dev/shm, 16 MiB tasks read at 11 GB/s and 4 MiB tasks at 23 GB/s.
+kvikio keeps its other settings process-wide (``kvikio.defaults``), under the engine that hosts
+gdskv, which may use kvikio itself. The ones this backend needs -- ``num_threads`` (kvikio's
+default of 1 thread serialises a batch) = ``io_threads``, the compat-mode ``bounce_buffer_size``
+= the task size, and compat mode's ``auto_direct_io_read``/``_write`` = the store's O_DIRECT
+answer -- are set only where nobody else did (:func:`claim_settings`); a value the host process
+or a ``KVIKIO_*`` variable set stands, and ``describe()``/:meth:`direct_io` report what is in
+force. What was set and what was kept is logged once.
+
+O_DIRECT has one owner, the store (it probes the file system); this backend asks kvikio for the
+same, and :meth:`KvikioBackend.direct_io` reports what kvikio does (its file handles and the
+settings in force), which is what the tier's ``o_direct`` stat shows.
+
+The module imports without a CUDA driver (kvikio opens files and reads its settings on CPU);
+I/O needs CUDA.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import logging
+import os
 import threading
-from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
 
 import torch
 
 from ..config import TierConfig
-from .base import MIN_PIECE_BYTES, Backend, Extent, IOOutcome, SlabFile, split_extents
+from .base import (MIN_PIECE_BYTES, Backend, Extent, IOOutcome, ShortIOError, SlabFile,
+                   WaitingFuture, split_extents)
 
 log = logging.getLogger("gdskv.kvikio")
 
@@ -35,22 +50,76 @@ def _kvikio():
     return kvikio
 
 
+#: kvikio's own defaults for the process-wide settings gdskv sets (kvikio 26.x "Runtime
+#: Settings"). A setting still at this value was set by nobody; one set explicitly to the same
+#: value cannot be told apart and is taken as unset.
+KVIKIO_DEFAULTS: dict[str, object] = {"num_threads": 1, "bounce_buffer_size": 16 << 20,
+                                      "auto_direct_io_read": False, "auto_direct_io_write": True}
+#: the environment variables kvikio reads each of them from
+KVIKIO_ENV: dict[str, tuple[str, ...]] = {
+    "num_threads": ("KVIKIO_NTHREADS", "KVIKIO_NUM_THREADS"),
+    "bounce_buffer_size": ("KVIKIO_BOUNCE_BUFFER_SIZE",),
+    "auto_direct_io_read": ("KVIKIO_AUTO_DIRECT_IO_READ",),
+    "auto_direct_io_write": ("KVIKIO_AUTO_DIRECT_IO_WRITE",)}
+
+_settings_lock = threading.Lock()
+_set_by_gdskv: dict[str, object] = {}   # what gdskv set in this process
+_logged: set[str] = set()
+
+
+def claim_settings(wanted: Mapping[str, object], environ: Mapping[str, str] = os.environ
+                   ) -> dict[str, tuple[object, str]]:
+    """Set the kvikio process-wide settings in ``wanted`` that nobody else set.
+
+    A setting is left as it is when a ``KVIKIO_*`` variable names it, when it no longer holds
+    kvikio's default (the host process set it), or when an earlier gdskv tier of this process set
+    it (one value per process: changing it would change that tier's I/O). Returns, per setting,
+    the value in force and who set it; logs each distinct outcome once.
+    """
+    defaults = _kvikio().defaults
+    out: dict[str, tuple[object, str]] = {}
+    with _settings_lock:
+        for key, value in wanted.items():
+            current = defaults.get(key)
+            env = next((v for v in KVIKIO_ENV[key] if v in environ), None)
+            if env is not None:
+                out[key] = (current, env)
+            elif key in _set_by_gdskv and _set_by_gdskv[key] == current:
+                out[key] = (current, "gdskv (an earlier tier)")
+            elif current != KVIKIO_DEFAULTS[key]:
+                out[key] = (current, "the host process")
+            else:
+                if current != value:
+                    defaults.set(key, value)  # a plain call (no `with`): stays set
+                _set_by_gdskv[key] = value
+                out[key] = (value, "gdskv")
+        line = "; ".join(f"{k}={v} ({who})" for k, (v, who) in sorted(out.items()))
+        if line not in _logged:
+            _logged.add(line)
+            log.info("kvikio process-wide settings in force (set by): %s", line)
+    return out
+
+
 class KvikioBackend(Backend):
     name = "kvikio"
 
+    @classmethod
+    def unavailable_reason(cls, device: torch.device) -> str | None:
+        # kvikio opens files and reads its settings without CUDA, but every pread/pwrite
+        # (compat mode and host buffers included) loads the CUDA driver first.
+        try:
+            ctypes.CDLL("libcuda.so.1")
+        except OSError as exc:
+            return f"kvikio needs the CUDA driver (libcuda.so.1) for every read and write: {exc}"
+        return None
+
     def __init__(self, config: TierConfig, device: torch.device | str = "cuda") -> None:
         kvikio = _kvikio()
-        direct = config.direct_io.value != "off"
         # Tasks of a quarter stripe unit: a 64 MiB call over 16 MiB stripes still spreads over
         # 16 threads, from one kvikio call per extent (each Python->C call costs GIL hand-offs).
-        task = max(MIN_PIECE_BYTES, config.io_chunk_size // 4)
-        settings = {"num_threads": config.io_threads, "task_size": task,
-                    # compat mode bounces through buffers of this size: one per task
-                    "bounce_buffer_size": task,
-                    # compat mode: use O_DIRECT for aligned I/O (the page cache only costs here)
-                    "auto_direct_io_read": direct, "auto_direct_io_write": direct}
-        kvikio.defaults.set(settings)
-        self._settings = settings
+        self._task = max(MIN_PIECE_BYTES, config.io_chunk_size // 4)
+        self._threads = config.io_threads
+        self._settings: dict[str, tuple[object, str]] = {}
         self._compat = bool(kvikio.defaults.is_compat_mode_preferred())
         try:
             import kvikio.cufile_driver
@@ -62,9 +131,7 @@ class KvikioBackend(Backend):
         self._files: list = []
         self._registered: dict[tuple[int, int], torch.Tensor] = {}
         self._lock = threading.Lock()
-        # kvikio futures block in .get(); one waiter thread per call the tier keeps in flight.
-        self._waiters: ThreadPoolExecutor | None = ThreadPoolExecutor(
-            max(2, config.pipeline_depth), thread_name_prefix="gdskv-kvikio")
+        self._closed = False
         if self._compat:
             log.warning("kvikio: cuFile runs in compat mode (no GPUDirect Storage: nvidia-fs "
                         "loaded=%s); bytes go through host bounce buffers", self._nvidia_fs)
@@ -80,15 +147,45 @@ class KvikioBackend(Backend):
         return self._compat
 
     def describe(self) -> dict:
-        return {"name": self.name, "gpu_direct": self.gpu_direct, "compat_mode": self._compat,
-                "nvidia_fs_loaded": self._nvidia_fs, **self._settings,
+        return {**super().describe(), "compat_mode": self._compat,
+                "nvidia_fs_loaded": self._nvidia_fs, "task_size": self._task,
+                "settings": {k: {"value": v, "set_by": who}
+                             for k, (v, who) in self._settings.items()},
                 "kvikio_version": getattr(_kvikio(), "__version__", "?")}
 
     def attach(self, files: Sequence[SlabFile]) -> None:
         kvikio = _kvikio()
+        direct = bool(files) and all(f.direct for f in files)  # the store's answer
+        self._settings = claim_settings({
+            "num_threads": self._threads,
+            # compat mode bounces through buffers of this size: one per task
+            "bounce_buffer_size": self._task,
+            # compat mode: O_DIRECT for aligned I/O exactly where the store got it
+            "auto_direct_io_read": direct, "auto_direct_io_write": direct})
         # "r+": read/write without truncating the preallocated slabs. CuFile opens its own
-        # O_DIRECT and buffered fds; the store's fds stay for fdatasync.
+        # O_DIRECT and buffered fds (whether it may use O_DIRECT is fixed when it opens); the
+        # store's fds stay for fdatasync.
         self._files = [kvikio.CuFile(f.path, "r+") for f in files]
+        self._paths = [f.path for f in files]
+
+    def direct_io(self) -> tuple[bool, str] | None:
+        """Whether kvikio reads and writes the slab files with O_DIRECT, and why: its file
+        handles' answer and, in compat mode, the ``auto_direct_io_*`` settings in force now."""
+        if not self._files:
+            return None
+        handles = all(f.is_direct_io_supported() for f in self._files)
+        if not self._compat:
+            return handles, ("cuFile (GPUDirect Storage) does its I/O on its O_DIRECT handles"
+                             if handles else "kvikio's file handles have no O_DIRECT")
+        defaults = _kvikio().defaults
+        flags = {op: bool(defaults.get(f"auto_direct_io_{op}")) for op in ("read", "write")}
+        who = {op: self._settings.get(f"auto_direct_io_{op}", (None, "?"))[1]
+               for op in ("read", "write")}
+        why = ", ".join(f"auto_direct_io_{op}={flags[op]} (set by {who[op]})"
+                        for op in ("read", "write"))
+        if not handles:
+            return False, f"kvikio compat mode: its file handles have no O_DIRECT; {why}"
+        return flags["read"] and flags["write"], f"kvikio compat mode: {why}"
 
     def _register(self, buffer: torch.Tensor) -> None:
         """Register a long-lived staging buffer with cuFile once (a no-op in compat mode)."""
@@ -109,7 +206,7 @@ class KvikioBackend(Backend):
         return self._submit("pread", buffer, extents)
 
     def _submit(self, op: str, buffer: torch.Tensor, extents: Sequence[Extent]) -> Future:
-        if self._waiters is None:
+        if self._closed:
             raise RuntimeError("kvikio backend is closed")
         self._register(buffer)
         target = buffer if buffer.device.type == "cuda" else buffer.numpy()
@@ -121,29 +218,28 @@ class KvikioBackend(Backend):
             try:
                 view = target[piece.buffer_offset:piece.buffer_offset + piece.length]
                 started.append((i, piece, getattr(self._files[piece.file], op)(
-                    view, piece.length, piece.file_offset)))
+                    view, piece.length, piece.file_offset, self._task)))
             except Exception as exc:  # noqa: BLE001 - recorded against this extent
-                outcome.errors.setdefault(i, exc)
-        return self._waiters.submit(self._wait, started, outcome, buffer)
+                outcome.fail(i, exc, piece)
+        # kvikio's own threads do the I/O; the caller's thread waits on kvikio's futures when it
+        # asks for the outcome (IOFuture.get releases the GIL): no waiter thread in between.
+        return WaitingFuture(functools.partial(self._wait, started, outcome, buffer, op))
 
-    @staticmethod
-    def _wait(started, outcome: IOOutcome, buffer: torch.Tensor) -> IOOutcome:
+    def _wait(self, started, outcome: IOOutcome, buffer: torch.Tensor, op: str) -> IOOutcome:
         # ``buffer`` is an argument so it stays alive until every future has completed.
         for i, piece, fut in started:
             try:
                 n = fut.get()
                 if n != piece.length:
-                    raise OSError(f"kvikio moved {n} of {piece.length} bytes at file offset "
-                                  f"{piece.file_offset}")
+                    raise ShortIOError(op[1:], self._paths[piece.file], piece.file_offset,
+                                       piece.length, n)
                 outcome.nbytes += n
             except Exception as exc:  # noqa: BLE001 - recorded against this extent
-                outcome.errors.setdefault(i, exc)
+                outcome.fail(i, exc, piece)
         return outcome
 
     def close(self) -> None:
-        if self._waiters is not None:
-            self._waiters.shutdown(wait=True)
-            self._waiters = None
+        self._closed = True
         if self._registered:
             import kvikio.buffer
             for buf in self._registered.values():

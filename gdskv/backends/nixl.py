@@ -253,7 +253,7 @@ class NixlBackend(Backend):
         return self._plugin
 
     def describe(self) -> dict:
-        return {"name": self.name, "plugin": self._plugin, "gpu_direct": self._direct,
+        return {**super().describe(), "plugin": self._plugin,
                 "fallback_reason": self._fallback_reason,
                 "bounce": self._device.type == "cuda" and not self._direct,
                 "posix_queue": self._posix_queue if self._plugin == "POSIX" else None,

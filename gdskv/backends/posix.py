@@ -38,8 +38,7 @@ class PosixBackend(Backend):
         self._files = list(files)
 
     def describe(self) -> dict:
-        return {"name": self.name, "gpu_direct": False, "threads": self._threads,
-                "io_chunk_size": self._chunk,
+        return {**super().describe(), "threads": self._threads, "io_chunk_size": self._chunk,
                 "gpu_buffers": "staged through a pinned host mirror"}
 
     def write(self, buffer: torch.Tensor, extents: Sequence[Extent]) -> Future:
@@ -59,7 +58,7 @@ class PosixBackend(Backend):
         for idx, piece in io_pieces(extents, self._threads, self._chunk):
             f = self._files[piece.file]
             mv = view[piece.buffer_offset:piece.buffer_offset + piece.length]
-            futures.append((idx, self._pool.submit(fn, f, mv, piece.file_offset)))
+            futures.append((idx, piece, self._pool.submit(fn, f, mv, piece.file_offset)))
         return combine(futures, after=after)
 
     def close(self) -> None:

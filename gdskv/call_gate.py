@@ -1,0 +1,62 @@
+"""The tier's call gate: data calls run together; a few maintenance steps run alone.
+
+Data calls (put/get) enter shared and overlap each other. Follower catch-up, ``clear`` and
+``close`` enter alone: they wait for the calls in flight, and no call starts meanwhile. A
+waiting alone-entry holds back new shared ones, so a stream of overlapping calls cannot starve
+it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+
+class CallGate:
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._active = 0
+        self._alone = False
+        self._waiting = 0
+
+    @contextlib.contextmanager
+    def shared(self):
+        with self._cond:
+            while self._alone or self._waiting:
+                self._cond.wait()
+            self._active += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._active -= 1
+                if not self._active:
+                    self._cond.notify_all()
+
+    def enter_alone(self, blocking: bool = True) -> bool:
+        """Enter alone (waiting for the calls in flight); with ``blocking=False`` give up and
+        return False instead of waiting."""
+        with self._cond:
+            if not blocking and (self._active or self._alone):
+                return False
+            self._waiting += 1
+            try:
+                while self._active or self._alone:
+                    self._cond.wait()
+            finally:
+                self._waiting -= 1
+            self._alone = True
+            return True
+
+    def leave_alone(self) -> None:
+        with self._cond:
+            self._alone = False
+            self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def alone(self):
+        self.enter_alone()
+        try:
+            yield
+        finally:
+            self.leave_alone()

@@ -1,0 +1,178 @@
+"""The page directory and the journal that persists it: the journal <-> directory logic.
+
+A writer tier journals a COMMIT for every page it makes READY and an EVICT for every page it
+drops. At open, recovery replays the journal into the directory; when the journal holds far
+more records than live pages, compaction rewrites it to one COMMIT per live page (at open and
+at close). A read-only follower never writes the journal: it loads the writer's journal the same
+way at open, then catches up with what the writer appended since, starting over when the writer
+compacted (or cut) it. Recovery and catch-up keep the same records: a slot this store has, in a
+slab file not replaced since, checksummed with an algorithm this process can verify, and the
+newest COMMIT per slot (an EVICT lost in a crash: the newer commit owns the slot).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Hashable, Iterable
+
+import numpy as np
+
+from . import checksum
+from .config import Eviction, SyncPolicy, TierConfig
+from .directory import PageDirectory
+from .journal import Journal, JournalFollower, Record, RecordKind, live_records
+from .stats import TierStats
+from .store import SlabStore
+
+log = logging.getLogger("gdskv.persistence")
+
+#: compaction runs when the journal holds more than 2 x live pages + this many records
+COMPACT_SLACK = 1024
+
+
+class PersistentDirectory:
+    """A tier's :class:`PageDirectory` (``directory``) and its journal (``journal``).
+
+    ``log_once(tag, msg, *args)``: the tier's warn-once logger (one line per kind of failure).
+    """
+
+    def __init__(self, store: SlabStore, config: TierConfig, stats: TierStats,
+                 log_once: Callable[..., None]) -> None:
+        self.store = store
+        self.read_only = bool(config.read_only)
+        self._stats = stats
+        self._log_once = log_once
+        self.directory = PageDirectory(store.num_slots, evict=config.eviction == Eviction.LRU,
+                                       follower=self.read_only)
+        if self.read_only:
+            self.journal: Journal | JournalFollower = JournalFollower(store.journal_path)
+            # seq of the COMMIT that put each slot's page there: the newest one wins
+            self._slot_seq = np.zeros(store.num_slots, dtype=np.uint64)
+        else:
+            self.journal = Journal(store.journal_path, sync=config.sync == SyncPolicy.DATA)
+        try:
+            self._recover()
+        except BaseException:
+            self.journal.close()
+            raise
+
+    # -- recovery --------------------------------------------------------------------------------
+    def _recover(self) -> None:
+        t0 = time.perf_counter()
+        if self.read_only:  # never cut, rewrite or compact the writer's journal
+            _, records = self.journal.poll()
+            live, nrec = live_records(records), len(records)
+        else:
+            live, nrec = self.journal.replay()
+        recovered = self._servable(live.values(), self.store.replaced_files)
+        self._load(self.directory, recovered)
+        if not self.read_only and nrec > 2 * len(recovered) + COMPACT_SLACK:
+            self._rewrite(recovered, "at open")
+        self._stats.add(recovered_pages=len(recovered),
+                        recovery_seconds=time.perf_counter() - t0)
+        if recovered:
+            log.info("gdskv: recovered %d pages from %s in %.3f s", len(recovered),
+                     self.journal.path, time.perf_counter() - t0)
+
+    def _servable(self, live: Iterable[Record], replaced: set[int]) -> list[Record]:
+        """The live COMMITs this store can serve, the newest one per slot, oldest first (LRU
+        order)."""
+        by_slot: dict[int, Record] = {}
+        unknown = 0
+        for rec in live:
+            if rec.slot >= self.store.num_slots or \
+                    (replaced and self.store.location(rec.slot)[0] in replaced):
+                continue
+            if not checksum.known(rec.algorithm):  # cannot be verified: a miss, not a risk
+                unknown += 1
+                continue
+            cur = by_slot.get(rec.slot)
+            if cur is None or rec.seq > cur.seq:
+                by_slot[rec.slot] = rec
+        if unknown:
+            self._log_once("unknown-algo", "gdskv: dropped %d pages checksummed with an "
+                           "algorithm this process cannot verify", unknown)
+        return sorted(by_slot.values(), key=lambda r: r.seq)
+
+    def _load(self, directory: PageDirectory, recovered: list[Record]) -> None:
+        directory.load([r.key for r in recovered], [r.slot for r in recovered],
+                       [r.checksum for r in recovered], [r.algorithm for r in recovered])
+        if self.read_only:
+            self._slot_seq[:] = 0
+            self._slot_seq[[r.slot for r in recovered]] = [r.seq for r in recovered]
+
+    # -- the writer's records --------------------------------------------------------------------
+    def journal_commits(self, pages: Iterable[tuple[Hashable, int, int, int]]) -> None:
+        """Journal ``(key, slot, checksum, algorithm)`` pages as READY (durable when the call
+        returns, per the sync policy). Raises OSError: the pages must then not become READY."""
+        self.journal.append(Record(RecordKind.COMMIT, self.journal.next_seq(), slot, csum, algo,
+                                   key) for key, slot, csum, algo in pages)
+
+    def journal_evictions(self, evicted: list[tuple[Hashable, int]]) -> None:
+        """Journal pages the directory dropped (a follower only forgets them locally)."""
+        if not evicted or self.read_only:
+            return
+        try:
+            self.journal.append(Record(RecordKind.EVICT, self.journal.next_seq(), slot, 0, 0, key)
+                                for key, slot in evicted)
+        except OSError as exc:
+            # The slot may be rewritten later; its old COMMIT then fails its checksum on replay.
+            self._log_once("evict-journal", "journaling %d evictions failed: %s", len(evicted),
+                           exc)
+
+    def compact(self) -> None:
+        """Rewrite the journal to one COMMIT per live page if it has grown long (the writer, with
+        no data call in flight)."""
+        if self.read_only or self.journal.records_written <= \
+                2 * len(self.directory) + COMPACT_SLACK:
+            return
+        self._rewrite([Record(RecordKind.COMMIT, n + 1, slot, csum, algo, key) for n,
+                       (key, slot, csum, algo) in enumerate(self.directory.ready_entries())],
+                      "at close")
+
+    def _rewrite(self, records: list[Record], when: str) -> None:
+        try:
+            self.journal.rewrite(records)
+        except OSError as exc:  # e.g. ENOSPC: the long journal is still valid
+            log.warning("gdskv: journal compaction %s failed: %s", when, exc)
+
+    # -- read-only follower ----------------------------------------------------------------------
+    def catch_up(self) -> int:
+        """Apply the writer's journal records appended since the last catch-up; returns how many
+        changed the directory (all of them after the writer compacted). Call it alone: no data
+        call in flight, so no page is pinned."""
+        try:
+            reset, records = self.journal.poll()
+        except OSError as exc:  # the pages we know stay readable (and verified)
+            self._log_once("follow", "read-only tier: cannot read the writer's journal %s: %s",
+                           self.journal.path, exc)
+            return 0
+        if reset:  # the writer compacted (or restarted and cut) its journal: start over
+            directory = PageDirectory(self.store.num_slots, evict=False, follower=True)
+            self._load(directory, self._servable(live_records(records).values(), set()))
+            self.directory = directory
+            self._stats.add(follower_resets=1, follower_records=len(records))
+            return len(records)
+        commit, num_slots, seqs = RecordKind.COMMIT, self.store.num_slots, self._slot_seq
+        applied = 0
+        for rec in records:
+            if rec.kind is commit:
+                if rec.slot >= num_slots or rec.seq < int(seqs[rec.slot]) or \
+                        not checksum.known(rec.algorithm):
+                    continue
+                if self.directory.place(rec.key, rec.slot, rec.checksum, rec.algorithm):
+                    seqs[rec.slot] = rec.seq
+                    applied += 1
+            elif self.directory.drop(rec.key, rec.slot):
+                applied += 1
+        if records:
+            self._stats.add(follower_records=len(records))
+        return applied
+
+    def removed_files(self) -> list[str]:
+        """The writer's journal, if it was unlinked while open (a follower checks nothing)."""
+        return [] if self.read_only or not self.journal.removed() else [self.journal.path]
+
+    def close(self) -> None:
+        self.journal.close()

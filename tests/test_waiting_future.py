@@ -1,0 +1,49 @@
+"""WaitingFuture: the backend future that the asking thread completes (no waiter thread)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from gdskv.backends.base import WaitingFuture
+
+
+def test_the_asking_thread_runs_the_wait_once_and_callbacks_follow():
+    ran_in, seen = [], []
+    fut = WaitingFuture(lambda: ran_in.append(threading.current_thread().name) or 42)
+    fut.add_done_callback(lambda f: seen.append(f.result()))
+    assert not fut.done() and ran_in == [] and seen == []  # nothing runs until asked
+    assert fut.result() == 42
+    assert fut.result() == 42 and fut.exception() is None
+    assert ran_in == [threading.current_thread().name]  # once, in this thread
+    assert seen == [42] and fut.done()
+
+
+def test_an_exception_of_the_wait_is_the_outcome():
+    def boom():
+        raise OSError(5, "EIO")
+
+    fut = WaitingFuture(boom)
+    assert isinstance(fut.exception(), OSError)
+    with pytest.raises(OSError):
+        fut.result()
+
+
+def test_concurrent_askers_share_one_wait():
+    release, calls = threading.Event(), []
+
+    def wait():
+        calls.append(1)
+        release.wait(5)
+        return "done"
+
+    fut = WaitingFuture(wait)
+    out = []
+    threads = [threading.Thread(target=lambda: out.append(fut.result())) for _ in range(4)]
+    for t in threads:
+        t.start()
+    release.set()
+    for t in threads:
+        t.join(5)
+    assert out == ["done"] * 4 and calls == [1]
