@@ -253,6 +253,7 @@ def test_connector_reports_failed_blocks_to_the_scheduler(tmp_path):
     several."""
     for groups in (1, 2):
         d = tmp_path / f"g{groups}"
+        d.mkdir()
         spec = make_spec(offloading_config(extra(d)))
         caches = kv_caches(8, [2], seed=6)
         manager, cw = spec.get_manager(), connector_worker(spec, caches)
@@ -316,6 +317,8 @@ def test_spec_refuses_unsupported_setups_at_start(tmp_path):
         make_spec(offloading_config(extra(tmp_path, capacity="lots")))
     with pytest.raises(ConfigError, match="directories"):
         make_spec(offloading_config({**SPEC, "gdskv": {}}))
+    with pytest.raises(ConfigError, match="'.*/unmounted' is not an existing directory"):
+        make_spec(offloading_config(extra(tmp_path / "unmounted")))
     # a group whose layers hold different bytes per block (e.g. attention + Mamba state)
     spec = make_spec(offloading_config(extra(tmp_path), groups=((0, 2),)))
     caches = kv_caches(4, [2])

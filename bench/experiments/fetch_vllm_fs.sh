@@ -3,7 +3,7 @@
 # git-ignored .whl-vllm/, what vllm_fs_tier.py needs on the GPU machine, which has no vLLM:
 #   .whl-vllm/*.whl   Python 3.12 wheels of the fs tier's import chain that the GPU image lacks
 #                     (it has torch, transformers, numpy, pillow, psutil, aiohttp, requests, tqdm,
-#                     pyyaml; see bench/fetch_sglang_wheels.sh), about 25 MB;
+#                     pyyaml; see bench/device/fetch_sglang_wheels.sh), about 25 MB;
 #   .whl-vllm/py/     the vLLM modules `import vllm.v1.kv_offload.tiering.fs.manager` loads,
 #                     copied from the installed vllm 0.33.0 wheel (about 300 .py files, 4.8 MB;
 #                     never committed), plus vllm/fs_io_C.abi3.so.

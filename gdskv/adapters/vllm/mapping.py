@@ -58,16 +58,19 @@ def tier_config(options: Mapping, *, where: str) -> TierConfig:
     if unknown:
         raise ConfigError(f"{where}: unknown gdskv option(s) {unknown}; known: "
                           f"{', '.join(sorted(TIER_FIELDS))}")
-    values = dict(options)
-    if isinstance(values.get("directories"), list):
-        values["directories"] = tuple(values["directories"])
     try:
-        config = TierConfig.from_env(**values)
+        config = TierConfig.from_env(**options)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{where}: {exc}") from None
     if not config.directories:
         raise ConfigError(f"{where}: no store directory: set \"directories\" or "
                           f"GDSKV_DIRECTORIES")
+    # The configured directories must exist (a missing one is often an unmounted drive); the
+    # stores' sub-directories are made under them.
+    for d in config.directories:
+        if not os.path.isdir(d):
+            raise ConfigError(f"{where}: directories: {d!r} is not an existing directory (an "
+                              f"unmounted drive?); create it or mount the drive")
     return config
 
 
