@@ -26,7 +26,7 @@ from vllm.v1.kv_offload.base import (GPULoadStoreSpec, LookupResult, ReqContext,
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
 
 from gdskv.adapters.vllm.connector import GdskvOffloadingConnector  # noqa: E402
-from gdskv.adapters.vllm.spec import (GdskvOffloadingSpec,  # noqa: E402
+from gdskv.adapters.vllm.spec import (GdskvKeysSpec, GdskvOffloadingSpec,  # noqa: E402
                                       built_by_gdskv_connector)
 from gdskv.config import ConfigError  # noqa: E402
 from vllm_helpers import block_bytes, kv_caches, keys, offloading_config  # noqa: E402
@@ -325,3 +325,18 @@ def test_spec_refuses_unsupported_setups_at_start(tmp_path):
     caches.group_data_refs[0][1].page_size_bytes //= 2
     with pytest.raises(ValueError, match="same bytes per block"):
         spec.get_worker(caches)
+
+
+def test_a_job_whose_keys_do_not_match_its_blocks_moves_nothing(tmp_path):
+    spec = make_spec(offloading_config(extra(tmp_path)))
+    caches = kv_caches(8, [2], seed=8)
+    manager, cw = spec.get_manager(), connector_worker(spec, caches)
+    wrong_group, short = keys(2, group_id=3), keys(1)
+    for job_id, ks in ((1, wrong_group), (2, short)):
+        job = TransferJob("r", GPULoadStoreSpec([1, 2], [2], [0]), GdskvKeysSpec(ks))
+        cw.prepare_store_kv(OffloadingConnectorMetadata({}, {job_id: job}))
+        cw.start_kv_transfers(OffloadingConnectorMetadata({}, {}))
+        run_until_done(cw, {job_id})  # finished, as vLLM's worker needs, with nothing stored
+    tier = cw.worker.transfers.tiers[0]
+    assert tier.stats()["pages_stored"] == 0 and tier.stats().get("bytes_written", 0) == 0
+    cw.shutdown()

@@ -174,15 +174,20 @@ class GdskvOffloadingWorker(OffloadingWorker):
                  "; ".join(f"group {g.group_id}: {len(g.rows)} layers x {g.row_bytes} B per "
                            f"block" for g in geometries))
 
-    @staticmethod
-    def _parts(gpu_spec: GPULoadStoreSpec, keys: list):
-        """(group position, keys, block ids) per group: vLLM orders both group by group."""
-        if sum(gpu_spec.group_sizes) != len(keys):  # keys and blocks disagree: the job fails
+    def _parts(self, gpu_spec: GPULoadStoreSpec, keys: list):
+        """(group position, keys, block ids) per group: vLLM orders both group by group. A job
+        whose keys and blocks disagree (in count, or a key of another group) moves nothing."""
+        groups = self.transfers.groups
+        if sum(gpu_spec.group_sizes) != len(keys) or len(gpu_spec.group_sizes) != len(groups):
             yield 0, keys, []
             return
         offset = 0
         for pos, size in enumerate(gpu_spec.group_sizes):
-            yield pos, keys[offset:offset + size], gpu_spec.block_ids[offset:offset + size]
+            part = keys[offset:offset + size]
+            if any(get_offload_group_idx(k) != groups[pos].group_id for k in part):
+                yield pos, part, []
+            else:
+                yield pos, part, gpu_spec.block_ids[offset:offset + size]
             offset += size
 
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
