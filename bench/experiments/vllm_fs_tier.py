@@ -15,6 +15,9 @@ Durability, side by side: vLLM's fs tier writes a temp file and renames it, with
 gdskv runs twice, ``sync=data`` (fdatasync before a page is READY, the default) and
 ``sync=none`` (no fsync, like the fs tier).
 
+Result it produced: ``cpu-2026-11-23/vllm-fs-tier/`` (the development machine, /dev/shm and
+disk); on the GPU machine it runs from the carried ``.whl-vllm/`` (``fetch_vllm_fs.sh``).
+
 Run in .venv-vllm (tests/run_vllm.sh builds it)::
 
     .venv-vllm/bin/python bench/experiments/vllm_fs_tier.py --directory /dev/shm/bench \
