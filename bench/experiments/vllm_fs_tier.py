@@ -11,6 +11,10 @@ where the files *are* memory), and every byte is compared.
 Geometry: Llama-3-8B (32 layers, 8 KV heads, head_dim 128, bf16) at vLLM's default block size
 of 16 tokens: 2 MiB per block and worker (TP 1).
 
+A third line, ``raw-rows``, is no tier: the rows go straight to and from one preallocated file
+with an xxh3 pass each, on the same threads. It is the ceiling for a checksumming tier on that
+storage and machine.
+
 Durability, side by side: vLLM's fs tier writes a temp file and renames it, with no fsync;
 gdskv runs twice, ``sync=data`` (fdatasync before a page is READY, the default) and
 ``sync=none`` (no fsync, like the fs tier).
@@ -84,6 +88,47 @@ def drop_cache(root: str) -> int:
     return n
 
 
+def raw_rows(root: str, rows: np.ndarray, view: memoryview, n: int, threads: int):
+    """The ceiling for any tier that checksums: rows straight to and from one preallocated file
+    (O_DIRECT where the file system takes it) on ``threads`` threads, an xxh3 pass per row, no
+    staging, no metadata, no durability. Returns (write s, read s, O_DIRECT used)."""
+    import xxhash
+    from concurrent.futures import ThreadPoolExecutor
+    size = rows.shape[1]
+    path = os.path.join(root, "rows.bin")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    os.posix_fallocate(fd, 0, n * size)
+    os.close(fd)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_DIRECT)
+        direct = True
+    except OSError:
+        fd, direct = os.open(path, os.O_RDWR), False
+    flat = view.cast("B")
+
+    def write(i):
+        xxhash.xxh3_64_intdigest(flat[i * size:(i + 1) * size])
+        os.pwritev(fd, [flat[i * size:(i + 1) * size]], i * size)
+
+    def read(i):
+        os.preadv(fd, [flat[(n + i) * size:(n + i + 1) * size]], i * size)
+        xxhash.xxh3_64_intdigest(flat[(n + i) * size:(n + i + 1) * size])
+
+    try:
+        with ThreadPoolExecutor(threads) as pool:
+            t0 = time.perf_counter()
+            list(pool.map(write, range(n)))
+            wt = time.perf_counter() - t0
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            rows[n:] = 0
+            t0 = time.perf_counter()
+            list(pool.map(read, range(n)))
+            rt = time.perf_counter() - t0
+    finally:
+        os.close(fd)
+    return wt, rt, direct
+
+
 def run_jobs(tier, TransferJob, keys, chunks, job_blocks: int, *, load: bool, first_id: int):
     jobs = {}
     t0 = time.perf_counter()
@@ -119,6 +164,7 @@ def bench(args) -> dict:
         "gdskv-sync-none": {"type": "GdskvSecondaryTier",
                             "module_path": "gdskv.adapters.vllm.secondary", "sync": "none",
                             "capacity": str(2 * args.size), "io_threads": args.threads},
+        "raw-rows": {"type": "raw"},
     }
     out = {"date": str(date.today()), "host": platform.node(), "cpus": os.cpu_count(),
            "python": sys.version.split()[0], "directory": args.directory,
@@ -127,7 +173,8 @@ def bench(args) -> dict:
            "vllm_fs_io_C": bool(fs_io._HAS_FSIO_C),
            "durability": {"vllm-fs": "tmp file + rename, no fsync",
                           "gdskv-sync-data": "fdatasync slab files + journal before READY",
-                          "gdskv-sync-none": "no fsync (like vllm-fs)"},
+                          "gdskv-sync-none": "no fsync (like vllm-fs)",
+                          "raw-rows": "no fsync; one file, no metadata (a ceiling, not a tier)"},
            "runs": {}}
     extra = {k: json.loads(v) if v.isdigit() or v in ("true", "false") else v
              for k, v in (opt.split("=", 1) for opt in args.gdskv)}
@@ -139,6 +186,17 @@ def bench(args) -> dict:
             root = os.path.join(args.directory, name)
             shutil.rmtree(root, ignore_errors=True)
             os.makedirs(root)
+            if name == "raw-rows":
+                wt, rt, direct = raw_rows(root, rows, view, n, args.threads)
+                ok = bool(np.array_equal(rows[:n], rows[n:]))
+                run = {"write_GBps": n * LLAMA3_8B_BLOCK / wt / 1e9,
+                       "read_GBps": n * LLAMA3_8B_BLOCK / rt / 1e9, "write_s": wt, "read_s": rt,
+                       "verified": ok, "o_direct": direct}
+                out["runs"].setdefault(name, []).append(run)
+                shutil.rmtree(root, ignore_errors=True)
+                print(f"rep {rep} {name:16s} write {run['write_GBps']:6.2f} GB/s  read "
+                      f"{run['read_GBps']:6.2f} GB/s  verified={ok}", flush=True)
+                continue
             cfg = dict(cfg, **({"root_dir": root} if cfg["type"] == "fs" else
                                {"directories": root}))
             tier = Factory.create_secondary_tier(cfg, view, spec)
@@ -183,7 +241,7 @@ def main(argv=None) -> int:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--gdskv", action="append", default=[], metavar="FIELD=VALUE",
                    help="a TierConfig option for both gdskv runs (repeatable)")
-    p.add_argument("--engines", default="vllm-fs,gdskv-sync-data,gdskv-sync-none")
+    p.add_argument("--engines", default="vllm-fs,gdskv-sync-data,gdskv-sync-none,raw-rows")
     p.add_argument("--output")
     args = p.parse_args(argv)
     out = bench(args)
