@@ -73,6 +73,16 @@ def slot_location(tier, key) -> tuple[str, int]:
     return tier.store.files[f].path, off
 
 
+def flip_byte(tier, key, offset: int) -> None:
+    """Damage a stored page on disk: invert one byte of its payload."""
+    path, off = slot_location(tier, key)
+    with open(path, "r+b") as fh:
+        fh.seek(off + offset)
+        byte = fh.read(1)[0]
+        fh.seek(off + offset)
+        fh.write(bytes([byte ^ 0xFF]))
+
+
 def forkserver():
     """A multiprocessing context whose server has torch, gdskv and these helpers imported."""
     ctx = multiprocessing.get_context("forkserver")

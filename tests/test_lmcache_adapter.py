@@ -31,6 +31,7 @@ from lmcache.v1.platform import consume_fd  # noqa: E402
 from gdskv.adapters.lmcache import GdskvL2Adapter, object_key_string  # noqa: E402
 from gdskv.backends.base import IOOutcome  # noqa: E402
 from gdskv.config import ConfigError  # noqa: E402
+from reliability_helpers import flip_byte  # noqa: E402
 
 OBJ = 20_000          # one full chunk; not a 4 KiB multiple, so every slot has padding
 SLOTS = 16
@@ -260,14 +261,7 @@ def test_write_error_fails_the_store_task(adapter, monkeypatch):
 
 def test_corrupt_page_is_a_miss_and_leaves_lmcache_accounting(adapter):
     assert store(adapter, [key(1), key(2)], [obj(random_bytes(OBJ, i)) for i in (1, 2)])
-    slot = adapter.tier.directory.pin([object_key_string(key(1))])[0][0]
-    adapter.tier.directory.unpin([slot])
-    f, offset = adapter.tier.store.location(slot)
-    with open(adapter.tier.store.files[f].path, "r+b") as fh:
-        fh.seek(offset + 100)
-        byte = fh.read(1)
-        fh.seek(offset + 100)
-        fh.write(bytes([byte[0] ^ 0xFF]))
+    flip_byte(adapter.tier, object_key_string(key(1)), 100)
     out = [obj(torch.zeros(OBJ, dtype=torch.uint8)) for _ in range(2)]
     assert load(adapter, [key(1), key(2)], out) == [False, True]
     assert adapter.get_usage().total_bytes_used == OBJ
