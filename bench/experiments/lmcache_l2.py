@@ -9,7 +9,9 @@ journal). Run in .venv-lmcache (tests/run_lmcache.sh builds it):
     .venv-lmcache/bin/python bench/experiments/lmcache_l2.py --media /dev/shm /var/tmp \
         --out bench/results/cpu-2026-11-23/lmcache
 
-Writes one JSON per bench run and results.md (MB/s as the bench reports, MB = 1e6 B)."""
+Writes one JSON per bench run and results.md (MB/s as the bench reports, MB = 1e6 B).
+
+Result it produced: ``cpu-2026-11-23/lmcache/results.md`` (bench/RESULTS.md, LMCache L2)."""
 
 from __future__ import annotations
 
