@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The README's test command: .venv with gdskv and its test/gpu/nixl extras (built once, rebuilt
 # when pyproject.toml or this script changes), the test suite (slow-marked tests excluded; -rs
-# prints each skip's reason), then the SGLang and LightLLM adapter tests in their own venvs. Run from
-# anywhere; on a fresh clone (CI) both venvs are built from scratch.
+# prints each skip's reason), then the SGLang and LightLLM adapter tests in their own venvs. Run
+# from anywhere; on a fresh clone (CI) every venv is built from scratch.
 # To re-run only the tests once the venvs exist:  .venv/bin/python -m pytest -q -rs -m "not slow"
 set -euo pipefail
 cd "$(dirname "$0")/.."
