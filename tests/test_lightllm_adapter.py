@@ -141,6 +141,7 @@ def test_offload_evict_match_load_bit_exact(tmp_path, servers, shape):
     assert s.worker.service.query(hashes) == [True] * 6
     assert s.ref_counts(pages) == [0] * 6, "the worker releases pages once they are durable"
     assert s.tier.stats()["pages_stored"] == 6
+    assert s.worker.service.layout.model_name == f"model-{shape}"
     s.evict_cpu()
     assert not any(s.cpu_has(h) for h in hashes)
     assert s.worker.query_loadable_pages(hashes, 0) == 6
@@ -444,3 +445,16 @@ def test_light_mem_refuses_to_import_beside_a_real_lightmem(monkeypatch):
         importlib.reload(light_mem)
     monkeypatch.undo()
     importlib.reload(light_mem)
+
+
+def test_store_of_another_model_is_refused(tmp_path, monkeypatch):
+    """Two models of one page size sharing a --disk_cache_dir never read each other's pages."""
+    from gdskv.store import StoreMismatchError
+    cache = torch.zeros(4, 3000, dtype=torch.uint8)
+    monkeypatch.setenv("LIGHTLLM_START_ARGS", '{"model_dir": "/models/Llama-A/"}')
+    svc = light_mem.PyLocalCacheService(cache, str(tmp_path / "cache_file"), 1 << 20)
+    assert svc.layout.model_name == "Llama-A"
+    svc.close()
+    monkeypatch.setenv("LIGHTLLM_START_ARGS", '{"model_dir": "/models/Llama-B"}')
+    with pytest.raises(StoreMismatchError, match="written for layout"):
+        light_mem.PyLocalCacheService(cache, str(tmp_path / "cache_file"), 1 << 20)

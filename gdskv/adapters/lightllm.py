@@ -111,11 +111,14 @@ class LocalCacheService:
         capacity_from_config: keep ``config.capacity`` instead of ``storage_size``.
         pages_per_block: LightMem's ``_n``: pages per block, the unit of ``query`` and of a
             task's states.
+        model_name: the model the pages belong to (part of the store's fingerprint: a store
+            written for another model is refused, not read).
     """
 
     def __init__(self, kvcache_tensor: torch.Tensor, file: str, storage_size: int, *,
                  num_worker: int = 16, config: Optional[TierConfig] = None,
-                 capacity_from_config: bool = False, pages_per_block: int = 1):
+                 capacity_from_config: bool = False, pages_per_block: int = 1,
+                 model_name: str = ""):
         self._cache = _check_cache_tensor(kvcache_tensor)
         if not isinstance(pages_per_block, int) or pages_per_block < 1:
             raise ValueError(f"pages_per_block must be a positive int, got {pages_per_block!r}")
@@ -132,7 +135,8 @@ class LocalCacheService:
                 raise ValueError(f"storage_size must be a positive number of bytes, got "
                                  f"{storage_size!r} (LightLLM's --disk_cache_storage_size is GiB)")
             changes["capacity"] = storage_size
-        self.layout = BytePageLayout(page_bytes=int(self._cache.shape[1]), kind=PAGE_KIND)
+        self.layout = BytePageLayout(page_bytes=int(self._cache.shape[1]), kind=PAGE_KIND,
+                                     model_name=model_name)
         self.tier = Tier(self.layout, config.replace(**changes), device="cpu")
         self._n = pages_per_block
         self._num_pages = int(self._cache.shape[0])

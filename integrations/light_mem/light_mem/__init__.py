@@ -9,11 +9,15 @@ provides ``light_mem`` (a real LightMem): two packages in one folder would be ne
 Configuration: LightLLM's ``--disk_cache_dir`` (the store goes in ``<dir>/gdskv``) and
 ``--disk_cache_storage_size`` (the store's capacity), overridden by ``GDSKV_DIRECTORIES`` and
 ``GDSKV_CAPACITY``; every other ``GDSKV_*`` variable configures the tier as everywhere in gdskv.
+The model (the last part of LightLLM's ``--model_dir``, read from the start arguments LightLLM
+gives its processes in ``LIGHTLLM_START_ARGS``) is part of the store's fingerprint, so a
+``--disk_cache_dir`` shared by two models of one page size is refused, never cross-read.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import logging
 import os
 
@@ -37,6 +41,15 @@ if _others:
         f"`pip uninstall {DISTRIBUTION}` to use LightMem, or uninstall {_others[0]} and "
         f"reinstall {DISTRIBUTION} to use gdskv")
 
+def _model_name() -> str:
+    """The model LightLLM serves, from the start arguments it puts in every process's env."""
+    try:
+        model_dir = json.loads(os.environ.get("LIGHTLLM_START_ARGS", "{}")).get("model_dir")
+    except (ValueError, AttributeError):
+        return ""
+    return os.path.basename(os.path.normpath(model_dir)) if model_dir else ""
+
+
 #: LightMem's names for the task and its block states
 PyState = PageState
 PyTask = CacheTask
@@ -57,13 +70,15 @@ class PyLocalCacheService(LocalCacheService):
         config = TierConfig.from_env()
         super().__init__(kvcache_tensor, file, storage_size, num_worker=num_worker,
                          config=config,
-                         capacity_from_config=f"{ENV_PREFIX}CAPACITY" in os.environ)
+                         capacity_from_config=f"{ENV_PREFIX}CAPACITY" in os.environ,
+                         model_name=_model_name())
         if not _announced:
             _announced = True
             log.warning("gdskv serves LightLLM's disk cache (light_mem from %s): store %s, "
-                        "%d B capacity, %d B pages, backend %s",
+                        "%d B capacity, %d B pages of model %r, backend %s",
                         DISTRIBUTION, ", ".join(self.tier.store.directories),
                         self.tier.config.capacity, self.layout.page_bytes,
+                        self.layout.model_name,
                         self.tier.backend.name)
 
 
