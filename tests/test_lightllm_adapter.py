@@ -130,6 +130,23 @@ def page_data(server: Server, n: int, seed: int) -> list[torch.Tensor]:
             for _ in range(n)]
 
 
+def on_disk_only(tmp_path, servers, shape: str, n: int, seed: int):
+    """A server whose n pages of one request went to disk and then left the CPU cache."""
+    s = Server(tmp_path, shape)
+    servers.append(s)
+    hashes, data = request(n, seed=seed), page_data(s, n, seed=seed + 1)
+    s.from_gpu(hashes, data)
+    s.offload()
+    s.evict_cpu()
+    return s, hashes, data
+
+
+def assert_loaded(s: Server, found: list[int], data: list[torch.Tensor]) -> None:
+    assert len(found) == len(data)
+    for p, d in zip(found, data):
+        assert torch.equal(s.pages[p], d)
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 def test_offload_evict_match_load_bit_exact(tmp_path, servers, shape):
     s = Server(tmp_path, shape)
@@ -147,27 +164,20 @@ def test_offload_evict_match_load_bit_exact(tmp_path, servers, shape):
     assert s.worker.query_loadable_pages(hashes, 0) == 6
 
     found, from_disk = s.match(hashes)
-    assert from_disk == 6 and len(found) == 6
-    for p, d in zip(found, data):
-        assert torch.equal(s.pages[p], d)
+    assert from_disk == 6
+    assert_loaded(s, found, data)
     assert s.client.check_allpages_ready(found)
 
 
 def test_cpu_prefix_then_disk_rest(tmp_path, servers):
-    s = Server(tmp_path, "mha")
-    servers.append(s)
-    hashes, data = request(6, seed=3), page_data(s, 6, seed=4)
-    s.from_gpu(hashes, data)
-    s.offload()
-    s.evict_cpu()
+    s, hashes, data = on_disk_only(tmp_path, servers, "mha", 6, seed=3)
     # a later request brought the first two pages back to the CPU cache
     front = s.from_gpu(hashes[:2], data[:2])
     s.offload()  # already on disk: released at once (page_already_list)
     assert s.ref_counts(front) == [0, 0]
     found, from_disk = s.match(hashes)
     assert found[:2] == front and from_disk == 4
-    for p, d in zip(found, data):
-        assert torch.equal(s.pages[p], d)
+    assert_loaded(s, found, data)
 
 
 def test_new_service_over_the_same_directory_still_matches(tmp_path, servers):
@@ -185,17 +195,11 @@ def test_new_service_over_the_same_directory_still_matches(tmp_path, servers):
     assert t.tier.stats()["recovered_pages"] == 5
     found, from_disk = t.match(hashes)
     assert from_disk == 5
-    for p, d in zip(found, data):
-        assert torch.equal(t.pages[p], d)
+    assert_loaded(t, found, data)
 
 
 def test_read_failure_loads_nothing(tmp_path, servers, caplog):
-    s = Server(tmp_path, "int8kv")
-    servers.append(s)
-    hashes, data = request(4, seed=7), page_data(s, 4, seed=8)
-    s.from_gpu(hashes, data)
-    s.offload()
-    s.evict_cpu()
+    s, hashes, _ = on_disk_only(tmp_path, servers, "int8kv", 4, seed=7)
 
     def broken_read(buffer, extents):
         raise OSError(5, "Input/output error (injected)")
@@ -208,12 +212,7 @@ def test_read_failure_loads_nothing(tmp_path, servers, caplog):
 
 
 def test_corrupt_pages_are_not_loaded(tmp_path, servers):
-    s = Server(tmp_path, "mha")
-    servers.append(s)
-    hashes, data = request(4, seed=9), page_data(s, 4, seed=10)
-    s.from_gpu(hashes, data)
-    s.offload()
-    s.evict_cpu()
+    s, hashes, _ = on_disk_only(tmp_path, servers, "mha", 4, seed=9)
     slot_bytes = s.worker.service.layout.slot_bytes
     for f in s.tier.store.files:  # flip bytes in every slot's payload
         with open(f.path, "r+b") as fh:

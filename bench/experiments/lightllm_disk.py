@@ -58,17 +58,17 @@ class FilePerBlock:
         n = self._n
         return [list(range(b, min(b + n, len(hashes)))) for b in range(first, len(hashes), n)]
 
-    def query(self, hashes):
-        return [os.path.exists(self._path(hashes[b[-1]])) for b in self._blocks(hashes)]
+    def query(self, hash_128s):
+        return [os.path.exists(self._path(hash_128s[b[-1]])) for b in self._blocks(hash_128s)]
 
     def active_threads(self, mode):
         return self._active[mode]
 
-    def create(self, hashes, kv_page_indexer, mode, start_pos=0):
-        blocks = self._blocks(hashes, start_pos // self._n * self._n)
+    def create(self, hash_128s, kv_page_indexer, mode, start_pos=0):
+        blocks = self._blocks(hash_128s, start_pos // self._n * self._n)
         task = CacheTask(mode, blocks, [], kv_page_indexer.tolist(), [])
         self._active[mode] += 1
-        self._pool.submit(self._run, task, hashes)
+        self._pool.submit(self._run, task, hash_128s)
         return task
 
     def _run(self, task, hashes):
@@ -148,6 +148,9 @@ def run_side(name, make, cache, src, dst, requests, directory, passes, loaders):
             if not ok or wrong:
                 raise SystemExit(f"{name}: pass {p}: load ok={ok}, {wrong} requests with wrong "
                                  f"bytes")
+        if isinstance(service, LocalCacheService):
+            stats = service.tier.stats()
+            out["tier"] = {k: stats[k] for k in ("backend", "o_direct", "o_direct_reason")}
     finally:
         service.close()
     return out
