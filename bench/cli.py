@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from .options import Invocation, JobOptions, OptionError, build_parser, parse_args
 from .report import render, to_json
-from .measurements import DirStats, JobResult, fmt_bw
+from .measurements import DirStats, JobResult, fmt_bw, lat_stats
 from .placement import SetupError
 from .runner import Progress, resolve, run_job
 from .sweep import plot, series, write_point
@@ -134,8 +134,20 @@ def _bw(rs: list[JobResult], direction: str) -> int:
     return sum(getattr(r, direction).bw_bytes for r in rs)
 
 
+#: completion-latency percentiles the compare summary sets side by side (fio's names)
+COMPARE_PERCENTILES = (("p50", 50.0), ("p90", 90.0), ("p99", 99.0), ("p99.9", 99.9))
+
+
+def _clat_percentiles(rs: list[JobResult], direction: str) -> dict[str, int]:
+    samples = [c for r in rs for c in getattr(r, direction).clat_ns]
+    if not samples:
+        return {}
+    pct = lat_stats(samples)["percentile"]
+    return {name: pct[f"{p:.6f}"] for name, p in COMPARE_PERCENTILES}
+
+
 def _ratios(name: str, per_engine: dict[str, list[JobResult]]) -> dict:
-    out: dict = {"job": name, "bw_bytes": {}, "ratios": {}}
+    out: dict = {"job": name, "bw_bytes": {}, "clat_ns": {}, "ratios": {}}
     for direction in ("write", "read"):
         bws = {e: _bw(rs, direction) for e, rs in per_engine.items()}
         out["bw_bytes"][direction] = bws
@@ -144,6 +156,15 @@ def _ratios(name: str, per_engine: dict[str, list[JobResult]]) -> dict:
             out["ratios"][f"{direction}: gdskv/raw"] = g / bws["raw"]
         if g and bws.get("hicachefile"):
             out["ratios"][f"{direction}: gdskv/hicachefile"] = g / bws["hicachefile"]
+        # Per call completion latency, as fio reports it: a small restore's time to first
+        # token waits on its p50/p99, which throughput alone hides.
+        clat = {e: _clat_percentiles(rs, direction) for e, rs in per_engine.items()}
+        out["clat_ns"][direction] = {e: c for e, c in clat.items() if c}
+        mine, raw = clat.get("gdskv"), clat.get("raw")
+        if mine and raw:
+            for pname, _ in COMPARE_PERCENTILES:
+                if raw[pname]:
+                    out["ratios"][f"{direction}: clat {pname} gdskv/raw"] = mine[pname] / raw[pname]
     return out
 
 
@@ -157,8 +178,14 @@ def _ratio_lines(ratios: list[dict]) -> list[str]:
                 continue
             cells = ", ".join(f"{e}={fmt_bw(bw)}" for e, bw in bws.items())
             rat = ", ".join(f"{k.split(': ')[1]}={v:.2f}x" for k, v in r["ratios"].items()
-                            if k.startswith(direction))
+                            if k.startswith(direction) and ": clat " not in k)
             lines.append(f"  {direction:>5}: {cells}" + (f"  ({rat})" if rat else ""))
+            clat = r.get("clat_ns", {}).get(direction, {})
+            for pname, _ in COMPARE_PERCENTILES if clat else ():
+                cells = ", ".join(f"{e}={c[pname] / 1e3:.0f}us" for e, c in clat.items())
+                ratio = r["ratios"].get(f"{direction}: clat {pname} gdskv/raw")
+                lines.append(f"         clat {pname:>5}: {cells}"
+                             + (f"  (gdskv/raw={ratio:.2f}x)" if ratio else ""))
     return lines
 
 

@@ -271,3 +271,24 @@ def test_call_profile_phases_and_threads(tmp_path):
     assert phases["gdskv.tier:Tier._run"] > 0
     assert phases["gdskv.tier:Tier._run"] >= phases["gdskv.tier:Tier._finish_read"]
     assert "gdskv.tier:Tier._run" in res["gdskv_first_write_phases_ms"]
+
+
+def test_compare_sets_completion_latency_percentiles_side_by_side(tmp_path, capsys, monkeypatch):
+    """Issue 14: --compare gives each engine's clat p50/p90/p99/p99.9 per call and the
+    gdskv/raw ratio of each, in the normal summary and in the JSON."""
+    monkeypatch.setitem(sys.modules, "sglang", None)
+    doc = run_json(capsys, SMALL + ["--size=1M", "--rw=write", "--compare",
+                                    f"--directory={tmp_path}"])
+    (cmp_,) = doc["gdskv_compare"]
+    clat = cmp_["clat_ns"]["write"]
+    assert set(clat) == {"gdskv", "raw"}
+    for engine in ("gdskv", "raw"):
+        assert list(clat[engine]) == ["p50", "p90", "p99", "p99.9"]
+        assert 0 < clat[engine]["p50"] <= clat[engine]["p99"] <= clat[engine]["p99.9"]
+        # the same numbers as that engine's own fio-style report
+        job = next(j for j in doc["jobs"] if j["jobname"].endswith(f".{engine}"))
+        assert clat[engine]["p99"] == job["write"]["clat_ns"]["percentile"]["99.000000"]
+    assert cmp_["ratios"]["write: clat p50 gdskv/raw"] == clat["gdskv"]["p50"] / clat["raw"]["p50"]
+    cli.main(SMALL + ["--size=1M", "--rw=write", "--compare", f"--directory={tmp_path}"])
+    out = capsys.readouterr().out
+    assert re.search(r"clat   p50: gdskv=\d+us, raw=\d+us  \(gdskv/raw=[\d.]+x\)", out), out

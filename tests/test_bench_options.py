@@ -218,3 +218,16 @@ def test_job_file_errors_name_the_line(tmp_path, capsys, body, needle):
     path = tmp_path / "bad.ini"
     path.write_text(body)
     assert needle in _error(capsys, [str(path)])
+
+
+def test_latency_job_file_covers_the_small_call_table(tmp_path, monkeypatch):
+    """bench/jobs/latency.ini (issue 14): restores of 1, 8 and 128 pages, one and four calls in
+    flight, kvikio from GPU memory."""
+    monkeypatch.setenv("DIR", str(tmp_path))
+    jobs = read_job_file(os.path.join(JOBS_DIR, "latency.ini"))
+    seen = set()
+    for job in jobs:
+        assert (job.backend, job.mem, job.rw) == ("kvikio", "gpu", "read")
+        plan = resolve(job.replace(mem="host", backend="posix"))
+        seen.add((plan.pages_per_batch, job.iodepth))
+    assert seen == {(p, q) for p in (1, 8, 128) for q in (1, 4)}
