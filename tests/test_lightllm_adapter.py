@@ -369,6 +369,21 @@ def test_abort_stops_touching_the_cache(tmp_path, monkeypatch):
         svc.close()
 
 
+def test_pages_larger_than_a_staging_part_are_served(tmp_path):
+    """The page size is LightLLM's choice: staging grows to one page per stage."""
+    svc = service(tmp_path, pages=4, page_bytes=300_000)  # staging 256 KiB: 64 KiB a stage
+    try:
+        assert svc.tier.config.staging_size == 4 * svc.layout.slot_bytes
+        fill(svc, range(2), seed=5)
+        wait(svc.create([7, 8], torch.tensor([0, 1], dtype=torch.int32), "w"))
+        task = svc.create([7, 8], torch.tensor([2, 3], dtype=torch.int32), "r")
+        wait(task)
+        assert task.state() == [PageState.Finished] * 2
+        assert torch.equal(svc._cache[2:4], svc._cache[0:2])
+    finally:
+        svc.close()
+
+
 def test_closed_service_fails_tasks_not_threads(tmp_path):
     svc = service(tmp_path)
     svc.tier.close()
@@ -383,6 +398,7 @@ def test_closed_service_fails_tasks_not_threads(tmp_path):
     (lambda s: s.create([1, 2], torch.tensor([0]), "r"), r"1 page indexes for 2 hashes"),
     (lambda s: s.create([1], torch.tensor([32]), "w"), r"page index 32 is outside .*0\.\.31"),
     (lambda s: s.create([1], torch.tensor([0.0]), "w"), r"1-D integer tensor"),
+    (lambda s: s.create([1], torch.tensor([True]), "w"), r"1-D integer tensor"),
     (lambda s: s.create([1 << 128], torch.tensor([0]), "w"), r"not a 128-bit"),
     (lambda s: s.create([1], torch.tensor([0]), "r", start_pos=2), r"start_pos must be .*0\.\.1"),
     (lambda s: s.active_threads("rw"), r"mode must be 'r' or 'w'"),

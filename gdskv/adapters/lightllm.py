@@ -125,7 +125,17 @@ class LocalCacheService:
         if not isinstance(num_worker, int) or num_worker < 1:
             raise ValueError(f"num_worker must be a positive int, got {num_worker!r}")
         config = config or TierConfig()
+        self.layout = BytePageLayout(page_bytes=int(self._cache.shape[1]), kind=PAGE_KIND,
+                                     model_name=model_name)
         changes = {}
+        # LightLLM picks the page size (a 70B model's 256-token page is 80 MiB): staging grows
+        # to hold one page per pipeline stage rather than refusing the server
+        fit = config.pipeline_depth * self.layout.slot_bytes
+        if config.staging_size < fit:
+            log.info("gdskv LightLLM disk cache: staging_size %d B raised to %d B (%d stages of "
+                     "one %d B page)", config.staging_size, fit, config.pipeline_depth,
+                     self.layout.slot_bytes)
+            changes["staging_size"] = fit
         if not config.directories:
             directory = os.path.join(os.path.dirname(os.path.abspath(file)), STORE_SUBDIR)
             os.makedirs(directory, exist_ok=True)
@@ -135,8 +145,6 @@ class LocalCacheService:
                 raise ValueError(f"storage_size must be a positive number of bytes, got "
                                  f"{storage_size!r} (LightLLM's --disk_cache_storage_size is GiB)")
             changes["capacity"] = storage_size
-        self.layout = BytePageLayout(page_bytes=int(self._cache.shape[1]), kind=PAGE_KIND,
-                                     model_name=model_name)
         self.tier = Tier(self.layout, config.replace(**changes), device="cpu")
         self._n = pages_per_block
         self._num_pages = int(self._cache.shape[0])
@@ -221,7 +229,8 @@ class LocalCacheService:
 
     def _check_indexer(self, kv_page_indexer, count: int) -> List[int]:
         if not isinstance(kv_page_indexer, torch.Tensor) or kv_page_indexer.dim() != 1 or \
-                kv_page_indexer.dtype.is_floating_point or kv_page_indexer.is_complex():
+                kv_page_indexer.dtype.is_floating_point or kv_page_indexer.is_complex() or \
+                kv_page_indexer.dtype == torch.bool:
             raise ValueError(f"kv_page_indexer must be a 1-D integer tensor of CPU cache page "
                              f"indexes, got {_describe(kv_page_indexer)}")
         indexes = kv_page_indexer.tolist()
