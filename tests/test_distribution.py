@@ -80,6 +80,10 @@ def test_wheel_ships_the_library_and_gdskv_bench_only(dist):
     assert {f"gdskv/kernels/{f}" for f in os.listdir(os.path.join(ROOT, "kernels"))
             if f.endswith(".py")} <= modules
     assert all(n.startswith("gdskv/") for n in modules), sorted(modules)
+    # LightLLM's adapter ships; the light_mem module (LightMem's import name) never does: it is
+    # the separate gdskv-light-mem distribution (integrations/light_mem)
+    assert "gdskv/adapters/lightllm.py" in modules
+    assert not any("light_mem" in n for n in modules)
 
 
 def _main_command_args() -> str:
