@@ -67,7 +67,10 @@ class PersistentDirectory:
             live, nrec = self.journal.replay()
         recovered = self._servable(live.values(), self.store.replaced_files)
         self._load(self.directory, recovered)
-        if not self.read_only and nrec > 2 * len(recovered) + COMPACT_SLACK:
+        if not self.read_only and self.journal.damaged:
+            # the damaged bytes would be skipped again at every open: write them away now
+            self._rewrite(recovered, "after skipping damaged records")
+        elif not self.read_only and nrec > 2 * len(recovered) + COMPACT_SLACK:
             self._rewrite(recovered, "at open")
         self._stats.add(recovered_pages=len(recovered),
                         recovery_seconds=time.perf_counter() - t0)
