@@ -37,6 +37,8 @@ import re
 import stat
 from collections.abc import Iterable, Sequence
 
+import crc32c
+
 from .backends.base import Extent, SlabFile
 from .config import ConfigError, DirectIO, TierConfig
 from .directory import PageDirectory
@@ -45,6 +47,8 @@ from .layout import ALIGNMENT, FORMAT_VERSION, KVLayout
 log = logging.getLogger("gdskv.store")
 
 MANIFEST = "gdskv-manifest.json"
+#: the manifest's second copy (read when the first is missing or damaged)
+MANIFEST_COPY = "gdskv-manifest.copy.json"
 LOCK = "gdskv.lock"
 JOURNAL = "gdskv-journal.log"
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -171,7 +175,8 @@ class SlabStore:
 
     def _open_manifest(self) -> None:
         existing = [os.path.join(d, MANIFEST) for d in self.directories]
-        found = [p for p in existing if os.path.lexists(p)]
+        found = [p for p in existing if os.path.lexists(p) or
+                 os.path.lexists(os.path.join(os.path.dirname(p), MANIFEST_COPY))]
         self.created = not found
         self._stored: list[dict] = []
         for d in self.directories:
@@ -186,17 +191,16 @@ class SlabStore:
             raise StoreMismatchError(f"store manifest missing in {sorted(set(existing) - set(found))} "
                                      f"but present in {found}: directories do not form one store")
         for i, path in enumerate(existing):
-            _check_store_file(path)
-            try:
-                with open(os.open(path, os.O_RDONLY | os.O_CLOEXEC | _NOFOLLOW), "rb") as fh:
-                    have = json.load(fh)
-            except (OSError, ValueError) as exc:
-                raise StoreMismatchError(f"unreadable store manifest {path}: {exc}") from exc
-            if not isinstance(have, dict):
-                raise StoreMismatchError(f"unreadable store manifest {path}: a JSON "
-                                         f"{type(have).__name__}, not an object; restore the "
-                                         "manifest, or remove the store's files to start over")
+            have = self._read_manifest(path)
             self._stored.append(have)
+            if have.get("format_version") != FORMAT_VERSION:
+                raise StoreMismatchError(
+                    f"store in {os.path.dirname(path)} has on-disk format version "
+                    f"{have.get('format_version')!r}; this gdskv reads version {FORMAT_VERSION} "
+                    "only (since version 2 every slot ends with a self-describing trailer). "
+                    "Its pages are a cache: remove the store's files (gdskv clear --yes does not "
+                    "apply; delete the directory's gdskv-* and slab-*.bin files) or use a new "
+                    "directory")
             if have.get("fingerprint") != self.layout.fingerprint:
                 raise StoreMismatchError(
                     f"store in {os.path.dirname(path)} was written for layout "
@@ -204,11 +208,32 @@ class SlabStore:
                     "use another directory for this model/sharding")
             want = self._manifest(i)
             diff = {k: (have.get(k), v) for k, v in want.items() if have.get(k) != v}
+            if i and not diff and have.get("store_id") != self._stored[0].get("store_id"):
+                diff = {"store_id": (have.get("store_id"), self._stored[0].get("store_id"))}
             if diff:
                 raise StoreMismatchError(
                     f"store in {os.path.dirname(path)} has another geometry (stored, asked): {diff}; "
                     "open it with the same capacity, files_per_dir, io_chunk_size and "
                     "directories, or use a new directory")
+
+    def _read_manifest(self, path: str) -> dict:
+        """The manifest at ``path``, or its copy when it is missing, unreadable or fails its
+        checksum (one warning; the writer puts the good copy back)."""
+        copy = os.path.join(os.path.dirname(path), MANIFEST_COPY)
+        try:
+            return _load_manifest(path)
+        except StoreMismatchError as exc:
+            if not os.path.lexists(copy):
+                raise
+            try:
+                have = _load_manifest(copy)
+            except StoreMismatchError as exc2:
+                raise StoreMismatchError(f"{exc}; its copy is damaged too: {exc2}") from None
+            log.warning("gdskv: %s; using its copy %s%s", exc, copy,
+                        "" if self.read_only else " and restoring the manifest from it")
+            if not self.read_only:
+                _atomic_write(path, _sealed(have))
+            return have
 
     def _refuse_orphans(self) -> None:
         """No manifest: a new store, unless store files are there. Slab files or a journal
@@ -390,13 +415,48 @@ class SlabStore:
         elif not self.created:
             self.replaced_files = set(range(len(inodes)))  # unknown identity: trust nothing
             log.warning("store manifest has no slab file identities: recovered pages dropped")
+        self.store_id = int(self._stored[0]["store_id"], 16) if self._stored else \
+            int.from_bytes(os.urandom(8), "little")
         if had != inodes and not self.read_only:
             for i, d in enumerate(self.directories):
-                path = os.path.join(d, MANIFEST)
-                if self.created:
-                    self._created_paths.append(path)
-                _atomic_write(path, json.dumps(dict(self._manifest(i), slab_inodes=inodes),
-                                               indent=1).encode())
+                manifest = dict(self._manifest(i), slab_inodes=inodes,
+                                store_id=f"{self.store_id:016x}")
+                for name in (MANIFEST, MANIFEST_COPY):
+                    path = os.path.join(d, name)
+                    if self.created:
+                        self._created_paths.append(path)
+                    _atomic_write(path, _sealed(manifest))
+
+    def slot_at(self, file: int, offset: int) -> int:
+        """The global slot at byte ``offset`` of slab file ``file`` (inverse of location)."""
+        local_stripe, within = divmod(offset // self.slot_bytes, self.stripe_slots)
+        return (local_stripe * self.num_files + file) * self.stripe_slots + within
+
+
+def _sealed(manifest: dict) -> bytes:
+    """The manifest as written: its JSON with a crc32c of the rest under ``checksum``."""
+    body = {k: v for k, v in manifest.items() if k != "checksum"}
+    crc = crc32c.crc32c(json.dumps(body, sort_keys=True).encode())
+    return json.dumps(dict(body, checksum=crc), indent=1).encode()
+
+
+def _load_manifest(path: str) -> dict:
+    """A manifest that parses and matches its checksum, else StoreMismatchError saying why."""
+    _check_store_file(path)
+    try:
+        with open(os.open(path, os.O_RDONLY | os.O_CLOEXEC | _NOFOLLOW), "rb") as fh:
+            have = json.load(fh)
+    except (OSError, ValueError) as exc:
+        raise StoreMismatchError(f"unreadable store manifest {path}: {exc}") from exc
+    if not isinstance(have, dict):
+        raise StoreMismatchError(f"unreadable store manifest {path}: a JSON "
+                                 f"{type(have).__name__}, not an object; restore the "
+                                 "manifest, or remove the store's files to start over")
+    if have.get("format_version") == FORMAT_VERSION:  # older versions had no checksum
+        body = {k: v for k, v in have.items() if k != "checksum"}
+        if have.get("checksum") != crc32c.crc32c(json.dumps(body, sort_keys=True).encode()):
+            raise StoreMismatchError(f"store manifest {path} fails its checksum (damaged)")
+    return have
 
 
 def _check_distinct(given: Sequence[str], resolved: Sequence[str]) -> None:
