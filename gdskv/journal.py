@@ -259,8 +259,11 @@ class Journal:
         self._lock = threading.Lock()  # evict() journals from caller threads beside the data path
         self._size = os.fstat(self._fd).st_size  # end of the last whole, durable append
         self._broken: OSError | None = None
-        #: byte ranges the last replay skipped as damaged (rewritten away by the owner)
+        #: byte ranges the last replay skipped as damaged (rewritten away by the owner), the
+        #: bytes of torn tail it cut, and (after damage) the newest EVICT seq of each slot
         self.damaged: list[tuple[int, int]] = []
+        self.torn = 0
+        self.evicted: dict[int, int] = {}
 
     def replay(self) -> tuple[dict[Hashable, Record], int]:
         """Live pages by key after applying every valid record; cuts a torn tail.
@@ -275,10 +278,16 @@ class Journal:
                         "kept", self.path, len(self.damaged),
                         sum(b - a for a, b in self.damaged),
                         ", ".join(str(a) for a, _ in self.damaged[:5]), len(records))
-        if valid < len(data):
+        self.torn = len(data) - valid
+        if self.torn:
             log.warning("journal %s: ignoring %d bytes of torn or corrupt tail after %d records",
                         self.path, len(data) - valid, len(records))
             os.ftruncate(self._fd, valid)
+        if self.damaged or self.torn:  # what a header scan must not bring back
+            evict = RecordKind.EVICT
+            for rec in records:
+                if rec.kind is evict and rec.seq > self.evicted.get(rec.slot, 0):
+                    self.evicted[rec.slot] = rec.seq
         self._size = valid
         live = live_records(records)
         # seqs are taken before the append lock, so file order is not seq order: take the max

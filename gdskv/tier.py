@@ -50,7 +50,8 @@ from .config import ConfigError, SyncPolicy, TierConfig
 from .copiers import PageCopier, PoolCopier, RegionCopier
 from .directory import PageDirectory, PageState
 from .journal import Journal, JournalFollower, check_key
-from .layout import KVLayout
+from . import slot_trailer
+from .layout import FORMAT_VERSION, KVLayout
 from .memory import check_device, cuda_available
 from .persistence import PersistentDirectory
 from .pool import KVPool, PoolCache
@@ -469,13 +470,14 @@ class Tier:
                 fill(part, [i for i, _ in chunk])
                 sums = self._checksums.compute(part, len(chunk)) if self.config.verify \
                     else np.zeros(len(chunk), dtype=np.uint64)
+                seqs = self._write_trailers(part, keys, chunk, sums)
                 self._copies_done()
                 extents = self.store.extents([s for _, s in chunk])
                 fut = self.backend.write(part, extents)
                 # the part is free once its bytes are written: fdatasync and journal need not it
                 fut.add_done_callback(lambda _f, i=held: self._staging.give_back(i))
                 held = None
-                pending.append((chunk, sums, extents, fut, time.perf_counter()))
+                pending.append((chunk, sums, seqs, extents, fut, time.perf_counter()))
             while pending:
                 finish_oldest()
         except BaseException:
@@ -488,8 +490,18 @@ class Tier:
         self._stats.add(put_pages=len(keys), put_stored=sum(results))
         return results
 
-    def _finish_write(self, keys, chunk, sums, extents: list[Extent], fut: Future, t0: float,
-                      results: list[bool]) -> None:
+    def _write_trailers(self, part: torch.Tensor, keys, chunk, sums) -> list[int]:
+        """Each page's slot trailer into staging, beside its payload (same I/O); returns the
+        sequence numbers, which the journal's COMMITs carry too."""
+        seqs = self._persist.next_seqs(len(chunk))
+        algo, store_id = self._checksums.algorithm, self.store.store_id
+        slot_trailer.write_into(part, self.layout.slot_bytes, [
+            slot_trailer.encode(FORMAT_VERSION, store_id, slot, keys[i], seq, int(csum), algo)
+            for (i, slot), seq, csum in zip(chunk, seqs, sums)])
+        return seqs
+
+    def _finish_write(self, keys, chunk, sums, seqs, extents: list[Extent], fut: Future,
+                      t0: float, results: list[bool]) -> None:
         outcome: IOOutcome = fut.result()
         failed = self._failed_positions(outcome, extents, "write")
         ok = [pos for pos in range(len(chunk)) if pos not in failed]
@@ -502,7 +514,7 @@ class Tier:
                     self.store.sync({e.file for e in extents})
                 self._persist.journal_commits(
                     (keys[chunk[pos][0]], chunk[pos][1], int(sums[pos]),
-                     self._checksums.algorithm) for pos in ok)
+                     self._checksums.algorithm, seqs[pos]) for pos in ok)
             except OSError as exc:
                 self._log_once(f"commit:{exc.errno}", "commit of %d pages failed: %s", len(ok), exc)
                 failed.update(ok)
