@@ -1,9 +1,9 @@
 """gdskv: a KV-cache spill tier that writes KV pages from the GPU to NVMe slab files and back."""
 
 from .config import BackendKind, ConfigError, DirectIO, Eviction, SyncPolicy, TierConfig
-from .layout import FORMAT_VERSION, KVLayout
+from .layout import FORMAT_VERSION, BytePageLayout, KVLayout
 
 __version__ = "0.1.0"
 
-__all__ = ["KVLayout", "TierConfig", "ConfigError", "BackendKind", "DirectIO", "Eviction",
-           "SyncPolicy", "FORMAT_VERSION", "__version__"]
+__all__ = ["KVLayout", "BytePageLayout", "TierConfig", "ConfigError", "BackendKind", "DirectIO",
+           "Eviction", "SyncPolicy", "FORMAT_VERSION", "__version__"]

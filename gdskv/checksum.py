@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import xxhash
 
-from .layout import KVLayout
+from .layout import PageLayout
 from .memory import host_numpy
 
 XXH3 = 1
@@ -34,7 +34,7 @@ class PageChecksummer:
 
     algorithm = XXH3
 
-    def __init__(self, layout: KVLayout) -> None:
+    def __init__(self, layout: PageLayout) -> None:
         self.page_bytes = layout.page_bytes
         self.slot_bytes = layout.slot_bytes
         self._local = threading.local()  # a host copy buffer per thread: calls run concurrently
@@ -65,7 +65,7 @@ class GpuPageChecksummer:
 
     algorithm = GPU_PAGE
 
-    def __init__(self, layout: KVLayout) -> None:
+    def __init__(self, layout: PageLayout) -> None:
         self.page_bytes = layout.page_bytes
         self.slot_bytes = layout.slot_bytes
 
@@ -75,16 +75,16 @@ class GpuPageChecksummer:
         return sums.cpu().numpy().view(np.uint64)
 
 
-_FACTORIES: dict[int, Callable[[KVLayout], object]] = {XXH3: PageChecksummer,
+_FACTORIES: dict[int, Callable[[PageLayout], object]] = {XXH3: PageChecksummer,
                                                        GPU_PAGE: GpuPageChecksummer}
 
 
-def default_for(device: torch.device, layout: KVLayout):
+def default_for(device: torch.device, layout: PageLayout):
     """The checksummer a tier staging on ``device`` writes with."""
     return checksummer(GPU_PAGE if device.type == "cuda" else XXH3, layout)
 
 
-def register(algorithm: int, factory: Callable[[KVLayout], object]) -> None:
+def register(algorithm: int, factory: Callable[[PageLayout], object]) -> None:
     """Make ``algorithm`` verifiable: ``factory(layout)`` returns an object with the
     :class:`PageChecksummer` interface (``algorithm``, ``compute(staging, num_pages)``)."""
     if not 0 < algorithm < 256:
@@ -98,7 +98,7 @@ def known(algorithm: int) -> bool:
     return algorithm in _FACTORIES
 
 
-def checksummer(algorithm: int, layout: KVLayout):
+def checksummer(algorithm: int, layout: PageLayout):
     """A checksummer for ``algorithm`` (ValueError if it is not registered)."""
     try:
         factory = _FACTORIES[algorithm]

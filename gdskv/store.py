@@ -42,7 +42,7 @@ import crc32c
 from .backends.base import Extent, SlabFile
 from .config import ConfigError, DirectIO, TierConfig
 from .directory import PageDirectory
-from .layout import ALIGNMENT, FORMAT_VERSION, KVLayout
+from .layout import ALIGNMENT, FORMAT_VERSION, PageLayout
 
 log = logging.getLogger("gdskv.store")
 
@@ -72,7 +72,7 @@ class StoreLockedError(StoreError):
 class SlabStore:
     """Opens or creates the store in ``config.directories`` for ``layout``."""
 
-    def __init__(self, layout: KVLayout, config: TierConfig) -> None:
+    def __init__(self, layout: PageLayout, config: TierConfig) -> None:
         if not config.directories:
             raise StoreError("no store directory given (set GDSKV_DIRECTORIES or "
                              "TierConfig(directories=...))")

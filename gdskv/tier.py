@@ -51,7 +51,7 @@ from .copiers import PageCopier, PoolCopier, RegionCopier
 from .directory import PageDirectory, PageState
 from .journal import Journal, JournalFollower, check_key
 from . import slot_trailer
-from .layout import FORMAT_VERSION, KVLayout
+from .layout import FORMAT_VERSION, BytePageLayout, KVLayout, PageLayout
 from .memory import check_device, cuda_available
 from .persistence import PersistentDirectory
 from .pool import KVPool, PoolCache
@@ -70,7 +70,9 @@ class Tier:
     """A KV page tier over one slab store. Thread-safe; data calls from several threads overlap.
 
     Args:
-        layout: the KV geometry this tier stores (must match an existing store's).
+        layout: what this tier stores (must match an existing store's): a :class:`KVLayout`
+            (KV pages: every data call) or a :class:`BytePageLayout` (opaque byte pages:
+            ``put_pages`` / ``get_pages`` only).
         config: settings; ``None`` reads ``GDSKV_*`` from the environment.
         device: where staging lives: the engine pool's device. Default: the current CUDA
             device if there is one, else CPU.
@@ -79,10 +81,11 @@ class Tier:
     #: seconds between a read-only follower's journal catch-ups (see :meth:`refresh`)
     FOLLOW_INTERVAL = 0.05
 
-    def __init__(self, layout: KVLayout, config: TierConfig | None = None, *,
+    def __init__(self, layout: PageLayout, config: TierConfig | None = None, *,
                  device: torch.device | str | None = None) -> None:
-        if not isinstance(layout, KVLayout):
-            raise TypeError(f"layout must be a KVLayout, got {type(layout).__name__}")
+        if not isinstance(layout, (KVLayout, BytePageLayout)):
+            raise TypeError(f"layout must be a KVLayout or BytePageLayout, got "
+                            f"{type(layout).__name__}")
         self.layout = layout
         self.config = config if config is not None else TierConfig.from_env()
         if device is None:
@@ -144,7 +147,7 @@ class Tier:
                  self.backend.name, "on" if o_direct else "off", o_direct_reason)
 
     @classmethod
-    def from_env(cls, layout: KVLayout, *, device=None, **overrides) -> "Tier":
+    def from_env(cls, layout: PageLayout, *, device=None, **overrides) -> "Tier":
         return cls(layout, TierConfig.from_env(**overrides), device=device)
 
     @property
@@ -191,7 +194,8 @@ class Tier:
     def put_pages(self, keys: Sequence[Hashable], pages: Sequence[Sequence[torch.Tensor]]
                   ) -> list[bool]:
         """Store pages given as page-format byte regions: ``pages[i]`` is a list of 1-D uint8
-        tensors whose concatenation is page i's payload (``layout.page_bytes``)."""
+        tensors whose concatenation is page i's payload (``layout.page_bytes``). The only way
+        in for a :class:`BytePageLayout` tier."""
         self._check_open()
         if self.read_only or self._lost:
             return self._refuse_put(keys)
@@ -322,6 +326,9 @@ class Tier:
         return keys
 
     def _pool_copier(self, keys, kv_pool, token_slots, copy_fn) -> tuple[list, PageCopier]:
+        if isinstance(self.layout, BytePageLayout):
+            raise TypeError("this tier stores byte pages (BytePageLayout): they have no KV pool "
+                            "to gather from or scatter to; use put_pages / get_pages")
         keys = self._check_keys(keys)
         pool = self._pools.get(kv_pool)
         if pool.device != self.device:
@@ -357,20 +364,24 @@ class Tier:
         second) rather than inside the engine's first spill or restore."""
         lay = self.layout
         pages = min(2, self._chunk_pages)  # Triton specializes integer arguments equal to 1
-        shape = (lay.num_layers, pages * lay.page_size, lay.kv_heads, lay.head_dim)
-        parts = [torch.zeros(shape, dtype=lay.torch_dtype, device=self.device)
-                 for _ in range(lay.kv_count)]
-        pool = KVPool(lay, parts[0] if lay.mla else tuple(parts))
+        pool = None
+        if isinstance(lay, KVLayout):  # byte pages are copied, never gathered or scattered
+            shape = (lay.num_layers, pages * lay.page_size, lay.kv_heads, lay.head_dim)
+            parts = [torch.zeros(shape, dtype=lay.torch_dtype, device=self.device)
+                     for _ in range(lay.kv_count)]
+            pool = KVPool(lay, parts[0] if lay.mla else tuple(parts))
         # The first CUDA event of a call path costs ~13 ms on an H100 (measured by
         # bench/call_profile.py): make it here, with the cross-stream wait every call does.
         self._stream.wait_event(self._engine_event())
         with torch.cuda.stream(self._stream):
             for dtype in (torch.int64, torch.int32):  # engines use either for slot indices
-                slots = torch.arange(pages * lay.page_size, dtype=dtype).to(self.device,
-                                                                              non_blocking=True)
-                kd.gather_pages(pool, lay, slots, self._staging[0])
+                if pool is not None:
+                    slots = torch.arange(pages * lay.page_size, dtype=dtype).to(
+                        self.device, non_blocking=True)
+                    kd.gather_pages(pool, lay, slots, self._staging[0])
                 self._checksums.compute(self._staging[0], pages)
-                kd.scatter_pages(pool, lay, slots, self._staging[0])
+                if pool is not None:
+                    kd.scatter_pages(pool, lay, slots, self._staging[0])
             self._scatter_event()
             self._copies_done()
         self._stream.synchronize()

@@ -15,5 +15,5 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "$want" > "$stamp"
 fi
 "$venv/bin/pip" install -q --no-deps -e .
-"$venv/bin/python" -m pytest -q tests/test_sglang_adapter.py \
+"$venv/bin/python" -m pytest -q tests/test_sglang_adapter.py tests/test_sglang_v2.py \
   tests/test_bench_cli.py::test_hicachefile_engine_on_the_real_class "$@"

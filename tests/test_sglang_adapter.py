@@ -303,8 +303,8 @@ def test_mla_tp2_other_rank_reads_the_writers_pages(tmp_path, monkeypatch, layou
     """MLA with TP=2: rank 0 writes; rank 1 (its own adapter, its own host pool) follows the
     writer's store read-only and gets hits with bit-exact pages, including pages written after
     it opened. SGLang takes the minimum hit count over ranks, so both must see them."""
-    import gdskv.adapters.sglang as adapter
-    monkeypatch.setattr(adapter, "FOLLOWER_RETRY_S", 0.0)  # retry the open on every call
+    from gdskv.adapters.sglang import rank_store
+    monkeypatch.setattr(rank_store, "FOLLOWER_RETRY_S", 0.0)  # retry the open on every call
     n = 150
     hashes = page_hashes(n, seed=20)
     src_pool, dst_pool = build_pool(True, layout), build_pool(True, layout)
@@ -392,7 +392,7 @@ def test_data_path_failures_become_false(tmp_path, caplog):
         assert s.batch_get_v1(hashes, idx) == [False] * 10
         assert s.batch_set_v1(hashes, idx) == [False] * 10
     finally:
-        s.tier = None
+        s.close()  # the tier is closed already; close() does not mind
 
 
 def test_legacy_interface_like_generic_page_path(tmp_path):

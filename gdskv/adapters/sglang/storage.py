@@ -1,4 +1,4 @@
-"""SGLang HiCache L3 storage backend on a gdskv tier.
+"""SGLang HiCache L3 storage backend on gdskv tiers.
 
 Loaded by SGLang's own dynamic-backend mechanism (``StorageBackendFactory``)::
 
@@ -27,14 +27,28 @@ How host-pool pages reach the tier (gdskv page format ``[kv][layer][token][row]`
   :meth:`Tier.put` / :meth:`Tier.get` as per-layer strided views of ``kv_buffer``; the tier's
   gather/scatter kernels do the reorder while filling or draining staging.
 
-Sharding: each rank owns a store under ``<directory>/<model>/<shard>``; the shard name and the
+Sharding: each rank owns a KV store under ``<directory>/<model>/<shard>``; the shard name and the
 store fingerprint carry model, TP/PP (and CP/DP where used) ranks, and keys get SGLang's
 ``_<model>_<tp_rank>_<tp_size>`` style suffix, so pages of another sharding never hit. For MLA the
 KV is the same on every TP rank: only the writer rank (``storage_config.is_storage_writer``) writes;
 the others answer ``batch_set_v1`` with success and store nothing, as SGLang's controller expects,
 and read the writer's store through a read-only follower tier (``TierConfig.read_only``), opened
-lazily: the writer may create the store after them, so until it exists their reads are misses
-and the open is retried at most every ``FOLLOWER_RETRY_S`` seconds.
+lazily (:mod:`.rank_store`).
+
+Hybrid models (SGLang's v2 interface): ``HybridCacheController`` registers every other host pool
+(Mamba states, sliding-window KV, DSA indexer, DeepSeek-V4 compressed pools, draft KV) with
+:meth:`register_mem_host_pool_v2` and moves them with ``batch_exists_v2`` / ``batch_get_v2`` /
+``batch_set_v2``. Each such *sidecar* pool gets a store of its own, of byte pages
+(:class:`~gdskv.layout.BytePageLayout`; how a pool's pages become bytes: :mod:`.sidecar`), under
+``<directory>/<model>/<pool>/<shard>``: pools differ in page size, so one shared store would
+pad every slot to the largest page. Keys are the same page hashes as KV's, scoped by the store.
+A sidecar store's ``capacity`` is the KV ``capacity`` times the pool's host memory over the KV
+host pool's (``pool_capacity`` overrides it per pool). Stores evict independently; what keeps a
+KV page whose sidecar pages were evicted from counting as a hit is ``batch_exists_v2``, which
+checks every pool under its hit policy (:mod:`.hit_policy`), and every read, which reports each
+page it did not read and verify as a miss. For MLA models a sidecar pool that is the same on
+every TP rank (everything but Mamba states and MHA-shaped pools) is written by the writer rank
+and followed by the others, like MLA KV.
 
 Data-path calls never raise and never return ``None``: a failure is logged once per kind and
 becomes a miss (``False`` / a shorter prefix), because an exception would kill SGLang's prefetch or
@@ -53,35 +67,68 @@ from typing import Any, List, Optional
 
 import torch
 
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    PoolName,
+    PoolTransferResult,
+)
 
-from ..config import ConfigError, TierConfig, parse_bool
-from ..layout import KVLayout
-from ..memory import check_device
-from ..store import StoreError
-from ..tier import Tier
+from ...config import ConfigError, TierConfig, parse_bool, parse_size
+from ...layout import KVLayout
+from ...memory import check_device
+from ...tier import Tier
+from . import hit_policy
+from .rank_store import RankStore
+from .sidecar import SidecarPool, page_starts, store_config
 
 log = logging.getLogger("gdskv.sglang")
 
 #: extra_config keys that SGLang's dynamic loader itself reads.
 LOADER_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1"})
 #: extra_config keys this adapter reads besides TierConfig fields.
-ADAPTER_KEYS = frozenset({"device", "create_directories"})
+ADAPTER_KEYS = frozenset({"device", "create_directories", "pool_capacity"})
 _TIER_FIELDS = frozenset(f.name for f in dataclasses.fields(TierConfig))
 _LAYOUTS = ("page_first_direct", "page_first", "layer_first")
 # One-byte KV types SGLang stores as raw bytes (fp8 caches): copies are byte-wise, so they are
 # carried under gdskv's one-byte dtype name.
 _BYTE_DTYPES = (torch.uint8, torch.int8)
-#: seconds between a non-writer MLA rank's attempts to open the writer's store
-FOLLOWER_RETRY_S = 1.0
 
 
 def _safe_name(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-") or "model"
 
 
+def _pool_name(name) -> str:
+    """SGLang's pool name (a ``PoolName``, a str enum) as its plain value."""
+    return str(getattr(name, "value", name))
+
+
+def _parse_pool_capacity(value) -> dict[str, int]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"gdskv: extra_config \"pool_capacity\" must map pool names to "
+                          f"sizes, e.g. {{\"mamba\": \"64GiB\"}}; got {value!r}")
+    return {str(k): parse_size(v, what=f"extra_config pool_capacity[{k!r}]")
+            for k, v in value.items()}
+
+
+@dataclasses.dataclass
+class _Sidecar:
+    """A registered sidecar pool, its store on this rank and its key suffix."""
+
+    pool: SidecarPool
+    store: RankStore
+    key_suffix: str
+
+    def storage_keys(self, keys: List[str]) -> List[str]:
+        return [f"{k}{self.key_suffix}" for k in keys]
+
+
 class GdskvHiCacheStorage(HiCacheStorage):
-    """A :class:`HiCacheStorage` whose pages live in a gdskv slab store on NVMe.
+    """A :class:`HiCacheStorage` whose pages live in gdskv slab stores on NVMe: one for the KV
+    pool, one per sidecar pool of a hybrid model.
 
     Args:
         storage_config: what SGLang passes (ranks, MLA flag, model name, ``extra_config``).
@@ -113,6 +160,7 @@ class GdskvHiCacheStorage(HiCacheStorage):
         self.create_directories = parse_bool(extra.get("create_directories", False),
                                              "create_directories")
         self._check_directories()
+        self.pool_capacity = _parse_pool_capacity(extra.get("pool_capacity"))
 
         sc = storage_config
         self.model_name = _safe_name(sc.model_name or "")
@@ -125,24 +173,49 @@ class GdskvHiCacheStorage(HiCacheStorage):
             shard += f"_cp{sc.attn_cp_rank}-{sc.attn_cp_size}"
         if sc.dcp_size > 1:
             raise ValueError("gdskv: decode context parallel (dcp_size > 1) is not supported")
+        self._shard = shard
         # MLA KV is identical on every TP rank (one store, written by the writer rank); MHA KV
         # is split by heads, so each TP rank has its own.
-        tp = "" if self.is_mla else f"_tp{sc.tp_rank}-{sc.tp_size}"
-        self.key_suffix = f"_{self.model_name}{tp}{shard}"
-        # Separate processes cannot share one store (it is flock-ed): DP groups get their own.
-        self.shard_dir = ("mla" if self.is_mla else f"tp{sc.tp_rank}-{sc.tp_size}") + shard + \
-            (f"_dp{sc.dp_rank}" if sc.dp_rank else "")
+        self.shard_dir, self.key_suffix = self._shard_names(replicated=self.is_mla)
         self.enable_metrics = bool(sc.enable_storage_metrics)
-        self.tier: Optional[Tier] = None
-        self._follower_config: Optional[TierConfig] = None  # non-writer MLA ranks, until open
-        self._follower_tried = float("-inf")
-        self._follower_lock = threading.Lock()
+        self.kv_layout: Optional[KVLayout] = None
+        self._kv_store: Optional[RankStore] = None
+        self._kv_host_bytes = 0
+        #: sidecar pools (register_mem_host_pool_v2) by name
+        self.sidecars: dict[str, _Sidecar] = {}
         self.mem_pool_host = None
         self._pool_views = None
         self._logged: set[str] = set()
         self._metrics_lock = threading.Lock()
         self._metrics = {"prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [],
                          "backup_bandwidth": []}
+
+    @property
+    def tier(self) -> Optional[Tier]:
+        """The KV tier on this rank (None until open, or while a follower waits for the
+        writer's store)."""
+        return self._kv_store.tier if self._kv_store is not None else None
+
+    def _kv_tier(self) -> Optional[Tier]:
+        return self._kv_store.open() if self._kv_store is not None else None
+
+    def _shard_names(self, *, replicated: bool) -> tuple[str, str]:
+        """(store directory name, key suffix) of a pool that is the same on every TP rank
+        (``replicated``) or split by TP rank."""
+        sc = self.storage_config
+        tp = "" if replicated else f"_tp{sc.tp_rank}-{sc.tp_size}"
+        # Separate processes cannot share one store (it is flock-ed): DP groups get their own.
+        shard_dir = ("mla" if replicated else f"tp{sc.tp_rank}-{sc.tp_size}") + self._shard + \
+            (f"_dp{sc.dp_rank}" if sc.dp_rank else "")
+        return shard_dir, f"_{self.model_name}{tp}{self._shard}"
+
+    def _store_dirs(self, *parts: str) -> tuple[str, ...]:
+        dirs = []
+        for d in self.config.directories:  # each exists (checked at construction)
+            sub = os.path.join(d, self.model_name, *parts)
+            os.makedirs(sub, mode=0o700, exist_ok=True)
+            dirs.append(sub)
+        return tuple(dirs)
 
     # -- set-up ---------------------------------------------------------------------------------
     def _check_directories(self) -> None:
@@ -200,54 +273,14 @@ class GdskvHiCacheStorage(HiCacheStorage):
             self._pool_views = self._as_pool(buf.transpose(1, 2))
         else:  # layer_first: [kv, layers, tokens, heads, dim]
             self._pool_views = self._as_pool(buf)
-        dirs = []
-        for d in self.config.directories:  # each exists (checked at construction)
-            sub = os.path.join(d, self.model_name, self.shard_dir)
-            os.makedirs(sub, mode=0o700, exist_ok=True)
-            dirs.append(sub)
-        if self.is_mla and not self.is_writer:
-            # Nothing is written from here; the writer rank owns the store and this rank
-            # follows it read-only (opened on first use: the writer may not have made it yet).
-            if not self.config.verify:
-                log.warning("gdskv: MLA rank %d is not the storage writer and verify is off: a "
-                            "read-only follower needs verify, so this rank reports misses",
-                            sc.tp_rank)
-                return
-            self._follower_config = self.config.replace(directories=tuple(dirs), read_only=True)
-            log.info("gdskv: MLA rank %d is not the storage writer: backups are skipped here, "
-                     "reads follow the writer's store in %s", sc.tp_rank, ", ".join(dirs))
-            self._open_follower()
-            return
-        self.tier = Tier(self.kv_layout, self.config.replace(directories=tuple(dirs)),
-                         device=self.device)
-        log.info("gdskv: %s pool (%s, %s), store %s, backend %s", layout_name,
-                 "MLA" if self.is_mla else "MHA", self.kv_layout.fingerprint, ", ".join(dirs),
-                 self.tier.backend.name)
-
-    def _open_follower(self) -> Optional[Tier]:
-        """The read-only tier over the writer rank's store, opened when the store exists."""
-        if self.tier is not None or self._follower_config is None:
-            return self.tier
-        now = time.monotonic()
-        if now - self._follower_tried < FOLLOWER_RETRY_S or \
-                not self._follower_lock.acquire(blocking=False):
-            return None
-        try:
-            if self.tier is None:
-                self._follower_tried = now
-                try:
-                    self.tier = Tier(self.kv_layout, self._follower_config, device=self.device)
-                except (StoreError, FileNotFoundError) as exc:
-                    self._log_once("follower-wait", "MLA follower: writer's store not "
-                                   "readable yet (%s); misses until it is, retrying", exc,
-                                   level=logging.INFO)
-                else:
-                    self._follower_config = None
-                    log.info("gdskv: MLA follower opened the writer's store %s (%d pages)",
-                             ", ".join(self.tier.store.directories), len(self.tier.directory))
-            return self.tier
-        finally:
-            self._follower_lock.release()
+        self._kv_host_bytes = self.kv_layout.page_bytes * max(
+            1, int(getattr(mem_pool_host, "size", 0) or 0) // self.page_size)
+        # On an MLA rank that does not write, nothing is written from here: the writer rank
+        # owns the store and this rank follows it read-only.
+        self._kv_store = RankStore(
+            f"{layout_name} {'MLA' if self.is_mla else 'MHA'} KV", self.kv_layout,
+            self.config.replace(directories=self._store_dirs(self.shard_dir)), self.device,
+            follower=self.is_mla and not self.is_writer, log_once=self._log_once)
 
     def _as_pool(self, kv_layer_first: torch.Tensor):
         """(k, v) or the MLA tensor as the tier's KVPool takes it: [layers, tokens, heads, dim]."""
@@ -262,18 +295,8 @@ class GdskvHiCacheStorage(HiCacheStorage):
     def _page_regions(self, host_indices: torch.Tensor, n: int) -> List[List[torch.Tensor]]:
         """page_first_direct: per page, its K and V blocks ([layers][tokens][row] each)."""
         ps = self.page_size
-        idx = host_indices.reshape(-1).to("cpu", torch.int64)
-        if idx.numel() != n * ps:
-            raise ValueError(f"{idx.numel()} host indices for {n} pages of {ps} tokens")
-        num_pages = self._kv.shape[1]
-        if n and (int(idx.min()) < 0 or int(idx.max()) >= num_pages * ps):
-            raise ValueError(f"host index out of range: [{int(idx.min())}, {int(idx.max())}] "
-                             f"not within the host pool's {num_pages * ps} token slots")
-        first = idx[::ps]
-        if n and (bool((first % ps).any()) or not torch.equal(
-                idx.view(n, ps) - first[:, None], torch.arange(ps).expand(n, ps))):
-            raise ValueError("host indices are not whole host-pool pages")
-        pages = (first // ps).tolist()
+        pages = [start // ps for start in page_starts(host_indices, n, ps,
+                                                      num_slots=self._kv.shape[1] * ps)]
         kv = self._kv
         return [[kv[c, p].reshape(-1).view(torch.uint8) for c in range(kv.shape[0])]
                 for p in pages]
@@ -292,9 +315,8 @@ class GdskvHiCacheStorage(HiCacheStorage):
     def batch_exists(self, keys: List[str], extra_info=None) -> int:
         """How many leading keys are stored."""
         try:
-            if self.tier is None and self._open_follower() is None:
-                return 0
-            return int(self.tier.match_prefix(self._storage_keys(keys)))
+            tier = self._kv_tier()
+            return int(tier.match_prefix(self._storage_keys(keys))) if tier is not None else 0
         except Exception as exc:  # noqa: BLE001 - the data path never raises
             self._log_once("exists", "batch_exists failed, reported as a miss: %r", exc)
             return 0
@@ -302,8 +324,6 @@ class GdskvHiCacheStorage(HiCacheStorage):
     def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor,
                      extra_info=None) -> List[bool]:
         """Read pages into the host pool at ``host_indices``; per-page hit or miss."""
-        if self.tier is None and self._open_follower() is None:
-            return [False] * len(keys)
         return self._transfer("get", keys, host_indices)
 
     def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor,
@@ -317,18 +337,19 @@ class GdskvHiCacheStorage(HiCacheStorage):
         """One v1 batch through the tier; any failure is a miss / not stored, never raised."""
         n = len(keys)
         try:
-            if self.tier is None:
+            tier = self._kv_tier()
+            if tier is None:
                 return [False] * n
             t0 = time.perf_counter()
             skeys = self._storage_keys(keys)
             if self._pool_views is None:
                 pages = self._page_regions(host_indices, n)
-                res = (self.tier.get_pages if op == "get" else self.tier.put_pages)(skeys, pages)
+                res = (tier.get_pages if op == "get" else tier.put_pages)(skeys, pages)
             else:
-                res = (self.tier.get if op == "get" else self.tier.put)(
+                res = (tier.get if op == "get" else tier.put)(
                     skeys, self._pool_views, host_indices)
             self._record("prefetch" if op == "get" else "backup", sum(res),
-                         time.perf_counter() - t0)
+                         self.kv_layout.page_bytes, time.perf_counter() - t0)
             return [bool(r) for r in res]
         except Exception as exc:  # noqa: BLE001 - the data path never raises
             self._log_once(op, "batch_%s_v1 of %d pages failed, reported as %s: %r", op, n,
@@ -338,9 +359,8 @@ class GdskvHiCacheStorage(HiCacheStorage):
     # -- the older per-page interface (SGLang's generic path) -----------------------------------
     def exists(self, key: str) -> bool:
         try:
-            if self.tier is None and self._open_follower() is None:
-                return False
-            return self.tier.contains(self._storage_keys([key])[0])
+            tier = self._kv_tier()
+            return tier is not None and tier.contains(self._storage_keys([key])[0])
         except Exception as exc:  # noqa: BLE001
             self._log_once("exists", "exists failed, reported as a miss: %r", exc)
             return False
@@ -357,13 +377,13 @@ class GdskvHiCacheStorage(HiCacheStorage):
                   target_sizes: Optional[Any] = None) -> List[torch.Tensor | None]:
         n = len(keys)
         try:
-            if target_locations is None or (self.tier is None and
-                                            self._open_follower() is None):
+            tier = self._kv_tier()
+            if target_locations is None or tier is None:
                 return [None] * n
             views = [self._flat_page_view(t) for t in target_locations]
             # Read into contiguous page-format buffers, then into the (maybe strided) targets.
             bufs = [torch.empty(v.shape, dtype=torch.uint8) for v in views]
-            res = self.tier.get_pages(self._storage_keys(keys), [[b.view(-1)] for b in bufs])
+            res = tier.get_pages(self._storage_keys(keys), [[b.view(-1)] for b in bufs])
             out: List[torch.Tensor | None] = []
             for hit, v, b, t in zip(res, views, bufs, target_locations):
                 if hit:
@@ -385,19 +405,161 @@ class GdskvHiCacheStorage(HiCacheStorage):
         if self.is_mla and not self.is_writer:
             return True
         try:
-            if self.tier is None or values is None:
+            tier = self.tier
+            if tier is None or values is None:
                 return False
             pages = [[self._flat_page_view(v).contiguous().view(-1)] for v in values]
-            return all(self.tier.put_pages(self._storage_keys(keys), pages))
+            return all(tier.put_pages(self._storage_keys(keys), pages))
         except Exception as exc:  # noqa: BLE001
             self._log_once("set", "batch_set of %d pages failed, reported as not stored: %r",
                            len(keys), exc)
             return False
 
+    # -- hybrid models: SGLang's v2 interface (sidecar pools) ----------------------------------
+    def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
+        """Open this rank's store for one sidecar pool. The KV pool, which SGLang also
+        registers here under ``kv``, has its store from :meth:`register_mem_pool_host`. A pool
+        that cannot be stored raises here: at start-up, or when SGLang adds a sidecar later."""
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        name = _pool_name(host_pool_name)
+        if name == _pool_name(PoolName.KV):
+            return
+        if self.kv_layout is None:
+            raise RuntimeError("gdskv: register_mem_pool_host (the KV pool) must come before "
+                               f"sidecar pool {name!r}")
+        if name in self.sidecars:
+            raise ValueError(f"gdskv: sidecar pool {name!r} is already registered")
+        pool = SidecarPool(host_pool_name, host_pool)
+        # Mamba states and MHA-shaped pools are split by TP rank even in an MLA model; the
+        # other sidecars of an MLA model are the same on every rank, like its KV.
+        replicated = self.is_mla and name != _pool_name(PoolName.MAMBA) and \
+            not hasattr(host_pool, "head_num")
+        shard_dir, suffix = self._shard_names(replicated=replicated)
+        sc = self.storage_config
+        layout = pool.layout(model_name=self.model_name,
+                             tp_rank=0 if replicated else sc.tp_rank,
+                             tp_size=1 if replicated else sc.tp_size,
+                             pp_rank=sc.pp_rank, pp_size=sc.pp_size)
+        config = store_config(self.config, layout,
+                              directories=self._store_dirs(_safe_name(name), shard_dir),
+                              kv_capacity=self.config.capacity, pool_host_bytes=pool.host_bytes,
+                              kv_host_bytes=self._kv_host_bytes,
+                              capacity=self.pool_capacity.get(name))
+        store = RankStore(name, layout, config, self.device,
+                          follower=replicated and not self.is_writer, log_once=self._log_once)
+        self.sidecars[name] = _Sidecar(pool, store, suffix)
+
+    def on_host_pools_registered(self) -> None:
+        """Log what each registered pool takes on disk (stores are open already)."""
+        for name, side in self.sidecars.items():
+            tier = side.store.tier
+            log.info("gdskv: sidecar pool %s: %d B pages (%s), %s; store %s", name,
+                     side.pool.page_bytes, side.pool.mode,
+                     f"{tier.store.num_slots} slots of {tier.layout.slot_bytes} B"
+                     if tier is not None else "read-only follower",
+                     side.store.layout.fingerprint)
+
+    def batch_exists_v2(self, keys: List[str], pool_transfers=None,
+                        extra_info=None) -> PoolTransferResult:
+        """Usable prefix of ``keys`` given every pool's hit policy (see :mod:`.hit_policy`)."""
+        try:
+            tier = self._kv_tier()
+            kv_pages = int(tier.match_prefix(self._storage_keys(keys))) if tier is not None \
+                else 0
+            pools = [self._presence(t, keys, kv_pages) for t in pool_transfers or []] \
+                if kv_pages else []
+            v = hit_policy.fold(kv_pages, len(keys), pools, kv_name=PoolName.KV)
+            return PoolTransferResult(v.final_pages, v.pool_hits, v.restorable)
+        except Exception as exc:  # noqa: BLE001 - the data path never raises
+            self._log_once("exists-v2", "batch_exists_v2 failed, reported as a miss: %r", exc)
+            return PoolTransferResult(0, {}, [])
+
+    def _presence(self, transfer, keys: List[str], kv_pages: int) -> hit_policy.PoolPresence:
+        policy = _pool_name(transfer.hit_policy)
+        if policy not in hit_policy.POLICIES:
+            self._log_once(f"policy:{policy}", "unknown hit policy %r for pool %s: no hits "
+                           "with it", policy, _pool_name(transfer.name))
+        if policy == hit_policy.BLOCK_GROUPS:
+            wanted = list(transfer.keys) if transfer.keys is not None else list(keys)
+        else:
+            wanted = list(keys[:kv_pages])
+        side = self.sidecars.get(_pool_name(transfer.name))
+        tier = side.store.open() if side is not None else None
+        if side is None:
+            self._log_once(f"unregistered:{_pool_name(transfer.name)}", "pool %s was never "
+                           "registered: none of its pages is stored", _pool_name(transfer.name))
+        present = [tier.contains(k) for k in side.storage_keys(wanted)] if tier is not None \
+            else [False] * len(wanted)
+        return hit_policy.PoolPresence(
+            name=transfer.name, policy=policy, present=present,
+            trailing=max(1, len(transfer.keys) if transfer.keys else 1),
+            block_pages=int(getattr(transfer, "block_pages", 0) or 0),
+            group_pages=int(getattr(transfer, "group_pages", 0) or 0))
+
+    def batch_get_v2(self, transfers, extra_info=None) -> dict:
+        """Read each transfer's pages into its host pool; per pool, per page hit or miss."""
+        return self._transfers_v2("get", transfers)
+
+    def batch_set_v2(self, transfers, extra_info=None) -> dict:
+        """Store each transfer's host pages; per pool, per page success."""
+        return self._transfers_v2("set", transfers)
+
+    def _transfers_v2(self, op: str, transfers) -> dict:
+        """Every transfer's pool gets its list: SGLang takes a pool missing from the result as
+        having nothing to say, which for a KV-derived pool would let its KV pages count."""
+        results: dict = {}
+        for t in transfers or []:
+            name = getattr(t, "name", None)
+            res = self._transfer_v2(op, t)
+            # Two transfers of one pool: one list, in order, so a failure in the first is
+            # never hidden behind the second's success.
+            results[name] = results.get(name, []) + res
+        return results
+
+    def _transfer_v2(self, op: str, transfer) -> List[bool]:
+        """One pool's pages through its tier; any failure is a miss / not stored, never raised."""
+        name = _pool_name(getattr(transfer, "name", None))
+        n = len(getattr(transfer, "keys", None) or [])
+        if not n:
+            return []
+        try:
+            side = self.sidecars.get(name)
+            if side is None:
+                self._log_once(f"unregistered:{name}", "pool %s was never registered: none of "
+                               "its pages is stored", name)
+                return [False] * n
+            if op == "set" and side.store.follower:
+                return [True] * n  # the writer rank stores this (identical) page
+            tier = side.store.open()
+            if tier is None:
+                return [False] * n
+            if transfer.host_indices is None:
+                raise ValueError("the transfer has no host indices")
+            t0 = time.perf_counter()
+            skeys = side.storage_keys(list(transfer.keys))
+            if op == "set":
+                res = tier.put_pages(skeys, side.pool.write_pages(transfer.host_indices, n))
+            else:
+                targets, finish = side.pool.read_targets(transfer.host_indices, n)
+                res = tier.get_pages(skeys, targets)
+                finish(res)
+            self._record("prefetch" if op == "get" else "backup", sum(res),
+                         side.pool.page_bytes, time.perf_counter() - t0)
+            return [bool(r) for r in res]
+        except Exception as exc:  # noqa: BLE001 - the data path never raises
+            self._log_once(f"{op}-v2:{name}", "batch_%s_v2 of %d %s pages failed, reported as "
+                           "%s: %r", op, n, name, "misses" if op == "get" else "not stored", exc)
+            return [False] * n
+
     # -- management -----------------------------------------------------------------------------
+    def _stores(self) -> list[RankStore]:
+        return ([self._kv_store] if self._kv_store is not None else []) + \
+            [side.store for side in self.sidecars.values()]
+
     def clear(self) -> None:
-        if self.tier is not None:
-            self.tier.clear()
+        for store in self._stores():
+            if store.tier is not None:
+                store.tier.clear()
 
     def get_stats(self):
         """SGLang's ``StorageMetrics`` (pages and GB/s per call since the last call) when
@@ -418,16 +580,20 @@ class GdskvHiCacheStorage(HiCacheStorage):
     def tier_stats(self) -> dict:
         return self.tier.stats() if self.tier is not None else {}
 
+    def pool_stats(self) -> dict:
+        """Each sidecar pool's tier counters (empty while a follower waits for its store)."""
+        return {name: side.store.tier.stats() if side.store.tier is not None else {}
+                for name, side in self.sidecars.items()}
+
     def close(self) -> None:
-        if self.tier is not None:
-            self.tier.close()
-            self.tier = None
+        for store in self._stores():
+            store.close()
 
     # -- helpers --------------------------------------------------------------------------------
-    def _record(self, kind: str, pages: int, seconds: float) -> None:
+    def _record(self, kind: str, pages: int, page_bytes: int, seconds: float) -> None:
         if not self.enable_metrics or not pages:
             return
-        gbps = pages * self.kv_layout.page_bytes / seconds / 1e9 if seconds > 0 else 0.0
+        gbps = pages * page_bytes / seconds / 1e9 if seconds > 0 else 0.0
         with self._metrics_lock:
             self._metrics[f"{kind}_pgs"].append(pages)
             self._metrics[f"{kind}_bandwidth"].append(gbps)

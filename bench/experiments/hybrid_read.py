@@ -1,0 +1,203 @@
+"""A hybrid model's L3 read (KV + its sidecar pool) against the KV read alone, in one call.
+
+What SGLang's cache controller does for each 128-page batch of a prefetch of a model with a
+KV-derived sidecar pool (``CacheController._page_transfer_kv_batch``): ``batch_get_v1`` of the KV
+pages, then ``batch_get_v2`` of the sidecar's pages for the same keys. This drives the SGLang
+adapter's data path through gdskv alone (no sglang needed): the KV tier reads page-format regions
+of a ``page_first_direct`` host pool (``Tier.get_pages``, as the adapter's v1 path does), the
+sidecar tier (:class:`gdskv.layout.BytePageLayout`, set up by the adapter's own
+:func:`gdskv.adapters.sglang.sidecar.store_config`) reads each page into its page-first region of
+the sidecar host buffer (the adapter's zero-copy ``regions`` mode).
+
+Model: DeepSeek-V3.2 (DSA) by default: MLA KV, 61 layers x 576 bf16 per token, and the DSA
+indexer (``INDEXER``, ``ALL_PAGES``), 61 layers x 132 B per token (128 fp8 key bytes + one fp32
+scale per 128), both in SGLang's 64-token pages: 4.29 MiB of KV and 0.49 MiB of indexer a page,
+so the sidecar adds 11.5 % to the bytes read.
+
+Each pass reads every page once, batch by batch, after dropping the slab files from the page
+cache (``fadvise``; O_DIRECT reads do not use it anyway). Batches alternate "KV alone" and "KV +
+sidecar", and the next pass swaps them, so each pair of neighbouring batches compares the two
+reads moments apart. Every byte read is checked against what was written (outside the timing).
+The sidecar's cost is the median over pairs of the hybrid time over the KV-alone time, minus
+one, against its share of the bytes (sidecar bytes over KV bytes): it should cost no more.
+
+    python bench/experiments/hybrid_read.py --dir /mnt/nvme/bench --out hybrid.json
+
+Result it produced (bench/RESULTS.md, "Hybrid models"), under bench/results/:
+``cpu-2026-11-23/hybrid-read/`` (the development machine, /dev/shm, under load: noise-bound).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import time
+
+import torch
+
+from gdskv.adapters.sglang.sidecar import CONTROLLER_BATCH_PAGES, store_config
+from gdskv.bench.cache import drop_page_cache
+from gdskv.config import TierConfig
+from gdskv.layout import BytePageLayout, KVLayout
+from gdskv.tier import Tier
+
+#: name: (KV layout fields, sidecar bytes per token, sidecar pool name)
+MODELS = {
+    "deepseek-v3.2": (dict(num_layers=61, page_size=64, head_dim=576, kv_heads=1, mla=True,
+                           dtype="bf16", model_name="deepseek-ai/DeepSeek-V3.2"),
+                      61 * 132, "indexer"),
+}
+
+
+def _args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dir", required=True, help="directory on the drive under test (a "
+                    "subdirectory is made and removed)")
+    ap.add_argument("--out", help="write the JSON results here (also printed)")
+    ap.add_argument("--model", default="deepseek-v3.2", choices=sorted(MODELS))
+    ap.add_argument("--pages", type=int, default=1024, help="KV pages written and read per pass")
+    ap.add_argument("--passes", type=int, default=4, help="timed passes over all pages")
+    ap.add_argument("--batch-pages", type=int, default=CONTROLLER_BATCH_PAGES,
+                    help="pages per read call (SGLang's STORAGE_BATCH_SIZE by default)")
+    ap.add_argument("--backend", default="auto", help="gdskv backend (auto: kvikio where the "
+                    "tier stages on CUDA, posix otherwise)")
+    ap.add_argument("--device", default="cpu", help="where the tiers stage pages: cpu (the "
+                    "adapter's default) or cuda")
+    ap.add_argument("--staging-size", default="256MiB", help="KV tier staging (GDSKV_STAGING_SIZE)")
+    return ap.parse_args(argv)
+
+
+def _host_pool(num_pages: int, page_bytes: int, seed: int) -> torch.Tensor:
+    """A page-first host buffer of random bytes, pinned where CUDA is there (SGLang pins its
+    host pools)."""
+    g = torch.Generator().manual_seed(seed)
+    buf = torch.randint(0, 256, (num_pages, page_bytes), dtype=torch.uint8, generator=g)
+    return buf.pin_memory() if torch.cuda.is_available() else buf
+
+
+def main(args) -> dict:
+    kv_fields, side_bytes_per_token, side_name = MODELS[args.model]
+    kv_layout = KVLayout(**kv_fields)
+    side_layout = BytePageLayout(page_bytes=side_bytes_per_token * kv_layout.page_size,
+                                 kind=f"sglang/{side_name}/bench/page_first_direct/regions",
+                                 model_name=kv_layout.model_name)
+    n = args.pages
+    root = os.path.join(args.dir, f"gdskv-hybrid-{os.getpid()}")
+    kv_dir, side_dir = os.path.join(root, "kv"), os.path.join(root, side_name)
+    os.makedirs(kv_dir)
+    os.makedirs(side_dir)
+    # room for every page with stripe rounding to spare: nothing is evicted
+    base = TierConfig.from_env(directories=(kv_dir,), backend=args.backend,
+                               staging_size=args.staging_size,
+                               capacity=(n + 256) * kv_layout.slot_bytes)
+    side_config = store_config(base, side_layout, directories=(side_dir,),
+                               kv_capacity=base.capacity, pool_host_bytes=side_layout.page_bytes,
+                               kv_host_bytes=kv_layout.page_bytes,
+                               capacity=(n + 256) * side_layout.slot_bytes)
+    # host pools: what SGLang's page_first_direct pools hold, written from `src`, read to `dst`
+    kv_src, kv_dst = _host_pool(n, kv_layout.page_bytes, 1), _host_pool(n, kv_layout.page_bytes, 2)
+    sd_src = _host_pool(n, side_layout.page_bytes, 3)
+    sd_dst = _host_pool(n, side_layout.page_bytes, 4)
+    keys = [f"{i:064x}" for i in range(n)]
+    bp = args.batch_pages
+    batches = [range(i, min(i + bp, n)) for i in range(0, n, bp)]
+    result = {"model": args.model, "pages": n, "batch_pages": bp,
+              "kv_page_bytes": kv_layout.page_bytes, "sidecar": side_name,
+              "sidecar_page_bytes": side_layout.page_bytes, "device": args.device,
+              "dir": args.dir, "host": platform.node(),
+              "torch": torch.__version__, "passes": []}
+    pairs, per_kind = [], {"kv": [0.0, 0], "kv+sidecar": [0.0, 0]}  # seconds, bytes
+    sidecar_calls = []  # in a hybrid batch: the sidecar call's time over its KV call's
+    try:
+        with Tier(kv_layout, base, device=args.device) as kv, \
+                Tier(side_layout, side_config, device=args.device) as side:
+            result["backend"] = kv.backend.name
+            result["backend_detail"] = kv.backend.describe()
+            result["o_direct"] = kv.store.direct
+            for b in batches:  # write once (untimed)
+                ks = [keys[i] for i in b]
+                if not (all(kv.put_pages(ks, [[kv_src[i]] for i in b])) and
+                        all(side.put_pages(ks, [[sd_src[i]] for i in b]))):
+                    raise RuntimeError("a page write failed")
+            slabs = [f.path for f in kv.store.files] + [f.path for f in side.store.files]
+            for p in range(args.passes):
+                kv_dst.zero_()
+                sd_dst.zero_()
+                dropped = drop_page_cache(slabs)
+                times = []
+                for j, b in enumerate(batches):
+                    # batches alternate kinds, and swap them from pass to pass: each pair of
+                    # neighbours is one KV-alone and one hybrid read of as many pages, moments
+                    # apart (the noise of a shared machine hits both alike)
+                    hybrid = (j + p) % 2 == 1
+                    ks = [keys[i] for i in b]
+                    t0 = time.perf_counter()
+                    ok = kv.get_pages(ks, [[kv_dst[i]] for i in b])
+                    t_kv = time.perf_counter()
+                    if hybrid:
+                        ok += side.get_pages(ks, [[sd_dst[i]] for i in b])
+                    dt = time.perf_counter() - t0
+                    if not all(ok):
+                        raise RuntimeError(f"a page read failed (pass {p}, batch {j})")
+                    times.append((hybrid, len(b), dt, t0 + dt - t_kv))
+                    if hybrid:
+                        sidecar_calls.append((t0 + dt - t_kv) / (t_kv - t0))
+                    kind = per_kind["kv+sidecar" if hybrid else "kv"]
+                    kind[0] += dt
+                    kind[1] += len(b) * (kv_layout.page_bytes +
+                                         (side_layout.page_bytes if hybrid else 0))
+                hybrid_pages = [i for (h, *_), b in zip(times, batches) if h for i in b]
+                if not torch.equal(kv_dst, kv_src) or not torch.equal(
+                        sd_dst[hybrid_pages], sd_src[hybrid_pages]):
+                    raise RuntimeError(f"pass {p}: bytes read differ from bytes written")
+                for a, b in zip(times[::2], times[1::2]):
+                    if a[1] == b[1]:  # whole pairs of equal batches only
+                        kv_t, hy_t = (b[2], a[2]) if a[0] else (a[2], b[2])
+                        pairs.append(hy_t / kv_t)
+                result["passes"].append({"batches": [
+                    {"kind": "kv+sidecar" if h else "kv", "pages": m, "ms": dt * 1e3,
+                     **({"sidecar_ms": ds * 1e3} if h else {})}
+                    for h, m, dt, ds in times], "cache": dropped.get("summary", "")})
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    if not pairs:
+        raise RuntimeError(f"no pair of {bp}-page batches: use --pages >= {2 * bp}")
+    share = side_layout.page_bytes / kv_layout.page_bytes
+    extra = statistics.median(pairs) - 1
+    result.update({f"{k}_GBps": nbytes / sec / 1e9 for k, (sec, nbytes) in per_kind.items()})
+    result.update(sidecar_call_over_kv_call=statistics.median(sidecar_calls))
+    result.update(pairs=len(pairs), hybrid_over_kv_per_pair=pairs,
+                  sidecar_time_fraction=extra, sidecar_time_fraction_range=[min(pairs) - 1,
+                                                                            max(pairs) - 1],
+                  sidecar_byte_fraction=share, sidecar_within_its_share=extra <= share)
+    return result
+
+
+def report(r: dict) -> str:
+    return "\n".join([
+        f"{r['model']}: {r['pages']} pages, {r['batch_pages']}-page batches, backend "
+        f"{r['backend']}, staging on {r['device']}, {r['dir']}",
+        "| read | GB/s (all bytes read) |", "|---|---|",
+        f"| KV alone | {r['kv_GBps']:.2f} |",
+        f"| KV + {r['sidecar']} | {r['kv+sidecar_GBps']:.2f} |",
+        f"sidecar time: {100 * r['sidecar_time_fraction']:+.1f} % (median of {r['pairs']} "
+        f"pairs; {100 * r['sidecar_time_fraction_range'][0]:+.1f} to "
+        f"{100 * r['sidecar_time_fraction_range'][1]:+.1f} %) for "
+        f"{100 * r['sidecar_byte_fraction']:+.1f} % bytes "
+        f"({'within' if r['sidecar_within_its_share'] else 'OVER'} its share); the sidecar call "
+        f"alone: {100 * r['sidecar_call_over_kv_call']:.1f} % of the KV call before it"])
+
+
+if __name__ == "__main__":
+    options = _args()
+    res = main(options)
+    text = json.dumps(res, indent=1)
+    if options.out:
+        with open(options.out, "w", encoding="utf-8") as f:
+            f.write(text)
+    print(text)
+    print(report(res))

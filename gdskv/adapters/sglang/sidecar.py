@@ -1,0 +1,214 @@
+"""A sidecar host pool (``register_mem_host_pool_v2``) as byte pages.
+
+SGLang's hybrid models keep pools besides the attention KV: Mamba states, sliding-window KV,
+the DSA indexer, DeepSeek-V4's compressed pools, draft KV. Whatever the class, SGLang's own
+backends move one page of such a pool in one of two ways, and so does this module:
+
+- **regions** (zero copy): ``host_pool.get_page_buffer_meta(indices)`` names each page's byte
+  regions in host memory; the page is their concatenation, read and written in place as views
+  of the pool's own buffers. Used when the pool answers it and every region lies in one of its
+  contiguous buffers (``get_hybrid_pool_buffer()`` / ``kv_buffer``, looked up at every call),
+  which is checked for every page of every call: no byte outside the pool is ever touched.
+- **flat**: ``host_pool.get_data_page(index, flat=True)`` on write, and
+  ``set_from_flat_data_page(index, page)`` on read (SGLang's generic path), through a page in
+  the dtype of ``get_dummy_flat_data_page()``. Used where SGLang refuses zero copy (a DSA
+  indexer in ``layer_first``, a Mamba pool with registered side states).
+
+The stored page is those bytes; the pool's name, class, host layout and mode are in the store's
+fingerprint, so pages written one way are never read another way. A page is
+``get_dummy_flat_data_page()`` bytes (SGLang's own page size for the pool).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from typing import Optional
+
+import torch
+
+from ...config import TierConfig
+from ...layout import BytePageLayout
+
+REGIONS = "regions"
+FLAT = "flat"
+#: SGLang's STORAGE_BATCH_SIZE: the pages of one controller read or write (checked by the tests)
+CONTROLLER_BATCH_PAGES = 128
+#: a sidecar store holds at least this many pages, whatever its share of the capacity
+MIN_STORE_PAGES = 64
+
+
+def store_config(base: TierConfig, layout: BytePageLayout, *, directories: Sequence[str],
+                 kv_capacity: int, pool_host_bytes: int, kv_host_bytes: int,
+                 capacity: Optional[int] = None) -> TierConfig:
+    """A sidecar pool's tier settings: the KV tier's, in its own directories, with
+
+    - ``capacity`` if given, else the KV capacity scaled by the pool's host memory over the KV
+      host pool's (SGLang sizes its host pools that way), at least ``MIN_STORE_PAGES`` slots;
+    - staging for one controller batch of this pool rather than the KV tier's whole buffer (a
+      model can have a dozen sidecar pools), and at least one slot per pipeline stage.
+    """
+    if capacity is None:
+        capacity = max(int(kv_capacity * pool_host_bytes / max(1, kv_host_bytes)),
+                       MIN_STORE_PAGES * layout.slot_bytes)
+    staging = max(base.pipeline_depth * layout.slot_bytes,
+                  min(base.staging_size, CONTROLLER_BATCH_PAGES * layout.slot_bytes))
+    return base.replace(directories=tuple(directories), capacity=capacity, staging_size=staging)
+
+
+def page_starts(host_indices: torch.Tensor, num_pages: int, page_size: int, *,
+                num_slots: int = 0) -> list[int]:
+    """The first host slot of each of ``num_pages`` whole host pages (ValueError otherwise):
+    SGLang hands out page-aligned runs of ``page_size`` slots per page, within the pool's
+    ``num_slots`` (when known)."""
+    idx = torch.as_tensor(host_indices).reshape(-1).to("cpu", torch.int64)
+    if idx.numel() != num_pages * page_size:
+        raise ValueError(f"{idx.numel()} host indices for {num_pages} pages of {page_size} "
+                         f"slots")
+    if num_slots and num_pages and (int(idx.min()) < 0 or int(idx.max()) >= num_slots):
+        raise ValueError(f"host index out of range: [{int(idx.min())}, {int(idx.max())}] not "
+                         f"within the host pool's {num_slots} slots")
+    first = idx[::page_size]
+    if num_pages and (bool((first % page_size).any()) or not torch.equal(
+            idx.view(num_pages, page_size) - first[:, None],
+            torch.arange(page_size).expand(num_pages, page_size))):
+        raise ValueError("host indices are not whole host-pool pages")
+    return first.tolist()
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+class SidecarPool:
+    """One registered sidecar pool: its page size, how pages move, and the byte layout of its
+    store.
+
+    Raises ValueError at registration for a pool SGLang cannot hand over as pages (no
+    ``get_dummy_flat_data_page`` / ``get_data_page`` / ``set_from_flat_data_page``, or empty
+    pages)."""
+
+    def __init__(self, name, host_pool) -> None:
+        self.name = name
+        self.host_pool = host_pool
+        missing = [m for m in ("get_dummy_flat_data_page", "get_data_page",
+                               "set_from_flat_data_page") if not hasattr(host_pool, m)]
+        if missing:
+            raise ValueError(f"gdskv: host pool {name!s} ({type(host_pool).__name__}) has no "
+                             f"{', '.join(missing)}: SGLang cannot hand its pages to a storage "
+                             "backend")
+        dummy = host_pool.get_dummy_flat_data_page()
+        self.page_dtype = dummy.dtype
+        self.page_numel = dummy.numel()
+        self.page_bytes = self.page_numel * dummy.element_size()
+        if self.page_bytes < 1:
+            raise ValueError(f"gdskv: host pool {name!s} ({type(host_pool).__name__}) has empty "
+                             "pages")
+        self.page_size = int(getattr(host_pool, "page_size", 1) or 1)
+        self.num_slots = int(getattr(host_pool, "size", 0) or 0)  # 0: not known
+        self.host_layout = str(getattr(host_pool, "layout", "") or "-")
+        self.mode = REGIONS if self._regions_work() else FLAT
+        #: host memory the pool holds (its pages x page bytes): the basis of its disk share
+        self.host_bytes = self.page_bytes * max(1, self.num_slots // self.page_size)
+
+    def layout(self, *, model_name: str, tp_rank: int, tp_size: int, pp_rank: int,
+               pp_size: int) -> BytePageLayout:
+        kind = f"sglang/{self.name!s}/{type(self.host_pool).__name__}/{self.host_layout}/" \
+               f"{self.mode}"
+        return BytePageLayout(page_bytes=self.page_bytes, kind=kind, model_name=model_name,
+                              tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank,
+                              pp_size=pp_size)
+
+    # -- pages of one transfer ------------------------------------------------------------------
+    def write_pages(self, host_indices: torch.Tensor, num_pages: int) -> list[list[torch.Tensor]]:
+        """The byte regions of these host pages, to store."""
+        starts = page_starts(host_indices, num_pages, self.page_size, num_slots=self.num_slots)
+        if self.mode == REGIONS:
+            return self._regions(starts)
+        pages = []
+        for start in starts:
+            data = _as_bytes(self.host_pool.get_data_page(start, flat=True))
+            if data.numel() != self.page_bytes:
+                raise ValueError(f"{self.name!s} page at slot {start} has {data.numel()} B, "
+                                 f"expected {self.page_bytes}")
+            pages.append([data])
+        return pages
+
+    def read_targets(self, host_indices: torch.Tensor, num_pages: int):
+        """Where to read these host pages: (regions per page, ``finish(hits)``), ``finish``
+        putting the pages that were hits into the host pool (a no-op for regions, which are
+        the pool's memory)."""
+        starts = page_starts(host_indices, num_pages, self.page_size, num_slots=self.num_slots)
+        if self.mode == REGIONS:
+            return self._regions(starts), lambda hits: None
+        bounce = torch.empty((num_pages, self.page_numel), dtype=self.page_dtype)
+
+        def finish(hits: Sequence[bool]) -> None:
+            for start, page, hit in zip(starts, bounce, hits):
+                if hit:
+                    self.host_pool.set_from_flat_data_page(start, page)
+
+        return [[page.view(torch.uint8)] for page in bounce], finish
+
+    # -- zero copy --------------------------------------------------------------------------------
+    @staticmethod
+    def _contiguous_buffers(host_pool) -> list[tuple[int, int, torch.Tensor]]:
+        """(start address, end address, flat byte view) of each contiguous host buffer."""
+        found: list[torch.Tensor] = []
+        getter = getattr(host_pool, "get_hybrid_pool_buffer", None)
+        if callable(getter):
+            found += [b for b in getter() if isinstance(b, torch.Tensor)]
+        kv = getattr(host_pool, "kv_buffer", None)
+        found += [kv] if isinstance(kv, torch.Tensor) else \
+            [b for b in (kv or []) if isinstance(b, torch.Tensor)]
+        out, seen = [], set()
+        for b in found:
+            if b.numel() == 0 or not b.is_contiguous() or b.device.type != "cpu" or \
+                    b.data_ptr() in seen:
+                continue
+            seen.add(b.data_ptr())
+            flat = b.reshape(-1).view(torch.uint8)
+            out.append((b.data_ptr(), b.data_ptr() + flat.numel(), flat))
+        return sorted(out, key=lambda t: t[0])
+
+    def _regions_work(self) -> bool:
+        if not callable(getattr(self.host_pool, "get_page_buffer_meta", None)):
+            return False
+        try:
+            self._regions([0])
+        except (NotImplementedError, ValueError, AssertionError, AttributeError, TypeError):
+            return False  # SGLang refuses zero copy for this pool (layout, side states...)
+        return True
+
+    def _regions(self, starts: list[int]) -> list[list[torch.Tensor]]:
+        if not starts:
+            return []
+        idx = torch.tensor([s + j for s in starts for j in range(self.page_size)],
+                           dtype=torch.int64)
+        ptrs, sizes = self.host_pool.get_page_buffer_meta(idx)
+        if len(ptrs) != len(sizes) or len(ptrs) % len(starts):
+            raise ValueError(f"{self.name!s}: {len(ptrs)} regions for {len(starts)} pages")
+        per_page = len(ptrs) // len(starts)
+        buffers = self._contiguous_buffers(self.host_pool)
+        pages = []
+        for p in range(len(starts)):
+            regions = [self._view(buffers, int(a), int(n))
+                       for a, n in zip(ptrs[p * per_page:(p + 1) * per_page],
+                                       sizes[p * per_page:(p + 1) * per_page])]
+            if sum(r.numel() for r in regions) != self.page_bytes:
+                raise ValueError(f"{self.name!s}: regions of a page hold "
+                                 f"{sum(r.numel() for r in regions)} B, a page is "
+                                 f"{self.page_bytes} B")
+            pages.append(regions)
+        return pages
+
+    def _view(self, buffers: list, addr: int, size: int) -> torch.Tensor:
+        """A uint8 view of ``size`` bytes at ``addr``, which must lie inside one pool buffer
+        (never memory the pool does not own)."""
+        i = bisect.bisect_right(buffers, addr, key=lambda t: t[0]) - 1
+        found: Optional[tuple] = buffers[i] if i >= 0 else None
+        if found is None or size < 1 or addr + size > found[1]:
+            raise ValueError(f"{self.name!s}: region [{addr:#x}, +{size}) is outside the "
+                             "pool's buffers")
+        start = addr - found[0]
+        return found[2][start:start + size]

@@ -1,0 +1,749 @@
+"""Hybrid models through SGLang's v2 storage interface, on SGLang's own classes: its host pools for
+the sidecar pools (Mamba states, sliding-window KV, the DSA indexer, DeepSeek-V4 paged pools,
+draft KV) built on CPU, and its real ``HybridCacheController`` driving the backup and prefetch
+paths with gdskv created by ``StorageBackendFactory`` (as ``--hicache-storage-backend dynamic``
+does).
+
+Needs the sglang venv (tests/requirements-sglang.txt); skipped with that reason elsewhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import threading
+
+import pytest
+import torch
+
+# the main venv has no sglang: these tests run in the sglang venv (tests/run_sglang.sh)
+pytest.importorskip("sglang.srt.mem_cache.storage.backend_factory",
+                    reason="sglang is not importable; see tests/requirements-sglang.txt")
+
+from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402
+    STORAGE_BATCH_SIZE,
+    HiCacheStorageConfig,
+    PoolHitPolicy,
+    PoolName,
+    PoolTransfer,
+)
+from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
+
+from gdskv.adapters.sglang import GdskvHiCacheStorage  # noqa: E402
+from sglang_pools import make_host_pool  # noqa: E402
+from gdskv.config import ConfigError  # noqa: E402
+
+PAGE = 4
+LAYERS = 2
+HEADS = 2
+HEAD_DIM = 8
+MLA_DIM = 24
+HOST_PAGES = 400
+DSA_PAGE = 64  # SGLang's DSA pools take 64-token pages only
+ALL, TRAILING, BLOCKS = (PoolHitPolicy.ALL_PAGES, PoolHitPolicy.TRAILING_PAGES,
+                         PoolHitPolicy.BLOCK_GROUPS)
+
+
+@pytest.fixture(autouse=True)
+def single_rank_parallel_state():
+    """SGLang's device pools and controller read the parallel layout from its runtime
+    context; a one-rank layout, as a server without TP/PP/DCP publishes it."""
+    from sglang.srt.runtime_context import get_parallel
+    with get_parallel().override(attn_dcp_size=1, attn_dcp_rank=0, tp_rank=0, tp_size=1,
+                                 pp_rank=0, pp_size=1):
+        yield
+
+
+# -- SGLang's host pools, built on CPU ----------------------------------------------------------
+def kv_host(layout="page_first_direct", *, mla=False, page_size=PAGE, pages=HOST_PAGES):
+    return make_host_pool(mla=mla, layout=layout, page_size=page_size, layers=LAYERS,
+                          heads=HEADS, head_dim=HEAD_DIM, mla_dim=MLA_DIM, pages=pages)
+
+
+def mamba_host(layout="page_first_direct", *, slots=32, side_state=False):
+    """MambaPoolHost over CPU "device" states: temporal [layers, slots, heads, dim, state],
+    one conv state, and (side_state) a registered per-slot side state."""
+    from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
+    from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
+    extra = (torch.zeros(slots, 5, dtype=torch.int32),) if side_state else ()
+    info = MambaStateBufferInfo(temporal=torch.zeros(3, slots, 2, 4, 8),
+                                conv=(torch.zeros(3, slots, 6, 3, dtype=torch.bfloat16),),
+                                extra_checkpoint_buffers=extra)
+    return MambaPoolHost(info, 2.0, 0, device_capacity=slots, pin_memory=False, device="cpu",
+                         layout=layout)
+
+
+def swa_host(layout="page_first_direct"):
+    """Sliding-window KV: SGLang builds it with build_kv_host_pool, i.e. the KV host pool
+    class over the SWA layers."""
+    return make_host_pool(mla=False, layout=layout, page_size=PAGE, layers=1, heads=HEADS,
+                          head_dim=HEAD_DIM, mla_dim=MLA_DIM, pages=HOST_PAGES)
+
+
+def indexer_host(anchor):
+    """DSA (DeepSeek V3.2) indexer host pool over a CPU DSATokenToKVPool, slots as the MLA
+    anchor's (whose pages must be DSA_PAGE tokens)."""
+    page_size = anchor.page_size
+    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.dsa import DSAIndexerPoolHost, make_dsa_indexer_pool_decl
+    dev = DSATokenToKVPool(size=4 * page_size, page_size=page_size, kv_lora_rank=16,
+                           dtype=torch.bfloat16, qk_rope_head_dim=8, layer_num=LAYERS,
+                           device="cpu", index_head_dim=128, enable_memory_saver=False,
+                           kv_cache_dim=MLA_DIM)
+    return DSAIndexerPoolHost(make_dsa_indexer_pool_decl(dev), anchor, pin_memory=False,
+                              device="cpu")
+
+
+def dsv4_host(layout="page_first", name="deepseek_v4_c4", page_size=PAGE, pages=HOST_PAGES):
+    """DeepSeek-V4 paged host pool (compressed KV / indexer pools) over 3 CPU layers."""
+    from sglang.srt.mem_cache.memory_pool_host import DeepSeekV4PagedHostPool
+    bufs = [torch.zeros(8, 2, 48, dtype=torch.uint8) for _ in range(3)]
+    return DeepSeekV4PagedHostPool(name, bufs, item_bytes=96, num_host_pages=pages,
+                                   slot_page_size=page_size, layout=layout, device="cpu",
+                                   pin_memory=False)
+
+
+def pool_buffers(pool) -> list[torch.Tensor]:
+    getter = getattr(pool, "get_hybrid_pool_buffer", None)
+    bufs = list(getter()) if callable(getter) else []
+    kv = getattr(pool, "kv_buffer", None)
+    bufs += [kv] if isinstance(kv, torch.Tensor) else list(kv or [])
+    bufs += list(getattr(pool, "slot_state_buffers", []) or [])
+    return [b for b in bufs if b.numel()]
+
+
+def fill_random(pool, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for b in pool_buffers(pool):
+        raw = b.view(torch.uint8)
+        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=g))
+
+
+def page_of(pool, start: int) -> torch.Tensor:
+    """SGLang's own accessor for one host page's bytes."""
+    return pool.get_data_page(start, flat=True).contiguous().view(torch.uint8).clone()
+
+
+def meta_page(pool, start: int) -> torch.Tensor:
+    """The bytes SGLang's zero-copy backends transfer for one page (get_page_buffer_meta)."""
+    ptrs, sizes = pool.get_page_buffer_meta(torch.arange(start, start + pool.page_size))
+    return torch.cat([torch.frombuffer((ctypes.c_uint8 * s).from_address(p),
+                                       dtype=torch.uint8).clone() for p, s in zip(ptrs, sizes)])
+
+
+def slots(pool, pages: list[int]) -> torch.Tensor:
+    ps = pool.page_size
+    return torch.cat([torch.arange(p * ps, (p + 1) * ps) for p in pages]).to(torch.int64)
+
+
+def page_hashes(num_pages: int, seed: int = 0) -> list[str]:
+    from sglang.srt.mem_cache.utils import get_hash_str
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 32000, (num_pages * PAGE,), generator=g).tolist()
+    return list(get_hash_str(tokens, None, page_size=PAGE))
+
+
+# -- the backend, created as SGLang creates it -------------------------------------------------
+def storage_config(tmp_path, *, mla=False, tp_rank=0, tp_size=1, **extra):
+    d = tmp_path / "l3"
+    d.mkdir(exist_ok=True)
+    cfg = {"backend_name": "gdskv", "module_path": "gdskv.adapters.sglang",
+           "class_name": "GdskvHiCacheStorage", "interface_v1": 1, "directories": str(d),
+           "capacity": "16MiB", "staging_size": "256KiB", "io_chunk_size": "64KiB",
+           "io_threads": 2, "files_per_dir": 2, "backend": "posix"}
+    cfg.update(extra)
+    return HiCacheStorageConfig(tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1,
+                                attn_cp_rank=0, attn_cp_size=1, is_mla_model=mla,
+                                enable_storage_metrics=False, is_page_first_layout=True,
+                                model_name="org/tiny-hybrid", extra_config=cfg)
+
+
+def attach(config, kv_pool, sidecars: dict):
+    """What HybridCacheController.attach_storage_backend does: factory, the anchor, the v2
+    burst (the KV entry included), then on_host_pools_registered."""
+    backend = StorageBackendFactory.create_backend("dynamic", config, kv_pool)
+    backend.register_mem_pool_host(kv_pool)
+    backend.register_mem_host_pool_v2(kv_pool, PoolName.KV)
+    for name, pool in sidecars.items():
+        backend.register_mem_host_pool_v2(pool, name)
+    backend.on_host_pools_registered()
+    return backend
+
+
+def in_batches(keys, host_indices, page_size):
+    for i in range(0, len(keys), STORAGE_BATCH_SIZE):
+        batch = keys[i:i + STORAGE_BATCH_SIZE]
+        yield batch, host_indices[i * page_size:(i + len(batch)) * page_size]
+
+
+# -- 1. every sidecar pool class and layout: bit-exact round trips ------------------------------
+def _mamba(layout, side=False):
+    return lambda kv: mamba_host(layout, slots=HOST_PAGES, side_state=side)
+
+
+def _indexer(kv):
+    return indexer_host(kv)
+
+
+POOL_CASES = {
+    # name: (pool name, KV is MLA, KV layout, sidecar builder, expected mode); the indexer's
+    # KV pool has DSA_PAGE-token pages
+    "mamba-page_first": (PoolName.MAMBA, False, "page_first", _mamba("page_first"), "regions"),
+    "mamba-page_first_direct": (PoolName.MAMBA, False, "page_first_direct",
+                                _mamba("page_first_direct"), "regions"),
+    "mamba-side-state": (PoolName.MAMBA, False, "page_first_direct",
+                         _mamba("page_first_direct", side=True), "flat"),
+    "swa-page_first": (PoolName.SWA, False, "page_first", lambda kv: swa_host("page_first"),
+                       "regions"),
+    "swa-page_first_direct": (PoolName.SWA, False, "page_first_direct",
+                              lambda kv: swa_host("page_first_direct"), "regions"),
+    "swa-layer_first": (PoolName.SWA, False, "layer_first", lambda kv: swa_host("layer_first"),
+                        "regions"),
+    "indexer-page_first_direct": (PoolName.INDEXER, True, "page_first_direct", _indexer,
+                                  "regions"),
+    "indexer-page_first": (PoolName.INDEXER, True, "page_first", _indexer, "regions"),
+    "indexer-layer_first": (PoolName.INDEXER, True, "layer_first", _indexer, "flat"),
+    "dsv4-c4-page_first": (PoolName.DEEPSEEK_V4_C4, True, "page_first",
+                           lambda kv: dsv4_host("page_first"), "regions"),
+    "dsv4-c4-page_first_direct": (PoolName.DEEPSEEK_V4_C4, True, "page_first_direct",
+                                  lambda kv: dsv4_host("page_first_direct"), "regions"),
+    "dsv4-c4-layer_first": (PoolName.DEEPSEEK_V4_C4, True, "layer_first",
+                            lambda kv: dsv4_host("layer_first"), "regions"),
+    "draft-mha": (PoolName.DRAFT, False, "page_first_direct",
+                  lambda kv: kv_host("page_first_direct"), "regions"),
+}
+
+
+@pytest.mark.parametrize("case", list(POOL_CASES))
+def test_sidecar_round_trip_on_sglangs_pool_classes(tmp_path, case):
+    name, mla, layout, build, mode = POOL_CASES[case]
+    kv_page = DSA_PAGE if name == PoolName.INDEXER else PAGE
+    src_kv = kv_host(layout, mla=mla, page_size=kv_page)
+    dst_kv = kv_host(layout, mla=mla, page_size=kv_page)
+    src, dst = build(src_kv), build(dst_kv)
+    assert type(src).__module__.startswith("sglang.")
+    fill_random(src, seed=1)
+    n = 150  # more than one controller batch
+    g = torch.Generator().manual_seed(2)
+    limit = src.size // src.page_size
+    src_pages = torch.randperm(limit, generator=g)[:n].tolist()
+    dst_pages = torch.randperm(limit, generator=g)[:n].tolist()
+    keys = page_hashes(n, seed=3)
+
+    writer = attach(storage_config(tmp_path, mla=mla), src_kv, {name: src})
+    try:
+        side = writer.sidecars[str(name.value)]
+        assert side.pool.mode == mode
+        assert side.pool.page_bytes == src.get_dummy_flat_data_page().numel() * \
+            src.get_dummy_flat_data_page().element_size()
+        for batch, idx in in_batches(keys, slots(src, src_pages), src.page_size):
+            res = writer.batch_set_v2([PoolTransfer(name=name, host_indices=idx, keys=batch)])
+            assert res == {name: [True] * len(batch)}
+        # What is stored is what SGLang's own backends move for the page: the zero-copy
+        # regions in regions mode, get_data_page in flat mode.
+        stored = torch.empty(3, side.pool.page_bytes, dtype=torch.uint8)
+        tier = side.store.tier
+        assert tier.get_pages(side.storage_keys(keys[:3]), [[stored[i]] for i in range(3)]) == \
+            [True] * 3
+        for i in range(3):
+            start = src_pages[i] * src.page_size
+            want = meta_page(src, start) if mode == "regions" else page_of(src, start)
+            assert torch.equal(stored[i], want)
+    finally:
+        writer.close()
+
+    # A restarted server (new backend over the same directories) reads them into other slots.
+    reader = attach(storage_config(tmp_path, mla=mla), dst_kv, {name: dst})
+    try:
+        for batch, idx in in_batches(keys, slots(dst, dst_pages), dst.page_size):
+            res = reader.batch_get_v2([PoolTransfer(name=name, host_indices=idx, keys=batch)])
+            assert res == {name: [True] * len(batch)}
+        for s, d in zip(src_pages, dst_pages):
+            assert torch.equal(page_of(src, s * src.page_size), page_of(dst, d * dst.page_size))
+        assert reader.pool_stats()[str(name.value)]["recovered_pages"] == n
+    finally:
+        reader.close()
+
+
+# -- 2. SGLang's real HybridCacheController drives backup and prefetch -------------------------
+@contextlib.contextmanager
+def hybrid_controller(tmp_path, entries, **extra):
+    """HybridCacheController built on CPU over a HostPoolGroup of SGLang's host pools (an MHA
+    device pool), storage attached at construction (``--hicache-storage-backend dynamic``);
+    detached on exit."""
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.mem_cache.pool_host import HostPoolGroup, PoolEntry
+    dev = MHATokenToKVPool(size=64, page_size=PAGE, dtype=torch.bfloat16, head_num=HEADS,
+                           head_dim=HEAD_DIM, layer_num=LAYERS, device="cpu",
+                           enable_memory_saver=False, enable_alt_stream=False)
+    allocator = PagedTokenToKVPoolAllocator(64, PAGE, torch.bfloat16, "cpu", dev,
+                                            need_sort=False)
+    group = HostPoolGroup([PoolEntry(name=name, host_pool=pool, device_pool=dev,
+                                     layer_mapper=lambda i: i,
+                                     is_primary_index_anchor=name == PoolName.KV)
+                           for name, pool in entries.items()])
+    cfg = storage_config(tmp_path, **extra).extra_config
+    ctrl = HybridCacheController(allocator, group, PAGE, None, threading.Event(),
+                                 io_backend="direct", storage_backend="dynamic",
+                                 model_name="org/tiny-hybrid", storage_backend_extra_config=cfg,
+                                 write_policy="write_through")
+    try:
+        yield ctrl
+    finally:
+        ctrl.detach_storage_backend()
+
+
+def controller_backup(ctrl, tokens, hashes, host_indices, extra_pools):
+    """HybridCacheController.write_storage; returns the finished operation."""
+    ctrl.write_storage(host_indices, tokens, hash_value=hashes, prefix_keys=None,
+                       extra_pools=extra_pools)
+    return ctrl.ack_backup_queue.get(timeout=60)
+
+
+def controller_prefetch(ctrl, tokens, extra_pools, rid="r"):
+    """HybridCacheController.prefetch, the scheduler's part (host slots for the hit, as the
+    radix cache allocates them), then the controller's transfer; returns (operation, anchor
+    host indices, completed tokens, per-pool hits)."""
+    from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
+    ctrl.prefetch(CacheRequestHandle(rid, 0), tokens, None, None, extra_pools=extra_pools)
+    op = ctrl.prefetch_hit_queue.get(timeout=60)
+    hit = op.storage_hit_count
+    if hit == 0:
+        return op, None, 0, {}
+    host = ctrl.mem_pool_host.alloc(hit)
+    op.host_indices = host
+    for t in op.pool_transfers or []:
+        if t.indices_from_pool is None:  # pools with slots of their own (Mamba, SWA)
+            pool = ctrl.mem_pool_host.entry_map[t.name].host_pool
+            want = min(len(t.keys), hit // PAGE) * pool.page_size
+            t.host_indices = pool.alloc(want)
+    ctrl.prefetch_buffer.put(op)
+    completed, pool_hits = 0, {}
+    while True:
+        ack = ctrl.ack_prefetch_queue.get(timeout=60)
+        if ack.completed_tokens is not None:
+            completed = ack.completed_tokens
+        if ack.pool_hits is not None:
+            pool_hits = {str(getattr(k, "value", k)): v for k, v in ack.pool_hits.items()}
+        if ack.completed_req:
+            return op, host, completed, pool_hits
+
+
+def test_controller_mamba_and_draft_backup_restart_prefetch(tmp_path):
+    """A Qwen3-Next-style model with an MTP draft: KV (v1) + Mamba state (TRAILING_PAGES, own
+    slots) + draft KV (ALL_PAGES, KV-derived), written and read back by the real controller,
+    across a restart."""
+    n = 150
+    g = torch.Generator().manual_seed(4)
+    tokens = torch.randint(0, 32000, (n * PAGE,), generator=g).tolist()
+
+    def entries():
+        return {PoolName.KV: kv_host(), PoolName.MAMBA: mamba_host(slots=8),
+                PoolName.DRAFT: kv_host()}
+
+    src = entries()
+    for pool in src.values():
+        fill_random(pool, seed=5)
+    with hybrid_controller(tmp_path, src) as ctrl:
+        host = ctrl.mem_pool_host.alloc(n * PAGE)
+        mslot = src[PoolName.MAMBA].alloc(1)
+        from sglang.srt.mem_cache.utils import get_hash_str
+        hashes = get_hash_str(tokens, None, page_size=PAGE)
+        op = controller_backup(ctrl, tokens, hashes, host, [
+            PoolTransfer(name=PoolName.MAMBA, host_indices=mslot, keys=[hashes[-1]],
+                         hit_policy=TRAILING),
+            PoolTransfer(name=PoolName.DRAFT, indices_from_pool=PoolName.KV, hit_policy=ALL)])
+        assert op.completed_tokens == n * PAGE
+        assert op.pool_storage_result.extra_pool_hit_pages == {PoolName.MAMBA: 1,
+                                                                PoolName.DRAFT: n}
+
+    dst = entries()
+    with hybrid_controller(tmp_path, dst) as ctrl:  # a restarted server
+        op, host2, completed, hits = controller_prefetch(ctrl, tokens, [
+            PoolTransfer(name=PoolName.MAMBA, keys=["__placeholder__"], hit_policy=TRAILING),
+            PoolTransfer(name=PoolName.DRAFT, indices_from_pool=PoolName.KV, hit_policy=ALL)])
+        # The state exists only at the end of the span: that is the one stop point.
+        assert op.pool_storage_result.restorable_prefix_pages == [n]
+        assert completed == n * PAGE and hits["mamba"] == 1
+        for kv in (PoolName.KV, PoolName.DRAFT):
+            for a, b in zip(host[::PAGE].tolist(), host2[::PAGE].tolist()):
+                assert torch.equal(page_of(src[kv], a), page_of(dst[kv], b))
+        assert torch.equal(page_of(src[PoolName.MAMBA], int(mslot[0])),
+                           page_of(dst[PoolName.MAMBA], int(op.pool_transfers[0].host_indices[0])))
+
+
+def test_controller_sliding_window_pool(tmp_path):
+    """Sliding-window KV (TRAILING_PAGES over a 3-page window, own slots) by the real
+    controller; a prefetch of a longer span stops at the stored window's end."""
+    n, window = 20, 3
+    g = torch.Generator().manual_seed(6)
+    tokens = torch.randint(0, 32000, ((n + 5) * PAGE,), generator=g).tolist()
+    src = {PoolName.KV: kv_host(), PoolName.SWA: swa_host()}
+    fill_random(src[PoolName.SWA], seed=7)
+    fill_random(src[PoolName.KV], seed=8)
+    from sglang.srt.mem_cache.utils import get_hash_str
+    hashes = get_hash_str(tokens[:n * PAGE], None, page_size=PAGE)
+    with hybrid_controller(tmp_path, src) as ctrl:
+        host = ctrl.mem_pool_host.alloc(n * PAGE)
+        swa_slots = src[PoolName.SWA].alloc(window * PAGE)
+        op = controller_backup(ctrl, tokens[:n * PAGE], hashes, host, [
+            PoolTransfer(name=PoolName.SWA, host_indices=swa_slots, keys=hashes[-window:],
+                         hit_policy=TRAILING)])
+        assert op.completed_tokens == n * PAGE
+        # read back into other slots of the pool (random bytes until then)
+        op, _, completed, hits = controller_prefetch(ctrl, tokens, [
+            PoolTransfer(name=PoolName.SWA, keys=["__placeholder__"] * window,
+                         hit_policy=TRAILING)])
+        assert op.storage_hit_count == n * PAGE and completed == n * PAGE
+        assert op.pool_storage_result.restorable_prefix_pages == [n]
+        assert hits["swa"] == window
+        got = op.pool_transfers[0].host_indices
+        assert not set(got.tolist()) & set(swa_slots.tolist())
+        for a, b in zip(swa_slots[::PAGE].tolist(), got[::PAGE].tolist()):
+            assert torch.equal(page_of(src[PoolName.SWA], a), page_of(src[PoolName.SWA], b))
+
+
+# -- 3. hit policies on real stores: edge cases --------------------------------------------------
+def write_kv(backend, keys, kv_pool, pages):
+    for batch, idx in in_batches(keys, slots(kv_pool, pages), kv_pool.page_size):
+        assert all(backend.batch_set_v1(batch, idx))
+
+
+def test_trailing_page_missing_shortens_the_prefix(tmp_path):
+    """Mamba states exist at the ends of pages 4, 8 and 12 (one per radix node, as SGLang
+    writes them); the state at 12 evicted: the usable prefix falls back to 8, not to a KV hit
+    without its state."""
+    kv, mamba = kv_host(), mamba_host(slots=16)
+    fill_random(mamba, seed=9)
+    keys = page_hashes(12, seed=10)
+    b = attach(storage_config(tmp_path), kv, {PoolName.MAMBA: mamba})
+    try:
+        write_kv(b, keys, kv, list(range(12)))
+        for i, end in enumerate((4, 8, 12)):
+            res = b.batch_set_v2([PoolTransfer(name=PoolName.MAMBA, hit_policy=TRAILING,
+                                               host_indices=torch.tensor([i]),
+                                               keys=[keys[end - 1]])])
+            assert res == {PoolName.MAMBA: [True]}
+        query = [PoolTransfer(name=PoolName.MAMBA, keys=["__placeholder__"],
+                              hit_policy=TRAILING)]
+        r = b.batch_exists_v2(keys, query)
+        assert (r.kv_hit_pages, r.restorable_prefix_pages) == (12, [4, 8, 12])
+        assert r.extra_pool_hit_pages == {PoolName.KV: 12, PoolName.MAMBA: 12}
+        side = b.sidecars["mamba"]
+        assert side.store.tier.evict(side.storage_keys([keys[11]])) == 1
+        r = b.batch_exists_v2(keys, query)
+        assert (r.kv_hit_pages, r.restorable_prefix_pages) == (8, [4, 8])
+        assert b.batch_exists(keys) == 12  # the KV pages themselves are all there
+        # the evicted state reads as a miss and leaves the target slot alone
+        target = torch.tensor([15])
+        before = page_of(mamba, 15)
+        assert b.batch_get_v2([PoolTransfer(name=PoolName.MAMBA, host_indices=target,
+                                            keys=[keys[11]])]) == {PoolName.MAMBA: [False]}
+        assert torch.equal(page_of(mamba, 15), before)
+        assert b.batch_get_v2([PoolTransfer(name=PoolName.MAMBA, host_indices=target,
+                                            keys=[keys[7]])]) == {PoolName.MAMBA: [True]}
+        assert torch.equal(page_of(mamba, 15), page_of(mamba, 1))
+    finally:
+        b.close()
+
+
+def test_sliding_window_holes(tmp_path):
+    """A 2-page window: the prefix lengths whose last two pages are stored, and only those."""
+    kv, swa = kv_host(), swa_host()
+    keys = page_hashes(6, seed=11)
+    b = attach(storage_config(tmp_path), kv, {PoolName.SWA: swa})
+    try:
+        write_kv(b, keys, kv, list(range(6)))
+        present = [0, 1, 3, 4, 5]  # page 2's window page is missing
+        res = b.batch_set_v2([PoolTransfer(name=PoolName.SWA, hit_policy=TRAILING,
+                                           host_indices=slots(swa, present),
+                                           keys=[keys[i] for i in present])])
+        assert res == {PoolName.SWA: [True] * 5}
+        r = b.batch_exists_v2(keys, [PoolTransfer(name=PoolName.SWA, keys=["a", "b"],
+                                                  hit_policy=TRAILING)])
+        assert (r.kv_hit_pages, r.restorable_prefix_pages) == (6, [1, 2, 5, 6])
+    finally:
+        b.close()
+
+
+def test_sidecar_evicted_while_kv_stays_is_no_hit(tmp_path):
+    """DeepSeek V3.2: MLA KV + DSA indexer (ALL_PAGES). The indexer store is small, so LRU
+    evicts the oldest indexer pages while their KV stays: those pages are no hit, and a page
+    evicted in the middle cuts the prefix there."""
+    kv = kv_host(mla=True, page_size=DSA_PAGE)
+    idx_pool = indexer_host(kv)
+    fill_random(idx_pool, seed=12)
+    page_bytes = idx_pool.get_dummy_flat_data_page().numel()
+    keys = page_hashes(100, seed=13)
+    b = attach(storage_config(tmp_path, mla=True,
+                              pool_capacity={"indexer": 70 * (page_bytes + 4095) // 4096 * 4096}),
+               kv, {PoolName.INDEXER: idx_pool})
+    try:
+        write_kv(b, keys, kv, list(range(100)))
+        tier = b.sidecars["indexer"].store.tier
+        assert tier.store.num_slots < 100
+        for i in range(0, 100, 20):  # five backups; the oldest pages are evicted by the last
+            res = b.batch_set_v2([PoolTransfer(name=PoolName.INDEXER, hit_policy=ALL,
+                                               host_indices=slots(idx_pool, list(range(i, i + 20))),
+                                               keys=keys[i:i + 20])])
+            assert res[PoolName.INDEXER] == [True] * 20
+        query = [PoolTransfer(name=PoolName.INDEXER, hit_policy=ALL)]
+        assert b.batch_exists(keys) == 100
+        r = b.batch_exists_v2(keys, query)
+        assert (r.kv_hit_pages, r.restorable_prefix_pages) == (0, [])
+        assert PoolName.INDEXER not in r.extra_pool_hit_pages
+        got = b.batch_get_v2([PoolTransfer(name=PoolName.INDEXER, keys=keys[:5],
+                                           host_indices=slots(idx_pool, list(range(200, 205))))])
+        assert got == {PoolName.INDEXER: [False] * 5}
+        # The newest pages are all there; one evicted in their middle cuts the prefix.
+        tail = keys[100 - tier.store.num_slots:]
+        r = b.batch_exists_v2(tail, query)
+        assert r.kv_hit_pages == len(tail)
+        assert tier.evict(b.sidecars["indexer"].storage_keys([tail[10]])) == 1
+        r = b.batch_exists_v2(tail, query)
+        assert (r.kv_hit_pages, r.extra_pool_hit_pages[PoolName.INDEXER]) == (10, 10)
+    finally:
+        b.close()
+
+
+def test_block_groups_report_complete_groups_without_gating(tmp_path):
+    """A compressed pool (DeepSeek-V4 style) with BLOCK_GROUPS: one key per group covering 2
+    FULL pages. The pool's verdict is its leading complete groups; an incomplete group never
+    shortens the KV hit."""
+    kv, c4 = kv_host(mla=True), dsv4_host("page_first", page_size=PAGE)
+    fill_random(c4, seed=14)
+    keys = page_hashes(8, seed=15)
+    group_keys = [f"{keys[2 * g + 1]}" for g in range(4)]  # a group ends on an odd page
+    b = attach(storage_config(tmp_path, mla=True), kv, {PoolName.DEEPSEEK_V4_C4: c4})
+    try:
+        write_kv(b, keys, kv, list(range(8)))
+        res = b.batch_set_v2([PoolTransfer(name=PoolName.DEEPSEEK_V4_C4,
+                                           host_indices=slots(c4, [0, 1, 2, 3]),
+                                           keys=group_keys)])
+        assert res == {PoolName.DEEPSEEK_V4_C4: [True] * 4}
+        query = [PoolTransfer(name=PoolName.DEEPSEEK_V4_C4, keys=group_keys,
+                              hit_policy=BLOCKS, block_pages=2, group_pages=1)]
+        r = b.batch_exists_v2(keys, query)
+        assert r.kv_hit_pages == 8 and r.extra_pool_hit_pages[PoolName.DEEPSEEK_V4_C4] == 8
+        b.sidecars["deepseek_v4_c4"].store.tier.evict(
+            b.sidecars["deepseek_v4_c4"].storage_keys([group_keys[2]]))
+        r = b.batch_exists_v2(keys, query)
+        assert r.kv_hit_pages == 8 and r.restorable_prefix_pages == list(range(1, 9))
+        assert r.extra_pool_hit_pages[PoolName.DEEPSEEK_V4_C4] == 4  # groups 0 and 1
+        two_per_group = [PoolTransfer(name=PoolName.DEEPSEEK_V4_C4, keys=group_keys,
+                                      hit_policy=BLOCKS, block_pages=4, group_pages=2)]
+        r = b.batch_exists_v2(keys, two_per_group)  # group 1 (keys 2, 3) is incomplete
+        assert r.extra_pool_hit_pages[PoolName.DEEPSEEK_V4_C4] == 4 and r.kv_hit_pages == 8
+    finally:
+        b.close()
+
+
+# -- 4. MLA with TP=2: replicated sidecars follow the writer, Mamba stays per rank ---------------
+def catch_up(backend) -> None:
+    """Followers catch up with the writer's journal by themselves at most every 50 ms; now."""
+    for tier in [backend.tier] + [side.store.open() for side in backend.sidecars.values()]:
+        if tier is not None and tier.read_only:
+            tier.refresh()
+
+
+def test_mla_tp2_indexer_followed_mamba_per_rank(tmp_path):
+    kv0, kv1 = kv_host(mla=True, page_size=DSA_PAGE), kv_host(mla=True, page_size=DSA_PAGE)
+    idx0, idx1 = indexer_host(kv0), indexer_host(kv1)
+    m0, m1 = mamba_host(slots=8), mamba_host(slots=8)
+    for p, s in ((idx0, 16), (m0, 17), (m1, 18)):
+        fill_random(p, seed=s)
+    keys = page_hashes(10, seed=19)
+    r0 = attach(storage_config(tmp_path, mla=True, tp_rank=0, tp_size=2), kv0,
+                {PoolName.INDEXER: idx0, PoolName.MAMBA: m0})
+    r1 = attach(storage_config(tmp_path, mla=True, tp_rank=1, tp_size=2), kv1,
+                {PoolName.INDEXER: idx1, PoolName.MAMBA: m1})
+    try:
+        assert r1.sidecars["indexer"].store.follower and not r1.sidecars["mamba"].store.follower
+        pages = slots(idx0, list(range(10)))
+        write_kv(r0, keys, kv0, list(range(10)))
+        for r, m in ((r0, m0), (r1, m1)):  # SGLang backs Mamba up on every rank
+            assert r.batch_set_v2([
+                PoolTransfer(name=PoolName.INDEXER, host_indices=pages, keys=keys),
+                PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([0]),
+                             keys=[keys[-1]])]) == {PoolName.INDEXER: [True] * 10,
+                                                    PoolName.MAMBA: [True]}
+        query = [PoolTransfer(name=PoolName.INDEXER, hit_policy=ALL),
+                 PoolTransfer(name=PoolName.MAMBA, keys=["x"], hit_policy=TRAILING)]
+        for r in (r0, r1):
+            catch_up(r)
+            res = r.batch_exists_v2(keys, query)
+            assert (res.kv_hit_pages, res.restorable_prefix_pages) == (10, [10])
+        got = r1.batch_get_v2([PoolTransfer(name=PoolName.INDEXER, keys=keys,
+                                            host_indices=slots(idx1, list(range(20, 30)))),
+                               PoolTransfer(name=PoolName.MAMBA, keys=[keys[-1]],
+                                            host_indices=torch.tensor([5]))])
+        assert got == {PoolName.INDEXER: [True] * 10, PoolName.MAMBA: [True]}
+        for i in range(10):  # rank 1 reads rank 0's indexer pages (identical on every rank)
+            assert torch.equal(page_of(idx1, (20 + i) * DSA_PAGE), page_of(idx0, i * DSA_PAGE))
+        # ...but its own Mamba state, never rank 0's
+        assert torch.equal(page_of(m1, 5), page_of(m1, 0))
+        assert not torch.equal(page_of(m1, 5), page_of(m0, 0))
+    finally:
+        r0.close()
+        r1.close()
+
+
+# -- 5. SGLang's failure injector around the factory-created backend ---------------------------
+def test_injected_failures_never_give_a_wrong_hit(tmp_path, monkeypatch):
+    """SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILURE / _RANDOM_DELAY wrap the backend the factory
+    creates. The real controller backs up and prefetches KV + Mamba + draft KV over and over;
+    whatever it reports loaded is bit-exact, whatever failed."""
+    monkeypatch.setenv("SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILURE", "0.15")
+    monkeypatch.setenv("SGLANG_TEST_HICACHE_BACKEND_RANDOM_DELAY", "0.002")
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageFailureInjector
+    from sglang.srt.mem_cache.utils import get_hash_str
+    src = {PoolName.KV: kv_host(), PoolName.MAMBA: mamba_host(slots=64),
+           PoolName.DRAFT: kv_host()}
+    for pool in src.values():
+        fill_random(pool, seed=20)
+    g = torch.Generator().manual_seed(21)
+    checked = {"kv": 0, "mamba": 0, "short": 0}
+    with hybrid_controller(tmp_path, src) as ctrl:
+        assert isinstance(ctrl.storage_backend, HiCacheStorageFailureInjector)
+        assert isinstance(ctrl.storage_backend._backend, GdskvHiCacheStorage)
+        for round_ in range(12):
+            n = int(torch.randint(1, 40, (1,), generator=g))
+            tokens = torch.randint(0, 32000, (n * PAGE,), generator=g).tolist()
+            hashes = get_hash_str(tokens, None, page_size=PAGE)
+            host = ctrl.mem_pool_host.alloc(n * PAGE)
+            mslot = src[PoolName.MAMBA].alloc(1)
+            controller_backup(ctrl, tokens, hashes, host, [
+                PoolTransfer(name=PoolName.MAMBA, host_indices=mslot, keys=[hashes[-1]],
+                             hit_policy=TRAILING),
+                PoolTransfer(name=PoolName.DRAFT, indices_from_pool=PoolName.KV,
+                             hit_policy=ALL)])
+            for attempt in range(3):
+                op, got, completed, hits = controller_prefetch(ctrl, tokens, [
+                    PoolTransfer(name=PoolName.MAMBA, keys=["p"], hit_policy=TRAILING),
+                    PoolTransfer(name=PoolName.DRAFT, indices_from_pool=PoolName.KV,
+                                 hit_policy=ALL)], rid=f"r{round_}-{attempt}")
+                done = completed // PAGE
+                checked["short"] += done < n
+                for a, b in zip(host[::PAGE][:done].tolist(), got[::PAGE][:done].tolist()
+                                if got is not None else []):
+                    for name in (PoolName.KV, PoolName.DRAFT):
+                        assert torch.equal(page_of(src[name], a), page_of(src[name], b))
+                    checked["kv"] += 1
+                if done == n and hits.get("mamba") == 1:
+                    dst = int(op.pool_transfers[0].host_indices[0])
+                    assert torch.equal(page_of(src[PoolName.MAMBA], int(mslot[0])),
+                                       page_of(src[PoolName.MAMBA], dst))
+                    checked["mamba"] += 1
+                if got is not None:
+                    ctrl.mem_pool_host.free(got)
+                for t in op.pool_transfers or []:
+                    if t.indices_from_pool is None and t.host_indices is not None:
+                        src[PoolName.MAMBA].free(t.host_indices)
+            ctrl.mem_pool_host.free(host)
+            src[PoolName.MAMBA].free(mslot)
+    # the run did check something on both paths, and failures did cut some prefetches short
+    assert checked["kv"] > 0 and checked["mamba"] > 0 and checked["short"] > 0
+
+
+# -- 6. refusals and bad transfers ---------------------------------------------------------------
+def test_controller_batch_is_sglangs():
+    from gdskv.adapters.sglang.sidecar import CONTROLLER_BATCH_PAGES
+    assert CONTROLLER_BATCH_PAGES == STORAGE_BATCH_SIZE
+
+
+def test_sidecar_store_sizes(tmp_path):
+    """A sidecar store's capacity follows SGLang's host-memory split (or pool_capacity), its
+    staging holds one controller batch."""
+    kv, mamba = kv_host(), mamba_host(slots=HOST_PAGES)
+    b = attach(storage_config(tmp_path, capacity="16MiB", staging_size="8MiB",
+                              pool_capacity={"swa": "3MiB"}),
+               kv, {PoolName.MAMBA: mamba, PoolName.SWA: swa_host()})
+    try:
+        m, s = b.sidecars["mamba"], b.sidecars["swa"]
+        kv_host_bytes = b.kv_layout.page_bytes * (kv.size // PAGE)
+        share = (16 << 20) * m.pool.host_bytes / kv_host_bytes
+        stored = m.store.tier.store.num_slots * m.store.layout.slot_bytes
+        assert share / 2 < stored <= share
+        assert s.store.tier.store.num_slots * s.store.layout.slot_bytes <= 3 << 20
+        assert m.store.tier.config.staging_size == STORAGE_BATCH_SIZE * m.store.layout.slot_bytes
+    finally:
+        b.close()
+
+
+def test_registration_refusals(tmp_path):
+    kv = kv_host()
+    b = StorageBackendFactory.create_backend("dynamic", storage_config(tmp_path), kv)
+    with pytest.raises(RuntimeError, match="register_mem_pool_host"):
+        b.register_mem_host_pool_v2(mamba_host(), PoolName.MAMBA)
+    b.register_mem_pool_host(kv)
+    try:
+        b.register_mem_host_pool_v2(mamba_host(), PoolName.MAMBA)
+        with pytest.raises(ValueError, match="already registered"):
+            b.register_mem_host_pool_v2(mamba_host(), PoolName.MAMBA)
+
+        class NoPages:
+            page_size = 1
+        with pytest.raises(ValueError, match="get_dummy_flat_data_page.*SGLang cannot hand"):
+            b.register_mem_host_pool_v2(NoPages(), PoolName.SWA)
+    finally:
+        b.close()
+    with pytest.raises(ConfigError, match="pool_capacity"):
+        GdskvHiCacheStorage(storage_config(tmp_path, pool_capacity="8GiB"), {})
+    with pytest.raises(ConfigError, match=r"pool_capacity\['mamba'\]"):
+        GdskvHiCacheStorage(storage_config(tmp_path, pool_capacity={"mamba": "lots"}), {})
+
+
+def test_bad_transfers_are_misses_never_exceptions(tmp_path, caplog):
+    kv, mamba = kv_host(), mamba_host(slots=8)
+    fill_random(mamba, seed=22)
+    keys = page_hashes(3, seed=23)
+    b = attach(storage_config(tmp_path), kv, {PoolName.MAMBA: mamba})
+    try:
+        with caplog.at_level(logging.ERROR, logger="gdskv.sglang"):
+            # a pool never registered
+            assert b.batch_set_v2([PoolTransfer(name=PoolName.SWA, keys=keys,
+                                                host_indices=torch.arange(12))]) == \
+                {PoolName.SWA: [False] * 3}
+            # wrong number of host indices, and none at all
+            assert b.batch_set_v2([PoolTransfer(name=PoolName.MAMBA, keys=keys,
+                                                host_indices=torch.arange(2))]) == \
+                {PoolName.MAMBA: [False] * 3}
+            assert b.batch_get_v2([PoolTransfer(name=PoolName.MAMBA, keys=keys)]) == \
+                {PoolName.MAMBA: [False] * 3}
+            # an unknown hit policy gives no hit
+            write_kv(b, keys, kv, [0, 1, 2])
+            assert b.batch_exists_v2(keys, [PoolTransfer(name=PoolName.MAMBA, keys=keys,
+                                                         hit_policy="from_the_future")]) \
+                .kv_hit_pages == 0
+        assert any("never registered" in r.message for r in caplog.records)
+        assert any("batch_set_v2" in r.message for r in caplog.records)
+        # two transfers of one pool: one list, so the first's failure is not hidden
+        res = b.batch_set_v2([PoolTransfer(name=PoolName.MAMBA, keys=keys[:1],
+                                           host_indices=torch.arange(5)),
+                              PoolTransfer(name=PoolName.MAMBA, keys=keys[1:],
+                                           host_indices=torch.tensor([1, 2]))])
+        assert res == {PoolName.MAMBA: [False, True, True]}
+        # a region SGLang's metadata would place outside the pool's buffers: refused, a miss
+        real_meta = mamba.get_page_buffer_meta
+        mamba.get_page_buffer_meta = lambda idx: ([p + (1 << 40) for p in real_meta(idx)[0]],
+                                                  real_meta(idx)[1])
+        before = page_of(mamba, 6)
+        try:
+            assert b.batch_get_v2([PoolTransfer(name=PoolName.MAMBA, keys=keys[1:2],
+                                                host_indices=torch.tensor([6]))]) == \
+                {PoolName.MAMBA: [False]}
+        finally:
+            del mamba.get_page_buffer_meta
+        assert torch.equal(page_of(mamba, 6), before)
+        # after close: misses and failures, no exception
+        b.close()
+        assert b.batch_exists_v2(keys, [PoolTransfer(name=PoolName.MAMBA, keys=keys[:1],
+                                                     hit_policy=TRAILING)]).kv_hit_pages == 0
+        assert b.batch_get_v2([PoolTransfer(name=PoolName.MAMBA, keys=keys[1:],
+                                            host_indices=torch.tensor([3, 4]))]) == \
+            {PoolName.MAMBA: [False, False]}
+    finally:
+        b.close()
