@@ -12,7 +12,7 @@ instead (slower to set up, same recovery work). Prints the seconds to open the t
 trailer (:mod:`gdskv.header_scan`); the records' trailers are written into the slab files as the
 put path writes them (one 4 KiB block per page: 100k pages take 400 MiB of disk).
 
-Result it produced (bench/RESULTS.md, "CPU"): 100k pages recovered in 0.5-0.6 s on the idle
+Result it produced (bench/RESULTS.md, "CPU"): 100k pages recovered in 0.5-0.7 s on the idle
 2-core development machine, up to 1.5 s under load (printed, not kept as a file).
 tests/test_recovery_time.py runs it at 20k pages (100k under ``-m slow``).
 """
