@@ -39,8 +39,9 @@ class PersistentDirectory:
     """
 
     def __init__(self, store: SlabStore, config: TierConfig, stats: TierStats,
-                 log_once: Callable[..., None]) -> None:
+                 log_once: Callable[..., None], *, scan_headers: bool = False) -> None:
         self.store = store
+        self._force_scan = scan_headers
         self.read_only = bool(config.read_only)
         self._stats = stats
         self._log_once = log_once
@@ -69,8 +70,8 @@ class PersistentDirectory:
             live, nrec = live_records(records), len(records)
         else:
             live, nrec = self.journal.replay()
-        scanned = not self.read_only and (self._journal_lost or self.journal.damaged or
-                                          self.journal.torn)
+        scanned = not self.read_only and (self._force_scan or self._journal_lost or
+                                          self.journal.damaged or self.journal.torn)
         if scanned:
             live = self._scan(live)
         recovered = self._servable(live.values(), self.store.replaced_files)
@@ -88,7 +89,9 @@ class PersistentDirectory:
 
     def _scan(self, live: dict) -> dict:
         """Live pages after a header scan of every slot (the journal cannot vouch for all)."""
-        why = "the journal is missing" if self._journal_lost else "the journal was damaged"
+        why = "the journal is missing" if self._journal_lost else \
+            "the journal was damaged" if self.journal.damaged or self.journal.torn else \
+            "a header scan was asked for"
         if not self._verify:  # trailers' checksums are 0 and reads would not verify anyway
             log.warning("gdskv: %s, but verify=false: pages the journal does not name are not "
                         "rebuilt from slot trailers (their payloads cannot be checked)", why)
@@ -157,15 +160,19 @@ class PersistentDirectory:
             self._log_once("evict-journal", "journaling %d evictions failed: %s", len(evicted),
                            exc)
 
-    def compact(self) -> None:
-        """Rewrite the journal to one COMMIT per live page if it has grown long (the writer, with
-        no data call in flight)."""
-        if self.read_only or self.journal.records_written <= \
+    def compact(self, force: bool = False) -> None:
+        """Rewrite the journal to one COMMIT per live page if it has grown long, or ``force``
+        (the writer, with no data call in flight)."""
+        if self.read_only or not force and self.journal.records_written <= \
                 2 * len(self.directory) + COMPACT_SLACK:
             return
-        self._rewrite([Record(RecordKind.COMMIT, n + 1, slot, csum, algo, key) for n,
-                       (key, slot, csum, algo) in enumerate(self.directory.ready_entries())],
-                      "at close")
+        entries = self.directory.ready_entries()
+        # fresh seqs above every one in use: a header scan must still find the journal's
+        # records newer than any trailer they outlived
+        seqs = self.next_seqs(len(entries))
+        self._rewrite([Record(RecordKind.COMMIT, seq, slot, csum, algo, key) for seq,
+                       (key, slot, csum, algo) in zip(seqs, entries)],
+                      "on request" if force else "at close")
 
     def _rewrite(self, records: list[Record], when: str) -> None:
         try:

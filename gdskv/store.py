@@ -221,12 +221,12 @@ class SlabStore:
         checksum (one warning; the writer puts the good copy back)."""
         copy = os.path.join(os.path.dirname(path), MANIFEST_COPY)
         try:
-            return _load_manifest(path)
+            return load_manifest(path)
         except StoreMismatchError as exc:
             if not os.path.lexists(copy):
                 raise
             try:
-                have = _load_manifest(copy)
+                have = load_manifest(copy)
             except StoreMismatchError as exc2:
                 raise StoreMismatchError(f"{exc}; its copy is damaged too: {exc2}") from None
             log.warning("gdskv: %s; using its copy %s%s", exc, copy,
@@ -440,7 +440,7 @@ def _sealed(manifest: dict) -> bytes:
     return json.dumps(dict(body, checksum=crc), indent=1).encode()
 
 
-def _load_manifest(path: str) -> dict:
+def load_manifest(path: str) -> dict:
     """A manifest that parses and matches its checksum, else StoreMismatchError saying why."""
     _check_store_file(path)
     try:

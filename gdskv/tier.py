@@ -76,13 +76,15 @@ class Tier:
         config: settings; ``None`` reads ``GDSKV_*`` from the environment.
         device: where staging lives: the engine pool's device. Default: the current CUDA
             device if there is one, else CPU.
+        scan_headers: rebuild the directory from the slot trailers too, even when the journal
+            looks whole (``gdskv rebuild``; it happens by itself when the journal is damaged).
     """
 
     #: seconds between a read-only follower's journal catch-ups (see :meth:`refresh`)
     FOLLOW_INTERVAL = 0.05
 
     def __init__(self, layout: PageLayout, config: TierConfig | None = None, *,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, scan_headers: bool = False) -> None:
         if not isinstance(layout, (KVLayout, BytePageLayout)):
             raise TypeError(f"layout must be a KVLayout or BytePageLayout, got "
                             f"{type(layout).__name__}")
@@ -119,7 +121,7 @@ class Tier:
             # pages are verified with the algorithm that made their checksum (see checksum.py)
             self._verifiers = {self._checksums.algorithm: self._checksums}
             self._persist = PersistentDirectory(self.store, self.config, self._stats,
-                                                self._log_once)
+                                                self._log_once, scan_headers=scan_headers)
             self._followed_at = time.monotonic()
             self.backend = create_backend(self.config, self.device)
             self.backend.attach(self.store.files)
@@ -247,6 +249,14 @@ class Tier:
             self._check_open()  # closed while this waited
             keys = [k for k, _, _ in self.directory.ready_items()]
             self._persist.journal_evictions(self.directory.remove(keys))
+
+    def compact(self) -> None:
+        """Rewrite the journal now to one COMMIT per stored page (the writer; a follower
+        does nothing)."""
+        self._check_open()
+        with self._gate.alone():
+            self._check_open()
+            self._persist.compact(force=True)
 
     def stats(self) -> dict:
         """Counters and what runs. Still readable after :meth:`close` (the final counters)."""
