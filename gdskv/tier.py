@@ -53,6 +53,7 @@ from .journal import Journal, JournalFollower, check_key
 from . import slot_trailer
 from .layout import FORMAT_VERSION, BytePageLayout, KVLayout, PageLayout
 from .memory import check_device, cuda_available
+from .metrics import TierMetrics
 from .persistence import PersistentDirectory
 from .pool import KVPool, PoolCache
 from .staging import StagingParts
@@ -78,13 +79,16 @@ class Tier:
             device if there is one, else CPU.
         scan_headers: rebuild the directory from the slot trailers too, even when the journal
             looks whole (``gdskv rebuild``; it happens by itself when the journal is damaged).
+        metrics_registry: the Prometheus registry for this tier's ``gdskv_*`` series
+            (:mod:`.metrics`); None: prometheus_client's default registry.
     """
 
     #: seconds between a read-only follower's journal catch-ups (see :meth:`refresh`)
     FOLLOW_INTERVAL = 0.05
 
     def __init__(self, layout: PageLayout, config: TierConfig | None = None, *,
-                 device: torch.device | str | None = None, scan_headers: bool = False) -> None:
+                 device: torch.device | str | None = None, scan_headers: bool = False,
+                 metrics_registry=None) -> None:
         if not isinstance(layout, (KVLayout, BytePageLayout)):
             raise TypeError(f"layout must be a KVLayout or BytePageLayout, got "
                             f"{type(layout).__name__}")
@@ -143,6 +147,15 @@ class Tier:
             raise
         self._closed = False
         o_direct, o_direct_reason = self._direct_io()
+        self._metrics = TierMetrics(self.store.directories[0] + ("#follower" if self.read_only
+                                                                  else ""),
+                                    self.store.num_slots, metrics_registry)
+        self._stats.listener = self._metrics.count
+        if not o_direct:
+            self._metrics.fallback("o_direct", o_direct_reason)
+        if self.device.type == "cuda" and not self.backend.gpu_direct:
+            self._metrics.fallback("gpu_direct", f"{self.backend.name}: bytes bounce through "
+                                   "host memory (compat mode or no GPUDirect Storage)")
         log.info("gdskv tier%s: %d slots of %d B in %s; backend %s; O_DIRECT %s (%s)",
                  " (read-only follower)" if self.read_only else "", self.store.num_slots,
                  layout.slot_bytes, ", ".join(self.store.directories),
@@ -287,6 +300,7 @@ class Tier:
             finally:
                 self._persist.close()
                 self.store.close()
+                self._metrics.close()
 
     def _release(self) -> None:
         """Undo a constructor that failed part way: threads, backend, journal, files, lock."""
@@ -420,13 +434,18 @@ class Tier:
             with self._gate.alone():
                 if self._follow_due():  # another call may have caught up meanwhile
                     self._follow()
+        t0 = time.perf_counter()
         with self._gate.shared():
             self._check_open()
             if self._stream is None:
-                return fn(keys, copier)
-            with torch.cuda.stream(self._stream):
-                self._stream.wait_event(engine_event)
-                return fn(keys, copier)
+                results = fn(keys, copier)
+            else:
+                with torch.cuda.stream(self._stream):
+                    self._stream.wait_event(engine_event)
+                    results = fn(keys, copier)
+        self._metrics.call("put" if fn == self._put else "get", len(keys),
+                           time.perf_counter() - t0, len(self.directory))
+        return results
 
     def _copies_done(self) -> None:
         """Wait for the GPU copies this thread queued so far (before I/O threads read a part
@@ -693,6 +712,7 @@ class Tier:
                           "from now on could not be found again. Close the tier and open the "
                           "store again (its surviving files) or a new store")
             self._stats.add(store_files_removed=len(gone))
+            self._metrics.fallback("puts", "refused: store files removed while open")
             log.error("gdskv: %s", self._lost)
         return True
 
