@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from gdskv.cli import int_between
 from gdskv.config import ENV_PREFIX, FIELD_DOCS, ConfigError, TierConfig, parse_size
 from gdskv.layout import canonical_dtype_name
 
@@ -328,14 +329,7 @@ def _arg_type(opt: Opt) -> Callable[[str], Any]:
     return parse
 
 
-def _port(text: str) -> int:
-    try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
-    if not 0 < port < 65536:
-        raise argparse.ArgumentTypeError(f"{port} is not a port number: give 1..65535")
-    return port
+_port = int_between(1, 65535, "a port number")
 
 
 def _output_formats(text: str) -> tuple[str, ...]:

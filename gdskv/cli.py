@@ -290,14 +290,24 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _count(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"{n} is negative: give 0 or more")
-    return n
+def int_between(low: int, high: int | None, what: str):
+    """An argparse type: a whole number in ``low..high`` (``high`` None: no upper bound);
+    ``what`` names the kind of value in the error (shared with gdskv-bench's options)."""
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if n < low or (high is not None and n > high):
+            raise argparse.ArgumentTypeError(
+                f"{n} is not {what}: give {low}..{high}" if high is not None else
+                f"{n} is below {low}: give {low} or more")
+        return n
+    parse.__name__ = what  # argparse names the type in some messages
+    return parse
+
+
+_count = int_between(0, None, "a whole number")
 
 
 def _print(out: dict, as_json: bool) -> None:

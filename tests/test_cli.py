@@ -140,7 +140,7 @@ def test_bad_input_is_one_error_and_changes_nothing(tmp_path, store, capsys, com
     assert status == 2 and "format version 1" in err and _tree(store) == before
 
 
-@pytest.mark.parametrize("argv, says", [(["ls", "--limit", "-1"], "-1 is negative"),
+@pytest.mark.parametrize("argv, says", [(["ls", "--limit", "-1"], "-1 is below 0"),
                                         (["verify", "--sample", "x"], "'x' is not a whole number")])
 def test_bad_option_values(store, capsys, argv, says):
     before = _tree(store)
