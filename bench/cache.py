@@ -1,9 +1,11 @@
 """Dropping the page cache before read phases, as fio's ``invalidate=1`` does, and saying how.
 
-Two ways, both tried: ``posix_fadvise(DONTNEED)`` on each data file after ``fdatasync`` (dirty
-pages cannot be dropped), which any user may do for their own files; and writing ``1`` to
-``/proc/sys/vm/drop_caches`` after ``sync()``, which needs root. On tmpfs (``/dev/shm``) the page
-cache *is* the storage: nothing can be dropped and the report says so.
+By default only the job's own files: ``posix_fadvise(DONTNEED)`` on each after ``fdatasync``
+(dirty pages cannot be dropped), which any user may do for their own files and which touches
+nothing else on the machine. Asked for explicitly (``machine_wide``, gdskv-bench's
+``--drop_caches``), also ``1`` into ``/proc/sys/vm/drop_caches`` after ``sync()``: root only, and
+a system-wide side effect, so never a default. On tmpfs (``/dev/shm``) the page cache *is* the
+storage: nothing can be dropped and the report says so.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from typing import Any
+
+from .measurements import plural
 
 DROP_CACHES = "/proc/sys/vm/drop_caches"
 
@@ -33,7 +37,7 @@ def fs_type(path: str) -> str:
     return kind
 
 
-def drop_page_cache(files: Sequence[str], *, machine_wide: bool = True) -> dict[str, Any]:
+def drop_page_cache(files: Sequence[str], *, machine_wide: bool = False) -> dict[str, Any]:
     """Drop cached pages of ``files``; returns what was done (for the JSON report)."""
     advised, errors = 0, []
     for path in files:
@@ -50,8 +54,10 @@ def drop_page_cache(files: Sequence[str], *, machine_wide: bool = True) -> dict[
             errors.append(f"{path}: {exc.strerror}")
         finally:
             os.close(fd)
-    dropped, why = False, "not root"
-    if machine_wide and hasattr(os, "geteuid") and os.geteuid() == 0:
+    dropped, why = False, "not asked (--drop_caches=0)"
+    if machine_wide and not (hasattr(os, "geteuid") and os.geteuid() == 0):
+        why = "not root"
+    elif machine_wide:
         try:
             os.sync()
             with open(DROP_CACHES, "w", encoding="ascii") as f:
@@ -65,8 +71,8 @@ def drop_page_cache(files: Sequence[str], *, machine_wide: bool = True) -> dict[
         summary = f"not droppable: files on {'/'.join(kinds)} (RAM is the storage)"
     elif dropped or (files and advised == len(files)):
         summary = ("dropped (" + ", ".join(
-            x for x in (f"fadvise DONTNEED on {advised} files" if advised else "",
-                        "drop_caches" if dropped else "") if x) + ")")
+            x for x in (f"fadvise DONTNEED on {plural(advised, 'file')}" if advised else "",
+                        "the machine's, drop_caches" if dropped else "") if x) + ")")
     else:
         summary = f"NOT dropped ({'; '.join(errors[:2]) or why})"
     return {"done": bool(dropped or (files and advised == len(files))) and not in_ram,

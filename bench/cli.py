@@ -13,7 +13,8 @@ from collections.abc import Sequence
 
 from .options import Invocation, JobOptions, OptionError, build_parser, parse_args
 from .report import render, to_json
-from .measurements import DirStats, JobResult
+from .measurements import DirStats, JobResult, fmt_bw, lat_stats
+from .placement import SetupError
 from .runner import Progress, resolve, run_job
 from .sweep import plot, series, write_point
 
@@ -133,8 +134,20 @@ def _bw(rs: list[JobResult], direction: str) -> int:
     return sum(getattr(r, direction).bw_bytes for r in rs)
 
 
+#: completion-latency percentiles the compare summary sets side by side (fio's names)
+COMPARE_PERCENTILES = (("p50", 50.0), ("p90", 90.0), ("p99", 99.0), ("p99.9", 99.9))
+
+
+def _clat_percentiles(rs: list[JobResult], direction: str) -> dict[str, int]:
+    samples = [c for r in rs for c in getattr(r, direction).clat_ns]
+    if not samples:
+        return {}
+    pct = lat_stats(samples)["percentile"]
+    return {name: pct[f"{p:.6f}"] for name, p in COMPARE_PERCENTILES}
+
+
 def _ratios(name: str, per_engine: dict[str, list[JobResult]]) -> dict:
-    out: dict = {"job": name, "bw_bytes": {}, "ratios": {}}
+    out: dict = {"job": name, "bw_bytes": {}, "clat_ns": {}, "ratios": {}}
     for direction in ("write", "read"):
         bws = {e: _bw(rs, direction) for e, rs in per_engine.items()}
         out["bw_bytes"][direction] = bws
@@ -143,6 +156,15 @@ def _ratios(name: str, per_engine: dict[str, list[JobResult]]) -> dict:
             out["ratios"][f"{direction}: gdskv/raw"] = g / bws["raw"]
         if g and bws.get("hicachefile"):
             out["ratios"][f"{direction}: gdskv/hicachefile"] = g / bws["hicachefile"]
+        # Per call completion latency, as fio reports it: a small restore's time to first
+        # token waits on its p50/p99, which throughput alone hides.
+        clat = {e: _clat_percentiles(rs, direction) for e, rs in per_engine.items()}
+        out["clat_ns"][direction] = {e: c for e, c in clat.items() if c}
+        mine, raw = clat.get("gdskv"), clat.get("raw")
+        if mine and raw:
+            for pname, _ in COMPARE_PERCENTILES:
+                if raw[pname]:
+                    out["ratios"][f"{direction}: clat {pname} gdskv/raw"] = mine[pname] / raw[pname]
     return out
 
 
@@ -154,10 +176,16 @@ def _ratio_lines(ratios: list[dict]) -> list[str]:
         for direction, bws in r["bw_bytes"].items():
             if not any(bws.values()):
                 continue
-            cells = ", ".join(f"{e}={bw / 1e9:.3f} GB/s" for e, bw in bws.items())
+            cells = ", ".join(f"{e}={fmt_bw(bw)}" for e, bw in bws.items())
             rat = ", ".join(f"{k.split(': ')[1]}={v:.2f}x" for k, v in r["ratios"].items()
-                            if k.startswith(direction))
+                            if k.startswith(direction) and ": clat " not in k)
             lines.append(f"  {direction:>5}: {cells}" + (f"  ({rat})" if rat else ""))
+            clat = r.get("clat_ns", {}).get(direction, {})
+            for pname, _ in COMPARE_PERCENTILES if clat else ():
+                cells = ", ".join(f"{e}={c[pname] / 1e3:.0f}us" for e, c in clat.items())
+                ratio = r["ratios"].get(f"{direction}: clat {pname} gdskv/raw")
+                lines.append(f"         clat {pname:>5}: {cells}"
+                             + (f"  (gdskv/raw={ratio:.2f}x)" if ratio else ""))
     return lines
 
 
@@ -191,7 +219,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if bar is not None:
                 bar.stop()
     except OptionError as exc:
-        build_parser().print_usage(sys.stderr)
+        if not isinstance(exc, SetupError):  # a setup problem is not a usage problem
+            build_parser().print_usage(sys.stderr)
         print(f"gdskv-bench: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -218,11 +247,12 @@ def _sweep(inv: Invocation, progress) -> int:
     sweep_dir = inv.sweep_dir or os.path.join(os.getcwd(), "gdskv-sweep")
     points = []
     all_results: list[JobResult] = []
-    table = ["", f"Sweep over {key} (GB/s of KV payload; JSON and PNG in {sweep_dir}):"]
+    table = ["", f"Sweep over {key} (bandwidth of KV payload; JSON and PNG in {sweep_dir}):"]
     for text, value in values:
         jobs = [j.replace(**{key: value}) for j in inv.jobs]
         for j in jobs:
             j.given[key] = text
+            j.apply_kb_base()  # a swept size reads in the job's kb_base, as the job's own do
         results, notes, ratios = run_invocation(inv, jobs, progress)
         doc = to_json(results, {"gdskv_sweep": {"key": key, "value": text},
                                 **({"gdskv_compare": ratios} if ratios else {})})
@@ -235,7 +265,8 @@ def _sweep(inv: Invocation, progress) -> int:
     png = plot(lines, key, os.path.join(sweep_dir, f"sweep-{key}.png"))
     names = {float(v): t for t, v in values}
     for label, pts in lines.items():
-        table.append(f"  {label:28s} " + "  ".join(f"{names.get(x, x)}={y:.3f}" for x, y in pts))
+        table.append(f"  {label:28s} " + "  ".join(f"{names.get(x, x)}={fmt_bw(y * 1e9)}"
+                                                   for x, y in pts))
     table.append(f"  plot: {png}")
     if "normal" in inv.output_format:
         _emit("\n".join(table) + "\n", inv)

@@ -127,8 +127,9 @@ class Engine(abc.ABC):
         """Files holding the data (for dropping their page cache, and for tests)."""
         return []
 
-    def invalidate(self) -> dict[str, Any]:
-        return drop_page_cache(self.files())
+    def invalidate(self, machine_wide: bool = False) -> dict[str, Any]:
+        """Drop the page cache of this engine's files (and the machine's, when asked)."""
+        return drop_page_cache(self.files(), machine_wide=machine_wide)
 
     @abc.abstractmethod
     def verify(self, thread: int, pages: Sequence[int]) -> int:

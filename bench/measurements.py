@@ -207,6 +207,21 @@ def fmt_size_exact(n: int) -> str:
     return f"{n}B"
 
 
+def fmt_bw(bytes_per_s: float) -> str:
+    """fio's bandwidth: ``511MiB/s (536MB/s)``."""
+    return f"{fmt_bytes_iec(bytes_per_s)}/s ({fmt_bytes_si(bytes_per_s)}/s)"
+
+
+def yes_no(value: Any) -> str:
+    """One style for booleans in the normal report; anything else (``n/a``) as it is."""
+    return ("yes" if value else "no") if isinstance(value, bool) else str(value)
+
+
+def plural(n: int, word: str) -> str:
+    """``1 page``, ``4 pages``."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
 def fmt_count(n: float) -> str:
     return fmt_num(n, ("", "k", "M", "G"), 1000)
 

@@ -6,8 +6,13 @@ checked the same way wherever it comes from, and every error names the option an
 Job files follow fio: ``[global]`` plus one section per job, ``key=value`` or a bare ``key``
 for a boolean, ``${VAR}`` replaced from the environment, ``#``/``;`` comments. Options given on
 the command line next to job files override the files' values (so ``--directory=...`` points a
-shared job file at a disk). Jobs always run one after the other, each its own reporting group
+shared job file at a disk); both override the ``GDSKV_*`` environment (fio's order: command line,
+job file, environment). Jobs always run one after the other, each its own reporting group
 (fio's ``stonewall`` on every job).
+
+Sizes follow fio, ``kb_base`` included: with fio's default ``kb_base=1024``, ``k``/``KB``/``M``/
+``MB`` are powers of 1024 and ``KiB``/``MiB`` powers of 1000 (fio's compatibility rule); with
+``kb_base=1000`` the other way round.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gdskv.cli import int_between
-from gdskv.config import ENV_PREFIX, FIELD_DOCS, ConfigError, TierConfig, parse_size
+from gdskv.config import ENV_PREFIX, FIELD_DOCS, TierConfig, suggest
 from gdskv.layout import canonical_dtype_name
 
 from .measurements import fmt_size_exact
@@ -41,19 +46,52 @@ class OptionError(ValueError):
 
 # -- value parsers (each raises OptionError with a short reason) ------------------------------
 
-def _size(text: str) -> int:
-    try:
-        return parse_size(text, what="size")
-    except ConfigError:
-        raise OptionError(f"bad size {text!r} (examples: 4096, 64k, 16M, 1G; k=1024, KB=1000)"
-                          ) from None
+KB_BASES = (1024, 1000)
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([kmgtp])(i?)b?)?\s*$", re.IGNORECASE)
+_POWERS = {"k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
 
 
-def _positive_size(text: str) -> int:
-    n = _size(text)
+def fio_size(text: str, kb_base: int = 1024) -> int:
+    """A size as fio reads it: ``4096``, ``64k``, ``16M``, ``1.5G``, ``4KiB``. With fio's default
+    ``kb_base=1024``, k/K/KB = 1024 and KiB = 1000 (fio inverts IEC and SI for compatibility);
+    with ``kb_base=1000``, k/KB = 1000 and KiB = 1024."""
+    m = _SIZE_RE.match(str(text))
+    if not m:
+        raise OptionError(f"bad size {text!r} (examples: 4096, 64k, 16M, 1G)")
+    number, unit, iec = m.groups()
+    base = kb_base
+    if iec:
+        base = 1000 if kb_base == 1024 else 1024
+    value = float(number) * (base ** _POWERS[unit.lower()] if unit else 1)
+    if value != int(value):
+        raise OptionError(f"size {text!r} is not a whole number of bytes")
+    return int(value)
+
+
+def _positive_size(text: str, kb_base: int = 1024) -> int:
+    n = fio_size(text, kb_base)
     if n <= 0:
         raise OptionError(f"must be > 0, got {text!r}")
     return n
+
+
+def _kb_base(text: str) -> int:
+    try:
+        n = int(str(text).strip())
+    except ValueError:
+        n = None
+    if n not in KB_BASES:
+        raise OptionError(f"expected 1024 (fio's default: k and KB = 1024, KiB = 1000) or 1000 "
+                          f"(k and KB = 1000, KiB = 1024), got {text!r}")
+    return n
+
+
+#: fio's ``verify`` methods. gdskv-bench compares every restored byte with what was written,
+#: which catches whatever these checksums would; the tier verifies its own page checksums
+#: (xxh3, or the GPU hash) on every read besides. ``null`` is fio's "pretend to verify".
+FIO_VERIFY = ("md5", "crc64", "crc32", "crc32c", "crc32c-intel", "crc16", "crc7", "sha1",
+              "sha256", "sha512", "sha3-224", "sha3-256", "sha3-384", "sha3-512", "xxhash",
+              "meta", "pattern")
 
 
 def _bool(text: str) -> bool:
@@ -63,6 +101,19 @@ def _bool(text: str) -> bool:
     if t in ("0", "false", "no", "off"):
         return False
     raise OptionError(f"expected a boolean (1/0, true/false), got {text!r}")
+
+
+def _verify(text: str) -> bool:
+    t = str(text).strip().lower()
+    if t in FIO_VERIFY:
+        return True
+    if t in ("null", "none"):
+        return False
+    try:
+        return _bool(t)
+    except OptionError:
+        raise OptionError(f"expected one of fio's verify methods (crc32c, md5, sha256, xxhash, "
+                          f"...: each compares every byte here), 1 or 0, got {text!r}") from None
 
 
 def _int_range(lo: int, hi: int | None = None) -> Callable[[str], int]:
@@ -172,12 +223,19 @@ JOB_OPTIONS: tuple[Opt, ...] = (
         "gdskv (tier put/get) | raw (one contiguous buffer, same backend, no gather, no "
         "directory: the I/O ceiling) | hicachefile (SGLang's HiCacheFile, one file per page)"),
     Opt("group_reporting", _bool, False, "report numjobs clones as one", flag=True),
-    Opt("verify", _bool, False,
-        "compare restored bytes with written ones (a write job then reads everything back, "
-        "as fio's verify does); misses count as failures"),
+    Opt("verify", _verify, False,
+        "fio's methods (crc32c, md5, xxhash, ...), 1 or 0: compare every restored byte with "
+        "what was written (a write job then reads everything back, as fio's verify does); "
+        "misses count as failures", flag=True),
     Opt("invalidate", _bool, True,
-        "drop the page cache of the store's files before read phases (fadvise DONTNEED, and "
-        "/proc/sys/vm/drop_caches when root)"),
+        "drop the page cache of the job's own files before read phases (fdatasync + fadvise "
+        "DONTNEED, as fio's invalidate does; O_DIRECT reads bypass it anyway)"),
+    Opt("drop_caches", _bool, False,
+        "also drop the whole machine's page cache before read phases (root: "
+        "/proc/sys/vm/drop_caches). A system-wide side effect: for a benchmark machine only",
+        flag=True),
+    Opt("kb_base", _kb_base, 1024,
+        "1024 (fio's default: k, KB = 1024; KiB = 1000) or 1000 (k, KB = 1000; KiB = 1024)"),
     Opt("unlink", _bool, True, "remove the files this job created when it ends", flag=True),
     Opt("randseed", _int_range(0), 0x5EED, "seed for data and random orders"),
     Opt("thread", _bool, True, "accepted for fio compatibility: clones are always threads",
@@ -207,11 +265,35 @@ def _key(text: str) -> str:
     return text.strip().lower().replace("-", "_")
 
 
+#: fio options that have no meaning here, with what to use instead
+NOT_HERE = {
+    "filename": "gdskv-bench writes slab files of its own: give --directory=DIR (':'-separated "
+                "for several drives) instead of --filename",
+}
+
+
+def unknown_option(key: str, flag: str = "") -> str:
+    """The error for an unknown option: what to use instead, or the closest known name."""
+    name = _key(key.lstrip("-").split("=", 1)[0])
+    if name in NOT_HERE:
+        return f"unknown option {key!r}: {NOT_HERE[name]}"
+    hint = suggest(name, JOB_OPTION_NAMES)
+    if hint and flag:
+        hint = suggest(name, JOB_OPTION_NAMES, render=lambda n: flag + n.replace("_", "-"))
+    return f"unknown option {key!r}{hint}"
+
+
+#: size options, read again once the job's kb_base is known
+SIZE_OPTIONS = ("bs", "size")
+
+
 @dataclass
 class JobOptions:
-    """One job's options (fio names, ``-`` as ``_``). ``given`` records what was set."""
+    """One job's options (fio names, ``-`` as ``_``). ``given`` records what was set, as text,
+    and ``sources`` where (the command line or a job file), for the report."""
     values: dict[str, Any] = field(default_factory=dict)
     given: dict[str, str] = field(default_factory=dict)
+    sources: dict[str, str] = field(default_factory=dict)
 
     def __getattr__(self, name: str) -> Any:
         values = self.__dict__.get("values", {})
@@ -226,7 +308,7 @@ class JobOptions:
         name = _key(key)
         opt = JOB_OPTION_NAMES.get(name)
         if opt is None:
-            raise OptionError(f"{where}unknown option {key!r}")
+            raise OptionError(where + unknown_option(key))
         if raw is None:
             if not opt.flag and opt.parse is not _bool:
                 raise OptionError(f"{where}option {key!r} needs a value")
@@ -236,9 +318,19 @@ class JobOptions:
         except OptionError as exc:
             raise OptionError(f"{where}option {name}={raw}: {exc}") from None
         self.given[name] = str(raw)
+        self.sources[name] = where.strip() or "command line"
+
+    def apply_kb_base(self) -> None:
+        """Read the size options again in the job's own ``kb_base`` (fio's rule)."""
+        for name in SIZE_OPTIONS:
+            if name in self.given:
+                try:
+                    self.values[name] = _positive_size(self.given[name], self.kb_base)
+                except OptionError as exc:
+                    raise OptionError(f"option {name}={self.given[name]}: {exc}") from None
 
     def copy(self) -> "JobOptions":
-        return JobOptions(dict(self.values), dict(self.given))
+        return JobOptions(dict(self.values), dict(self.given), dict(self.sources))
 
     def replace(self, **values) -> "JobOptions":
         new = self.copy()
@@ -274,28 +366,59 @@ def read_job_file(path: str, environ: Mapping[str, str] | None = None) -> list[J
     parser.optionxform = str  # keep keys as written for messages; normalised in JobOptions.set
     try:
         with open(path, encoding="utf-8") as f:
-            parser.read_file(f)
+            text = f.read()
+        parser.read_string(text, source=path)
     except OSError as exc:
         raise OptionError(f"cannot read job file {path!r}: {exc.strerror}") from None
     except configparser.Error as exc:
-        raise OptionError(f"job file {path}: {str(exc).splitlines()[0]}") from None
+        errors = getattr(exc, "errors", None)
+        line = errors[0][0] if errors else getattr(exc, "lineno", None)
+        at = f"{path}:{line}" if line else path
+        raise OptionError(f"job file {at}: {_syntax_message(exc)}") from None
+    lines = _key_lines(text)
     base = JobOptions()
     jobs: list[JobOptions] = []
     for section in parser.sections():
-        where = f"{path} [{section}] "
         if section.lower() == "global":
             target = base
         else:
             target = base.copy()
-            target.set("name", section, where)
+            target.set("name", section, f"{path}:{lines.get((section, None), '?')} [{section}] ")
         for key, raw in parser.items(section):
+            where = f"{path}:{lines.get((section, key), '?')} [{section}] "
             value = None if raw is None else substitute_env(raw.strip(), env, where)
             target.set(key, value, where)
         if target is not base:
+            target.apply_kb_base()
             jobs.append(target)
     if not jobs:
         raise OptionError(f"job file {path}: no job sections (only [global])")
     return jobs
+
+
+def _key_lines(text: str) -> dict[tuple[str, str | None], int]:
+    """(section, key) -> line number, and (section, None) for the header: configparser keeps
+    no line numbers, and an error should point at the line to fix."""
+    index: dict[tuple[str, str | None], int] = {}
+    section = None
+    for n, line in enumerate(text.splitlines(), 1):
+        s = line.strip()
+        if s.startswith("[") and s.endswith("]"):
+            section = s[1:-1]
+            index.setdefault((section, None), n)
+        elif s and s[0] not in "#;" and section is not None:
+            index.setdefault((section, s.split("=", 1)[0].strip()), n)
+    return index
+
+
+def _syntax_message(exc: configparser.Error) -> str:
+    if isinstance(exc, configparser.MissingSectionHeaderError):
+        return f"{exc.line.strip()!r} comes before any [section] header (start with [global] " \
+               "or [jobname])"
+    if getattr(exc, "errors", None):
+        return f"cannot parse {exc.errors[0][1].strip()!r} (expected key=value, a bare key, " \
+               "a [section] or a # comment)"
+    return str(exc).splitlines()[0]
 
 
 # -- command line -----------------------------------------------------------------------------
@@ -316,6 +439,11 @@ class _Parser(argparse.ArgumentParser):
     """argparse that raises instead of exiting, so the CLI decides how to report (status 2)."""
 
     def error(self, message: str):  # type: ignore[override]
+        prefix = "unrecognized arguments: "
+        if message.startswith(prefix):
+            # one line per argument is argparse's; a hint per argument is ours
+            message = "; ".join(unknown_option(arg, flag="--")
+                                for arg in message[len(prefix):].split())
         raise OptionError(message)
 
 
@@ -446,15 +574,19 @@ def parse_args(argv: Sequence[str], environ: Mapping[str, str] | None = None) ->
             text, value = getattr(ns, opt.name)
             cli.values[opt.name] = value
             cli.given[opt.name] = text
+            cli.sources[opt.name] = "command line"
     if ns.jobfiles:
         jobs = []
         for path in ns.jobfiles:
             for job in read_job_file(path, environ):
-                job.values.update({k: v for k, v in cli.values.items() if k != "name"})
-                job.given.update({k: v for k, v in cli.given.items() if k != "name"})
+                for part in ("values", "given", "sources"):
+                    getattr(job, part).update({k: v for k, v in getattr(cli, part).items()
+                                               if k != "name"})
                 jobs.append(job)
     else:
         jobs = [cli]
+    for job in jobs:
+        job.apply_kb_base()
     return Invocation(jobs=jobs, output_format=ns.output_format, output=ns.output,
                       compare=ns.compare[1], sweep=ns.sweep, sweep_dir=ns.sweep_dir,
                       metrics_port=ns.metrics_port)

@@ -13,8 +13,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from .measurements import (FIO_PERCENTILES, DirStats, JobResult, dir_json, fmt_bytes_iec,
-                           fmt_bytes_si, fmt_count, fmt_size_exact, lat_stats)
+from .measurements import (FIO_PERCENTILES, DirStats, JobResult, dir_json, fmt_bw,
+                           fmt_bytes_iec, fmt_bytes_si, fmt_count, fmt_size_exact, lat_stats,
+                           plural, yes_no)
 
 VERSION = "gdskv-bench-0.1.0"
 TERSE_VERSION = 3
@@ -74,8 +75,8 @@ def _lat_unit(values: Sequence[float]) -> tuple[str, float]:
 def _dir_lines(label: str, d: DirStats) -> list[str]:
     if not d.total_ios:
         return []
-    lines = [f"  {label}: IOPS={fmt_count(d.iops)}, BW={fmt_bytes_iec(d.bw_bytes)}/s "
-             f"({fmt_bytes_si(d.bw_bytes)}/s)({fmt_bytes_iec(d.io_bytes)}/{d.runtime_ms}msec)"]
+    lines = [f"  {label}: IOPS={fmt_count(d.iops)}, BW={fmt_bw(d.bw_bytes)}"
+             f"({fmt_bytes_iec(d.io_bytes)}/{d.runtime_ms}msec)"]
     st = lat_stats(d.clat_ns)
     unit, div = _lat_unit([st["min"], st["max"], st["mean"]])
     lines.append(f"    clat ({unit}): min={st['min'] / div:.0f}, max={st['max'] / div:.0f}, "
@@ -104,11 +105,22 @@ def _gdskv_lines(g: dict[str, Any]) -> list[str]:
            f"layers={lay.get('num_layers')} kv_heads={lay.get('kv_heads')} "
            f"head_dim={lay.get('head_dim')} {lay.get('dtype')} page_tokens={lay.get('page_size')}")
     lines = [f"  gdskv: engine={g.get('engine')}, backend={g.get('backend')}, "
-             f"mem={g.get('mem')}, gpu_direct={int(bool(g.get('gpu_direct')))}, "
-             f"compat_mode={g.get('compat_mode')}, O_DIRECT={g.get('o_direct')}",
+             f"mem={g.get('mem')}, gpu_direct={yes_no(bool(g.get('gpu_direct')))}, "
+             f"compat_mode={yes_no(g.get('compat_mode'))}, "
+             f"O_DIRECT={yes_no(bool(g.get('o_direct')))}",
              f"  layout: {geo}, page={fmt_size_exact(g.get('page_bytes', 0))} "
              f"(slot {fmt_size_exact(g.get('slot_bytes', 0))}), "
-             f"batch={g.get('pages_per_batch')} pages, iodepth={g.get('iodepth')}"]
+             f"batch={plural(g.get('pages_per_batch') or 0, 'page')}, "
+             f"iodepth={g.get('iodepth')}"]
+    store = g.get("store")
+    if store:
+        fs = "/".join(g.get("fs_types") or ["?"])
+        lines.append(
+            f"  store: in {':'.join(store['base_directories'])} ({fs}; directory from "
+            f"{store['directories_from']}), capacity={fmt_size_exact(store['capacity'])} "
+            f"({store['capacity_from']}), "
+            f"{plural(store['files_per_dir'], 'slab file')} per directory, "
+            f"preallocated={yes_no(bool(store['preallocate']))}")
     if g.get("note"):
         lines.append(f"  note: {g['note']}")
     inv = g.get("invalidate")
@@ -126,7 +138,7 @@ def _gdskv_lines(g: dict[str, Any]) -> list[str]:
             f"  break-even @ {be['prefill_tflops']:g} TFLOPS: recompute="
             f"{be['recompute_us_per_token']:.2f} usec/token, restore="
             + (f"{restore:.2f} usec/token" if restore is not None else "n/a (no read phase)")
-            + f", break-even disk bandwidth={be['break_even_bytes_per_s'] / 1e9:.2f} GB/s"
+            + f", break-even disk bandwidth={fmt_bw(be['break_even_bytes_per_s'])}"
             + (f", restore is {be['restore_speedup']:.2f}x faster than recompute"
                if be.get("restore_speedup") else ""))
     return lines

@@ -18,8 +18,6 @@ latency is one sample: slat = queueing before it starts (iodepth > 1), clat = th
 from __future__ import annotations
 
 import collections
-import math
-import os
 import resource
 import shutil
 import tempfile
@@ -33,15 +31,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from gdskv.config import ConfigError, TierConfig, split_dirs
+from gdskv.config import TierConfig
 from gdskv.layout import KVLayout
 from gdskv.memory import cuda_available
 
 from .cache import fs_type
 from .engines import Engine, EngineSpec, EngineUnavailable, make_engine, sglang_hicache
+from .measurements import EIO, EILSEQ, DirStats, JobResult, fmt_size_exact, plural
 from .options import JobOptions, OptionError, job_options_dict
+from .placement import Placement, place
 from .presets import ModelPreset, break_even, get_preset
-from .measurements import EIO, EILSEQ, DirStats, JobResult
 
 #: test hook: called as HOOK(engine) between a job's write phase and its read phase
 AFTER_WRITE_HOOK: Callable[[Engine], None] | None = None
@@ -57,7 +56,7 @@ class JobPlan:
     mem: str
     pages_per_batch: int
     batches: int                  # per thread
-    base_dirs: list[str]
+    placement: Placement          # tier settings, directories, capacity
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -70,9 +69,32 @@ class JobPlan:
 
 
 def resolve(opts: JobOptions, engine: str | None = None) -> JobPlan:
-    """Check a job's options together and work out its geometry; OptionError if they clash."""
+    """Check a job's options together and work out its geometry and where it writes;
+    OptionError if they clash, SetupError if this machine cannot run them."""
     engine = engine or opts.ioengine
     preset = get_preset(opts.model) if opts.model else None
+    layout = _layout(opts, preset)
+    if opts.mem == "gpu" and not cuda_available():
+        raise OptionError(f"job {opts.name!r}: option mem=gpu but no CUDA device is usable here")
+    mem = opts.mem or ("gpu" if cuda_available() else "host")
+    device = torch.device("cuda", torch.cuda.current_device()) if mem == "gpu" \
+        else torch.device("cpu")
+    ppb, batches, notes = _batching(opts, layout)
+    if opts.time_based and not opts.runtime:
+        raise OptionError(f"job {opts.name!r}: option time_based needs --runtime")
+    if engine == "hicachefile":
+        try:
+            sglang_hicache()
+        except EngineUnavailable as exc:
+            raise OptionError(f"option ioengine=hicachefile: {exc}") from None
+    if opts.prefill_tflops and preset is None:
+        raise OptionError(f"job {opts.name!r}: option prefill_tflops needs --model (the "
+                          "preset gives FLOPs per token)")
+    placement = place(opts, layout, ppb * batches * opts.numjobs)
+    return JobPlan(opts, engine, layout, preset, device, mem, ppb, batches, placement, notes)
+
+
+def _layout(opts: JobOptions, preset: ModelPreset | None) -> KVLayout:
     if preset is None and None in (opts.layers, opts.head_dim):
         raise OptionError("job %r: give --model (%s) or at least --layers and --head-dim"
                           % (opts.name, "llama3-8b, ..."))
@@ -89,38 +111,24 @@ def resolve(opts: JobOptions, engine: str | None = None) -> JobPlan:
             model_name=(preset.hf_name if preset else "custom"))
     except ValueError as exc:
         raise OptionError(f"job {opts.name!r}: {exc}") from None
-    if opts.mem == "gpu" and not cuda_available():
-        raise OptionError(f"job {opts.name!r}: option mem=gpu but no CUDA device is usable here")
-    mem = opts.mem or ("gpu" if cuda_available() else "host")
-    device = torch.device("cuda", torch.cuda.current_device()) if mem == "gpu" \
-        else torch.device("cpu")
+    return layout
+
+
+def _batching(opts: JobOptions, layout: KVLayout) -> tuple[int, int, list[str]]:
+    """Pages per call (bs in whole pages, cut to size) and calls per thread."""
     notes = []
-    bs = opts.bs
-    ppb = max(1, bs // layout.page_bytes)
-    if bs % layout.page_bytes:
-        notes.append(f"bs={bs} rounded to {ppb} whole page(s) of {layout.page_bytes} B")
+    page = fmt_size_exact(layout.page_bytes)
+    ppb = max(1, opts.bs // layout.page_bytes)
+    if opts.bs % layout.page_bytes:
+        notes.append(f"bs={fmt_size_exact(opts.bs)} rounded to {plural(ppb, 'whole page')} "
+                     f"of {page}")
     if opts.size < layout.page_bytes:
         raise OptionError(f"job {opts.name!r}: option size={opts.given.get('size', opts.size)} "
-                          f"is less than one page ({layout.page_bytes} B)")
+                          f"is less than one page ({page})")
     if ppb * layout.page_bytes > opts.size:
         ppb = opts.size // layout.page_bytes
-        notes.append(f"batch cut to size: {ppb} pages")
-    batches = opts.size // (ppb * layout.page_bytes)
-    if opts.time_based and not opts.runtime:
-        raise OptionError(f"job {opts.name!r}: option time_based needs --runtime")
-    if engine == "hicachefile":
-        try:
-            sglang_hicache()
-        except EngineUnavailable as exc:
-            raise OptionError(f"option ioengine=hicachefile: {exc}") from None
-    if opts.prefill_tflops and preset is None:
-        raise OptionError(f"job {opts.name!r}: option prefill_tflops needs --model (the "
-                          "preset gives FLOPs per token)")
-    dirs = list(split_dirs(opts.directory)) if opts.directory else [tempfile.gettempdir()]
-    for d in dirs:
-        if not os.path.isdir(d):
-            raise OptionError(f"option directory={opts.directory}: {d!r} is not a directory")
-    return JobPlan(opts, engine, layout, preset, device, mem, ppb, batches, dirs, notes)
+        notes.append(f"batch cut to size: {plural(ppb, 'page')}")
+    return ppb, opts.size // (ppb * layout.page_bytes), notes
 
 
 # -- running ------------------------------------------------------------------------------------
@@ -296,18 +304,6 @@ class _PhaseRun:
                 st.stats[k].runtime_ns += span
 
 
-def _capacity(plan: JobPlan, config: TierConfig, ndirs: int) -> int:
-    slot = plan.layout.slot_bytes
-    stripe_slots = max(1, config.io_chunk_size // slot)
-    need = plan.pages * plan.opts.numjobs
-    stripes = math.ceil(need / stripe_slots)
-    nfiles = ndirs * config.files_per_dir
-    stripes = max(stripes, 1)
-    if stripes >= nfiles:
-        stripes = math.ceil(stripes / nfiles) * nfiles
-    return stripes * stripe_slots * slot
-
-
 @dataclass
 class _CpuTime:
     """CPU use over the timed phases (fio's ``cpu`` line)."""
@@ -338,15 +334,10 @@ def run_job(plan: JobPlan, groupid: int, progress: Progress | None = None) -> li
     made: list[str] = []
     start_wall = time.time()
     try:
-        for d in plan.base_dirs:
+        for d in plan.placement.base_dirs:
             made.append(tempfile.mkdtemp(prefix=f"gdskv-bench-{o.name}-{plan.engine}-", dir=d))
-        try:
-            config = TierConfig.from_env(directories=tuple(made),
-                                         backend=o.backend,
-                                         direct_io="auto" if o.direct else "off")
-            config = config.replace(capacity=_capacity(plan, config, len(made)))
-        except ConfigError as exc:
-            raise OptionError(f"job {o.name!r}: {exc}") from None
+        config = plan.placement.config.replace(directories=tuple(made),
+                                               capacity=plan.placement.capacity)
         spec = EngineSpec(name=o.name, layout=plan.layout, config=config, device=plan.device,
                           threads=o.numjobs, pages=plan.pages, seed=o.randseed,
                           randomize=o.rw.startswith("rand"), verify=o.verify,
@@ -384,8 +375,8 @@ def _run_all(engine: Engine, plan: JobPlan, states: list[_ThreadState],
                 AFTER_WRITE_HOOK(engine)
             if hasattr(engine, "reset_read_buffers"):
                 engine.reset_read_buffers()
-            if o.invalidate:
-                invalidations.append(engine.invalidate())
+            if o.invalidate or o.drop_caches:
+                invalidations.append(engine.invalidate(machine_wide=o.drop_caches))
         before, t = _CpuTime.sample(), time.perf_counter()
         _PhaseRun(engine, plan, phase, states, progress).run()
         if phase.timed:
@@ -420,6 +411,7 @@ def _gdskv_object(engine: Engine, plan: JobPlan, config: TierConfig, made: list[
         "backend_selected_because": info.get("backend_selected_because", ""),
         "mem": plan.mem, "device": str(plan.device),
         "directories": made, "fs_types": sorted({fs_type(d) for d in made}),
+        "store": plan.placement.describe(),
         "layout": lay.to_dict(), "model": o.model,
         "page_bytes": lay.page_bytes, "slot_bytes": lay.slot_bytes,
         "bytes_per_token": lay.page_bytes // lay.page_size,
@@ -430,7 +422,7 @@ def _gdskv_object(engine: Engine, plan: JobPlan, config: TierConfig, made: list[
                    "io_threads": config.io_threads, "io_chunk_size": config.io_chunk_size,
                    "staging_size": config.staging_size, "files_per_dir": config.files_per_dir,
                    "capacity": config.capacity},
-        "invalidate": _merge_invalidations(invalidations, o.invalidate),
+        "invalidate": _merge_invalidations(invalidations, o.invalidate or o.drop_caches),
         "verify": verify,
     }
     notes = list(plan.notes)

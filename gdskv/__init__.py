@@ -2,8 +2,9 @@
 
 from .config import BackendKind, ConfigError, DirectIO, Eviction, SyncPolicy, TierConfig
 from .layout import FORMAT_VERSION, BytePageLayout, KVLayout
+from .tier import Tier
 
 __version__ = "0.1.0"
 
-__all__ = ["KVLayout", "BytePageLayout", "TierConfig", "ConfigError", "BackendKind", "DirectIO",
-           "Eviction", "SyncPolicy", "FORMAT_VERSION", "__version__"]
+__all__ = ["Tier", "KVLayout", "BytePageLayout", "TierConfig", "ConfigError", "BackendKind",
+           "DirectIO", "Eviction", "SyncPolicy", "FORMAT_VERSION", "__version__"]

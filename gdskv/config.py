@@ -8,10 +8,11 @@ raises :class:`ConfigError` naming the variable and the value. Field ``foo_bar``
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import enum
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 ENV_PREFIX = "GDSKV_"
@@ -19,6 +20,12 @@ ENV_PREFIX = "GDSKV_"
 
 class ConfigError(ValueError):
     """A bad configuration value; the message names the field or variable and the value."""
+
+
+def suggest(name: str, known: Iterable[str], render: Callable[[str], str] = str) -> str:
+    """`` (did you mean X?)`` naming the closest of ``known``, or "" when none is close."""
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
+    return f" (did you mean {render(close[0])}?)" if close else ""
 
 
 class BackendKind(str, enum.Enum):
@@ -212,8 +219,9 @@ class TierConfig:
                 continue
             name = var[len(ENV_PREFIX):].lower()
             if name not in fields:
-                known = ", ".join(ENV_PREFIX + n.upper() for n in fields)
-                raise ConfigError(f"unknown environment variable {var}={text!r}; known: {known}")
+                known = [ENV_PREFIX + n.upper() for n in fields]
+                raise ConfigError(f"unknown environment variable {var}={text!r}"
+                                  f"{suggest(var, known)}; known: {', '.join(known)}")
             try:
                 values[name] = _coerce(fields[name], text)
                 if name != "directories":

@@ -395,7 +395,8 @@ class Tier:
                      for _ in range(lay.kv_count)]
             pool = KVPool(lay, parts[0] if lay.mla else tuple(parts))
         # The first CUDA event of a call path costs ~13 ms on an H100 (measured by
-        # bench/call_profile.py): make it here, with the cross-stream wait every call does.
+        # bench/experiments/call_profile.py): make it here, with the cross-stream wait every
+        # call does.
         self._stream.wait_event(self._engine_event())
         with torch.cuda.stream(self._stream):
             for dtype in (torch.int64, torch.int32):  # engines use either for slot indices

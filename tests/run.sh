@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
-# The README's test command: fresh venv, gdskv with its test/gpu/nixl extras, the test suite
-# (slow-marked tests excluded), then the SGLang adapter tests in their own venv. Run from
-# anywhere; works on a fresh clone.
+# The README's test command: .venv with gdskv and its test/gpu/nixl extras (built once, rebuilt
+# when pyproject.toml or this script changes), the test suite (slow-marked tests excluded; -rs
+# prints each skip's reason), then the SGLang adapter tests in their own venv. Run from
+# anywhere; on a fresh clone (CI) both venvs are built from scratch.
+# To re-run only the tests once the venvs exist:  .venv/bin/python -m pytest -q -rs -m "not slow"
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3 -m venv --clear .venv
-.venv/bin/pip install -q --upgrade pip
-# torch 2.13.0 CPU is the wheel this project's machines carry locally; elsewhere pip fetches it.
-.venv/bin/pip install -q torch==2.13.0
-.venv/bin/pip install -q -e '.[test,gpu,nixl]'
-.venv/bin/python -m pytest -q -m "not slow" "$@"
+. tests/venv.sh
+if venv_stale .venv pyproject.toml tests/run.sh; then
+  .venv/bin/pip install -q --upgrade pip
+  # torch 2.13.0 CPU is the wheel this project's machines carry locally; elsewhere pip fetches it.
+  .venv/bin/pip install -q torch==2.13.0
+  .venv/bin/pip install -q -e '.[test,gpu,nixl]'
+  venv_built .venv
+fi
+.venv/bin/python -m pytest -q -rs -m "not slow" "$@"
 # The SGLang adapter against the real sglang package, in its own venv (torch 2.14.1; see there).
 bash tests/run_sglang.sh

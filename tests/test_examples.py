@@ -18,3 +18,29 @@ def test_engine_direct_example_runs(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "spilled 50/50 pages" in proc.stdout
     assert "restored 50/50 pages into new slots, bit-exact: True" in proc.stdout
+
+
+def readme_block(marker: str) -> str:
+    """The code between ``<!-- marker -->`` and ``<!-- /marker -->`` in README.md."""
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        text = f.read()
+    body = text.split(f"<!-- {marker} -->", 1)[1].split(f"<!-- /{marker} -->", 1)[0]
+    return "\n".join(line for line in body.strip().splitlines() if not line.startswith("```"))
+
+
+def test_readme_quickstart_runs_as_pasted(tmp_path):
+    """The README's Python API block, run as a user would paste it: from another directory,
+    on the installed package, with no GDSKV_* variables set."""
+    script = tmp_path / "quickstart.py"
+    script.write_text(readme_block("quickstart"))
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("GDSKV_") and k != "PYTHONPATH"}
+    env["TMPDIR"] = str(tmp_path)  # where the example's temporary store goes
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          env=env, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[:3] == ["stored: [True, True, True, True]",
+                                            "restored: [True, True, True, True]",
+                                            "same bytes: True"]
+    assert proc.stdout.splitlines()[3].startswith("restored again: [True, True, True, True] on ")
+    assert os.listdir(tmp_path) == ["quickstart.py"]  # the store went with its directory

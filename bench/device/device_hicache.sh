@@ -26,8 +26,8 @@ for label in $PLACES; do
     model=${geo%%:*} pages=${geo#*:} name=${geo%%:*}-p${geo#*:}
     echo "== $label $name (bs=$BS iodepth=$IODEPTH)"
     $PY -m gdskv.bench.cli --name="$name" --model="$model" --page-tokens="$pages" --size="$SIZE" \
-      --bs="$BS" --iodepth="$IODEPTH" --rw=write --verify=1 --mem=gpu --directory="$dir" \
-      --backend=kvikio --compare --output-format=json --output="$OUT/$label/$name.json" \
+      --bs="$BS" --iodepth="$IODEPTH" --rw=write --verify=crc32c --drop_caches --mem=gpu \
+      --directory="$dir" --backend=kvikio --compare --output-format=json --output="$OUT/$label/$name.json" \
       || echo "  failed (its error is above)"
   done
   rm -rf "$dir"/gdskv-bench-* 2>/dev/null

@@ -74,7 +74,7 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
-from ...config import ConfigError, TierConfig, parse_bool, parse_size
+from ...config import ConfigError, TierConfig, parse_bool, parse_size, suggest
 from ...layout import KVLayout
 from ...memory import check_device
 from ...tier import Tier
@@ -88,6 +88,8 @@ log = logging.getLogger("gdskv.sglang")
 LOADER_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1"})
 #: extra_config keys this adapter reads besides TierConfig fields.
 ADAPTER_KEYS = frozenset({"device", "create_directories", "pool_capacity"})
+#: extra_config keys SGLang itself adds for every backend (``--file-storage-path``, 0.5.23).
+SGLANG_KEYS = frozenset({"file_storage_path"})
 _TIER_FIELDS = frozenset(f.name for f in dataclasses.fields(TierConfig))
 _LAYOUTS = ("page_first_direct", "page_first", "layer_first")
 # One-byte KV types SGLang stores as raw bytes (fp8 caches): copies are byte-wise, so they are
@@ -141,10 +143,12 @@ class GdskvHiCacheStorage(HiCacheStorage):
                             f"{type(storage_config).__name__}")
         self.storage_config = storage_config
         extra = dict(storage_config.extra_config or {})
-        unknown = sorted(set(extra) - LOADER_KEYS - ADAPTER_KEYS - _TIER_FIELDS)
-        if unknown:
-            log.warning("gdskv: ignoring extra_config keys %s (known: %s, %s)", unknown,
-                        sorted(_TIER_FIELDS), sorted(ADAPTER_KEYS))
+        unknown = sorted(set(extra) - LOADER_KEYS - ADAPTER_KEYS - SGLANG_KEYS - _TIER_FIELDS)
+        if unknown:  # fatal, as a misspelt GDSKV_* variable is: "capcity" must not mean 16 GiB
+            known = sorted(_TIER_FIELDS | ADAPTER_KEYS)
+            raise ConfigError("gdskv: unknown --hicache-storage-backend-extra-config key "
+                              + "; ".join(f"{k!r}{suggest(k, known)}" for k in unknown)
+                              + f"; known: {', '.join(known)}")
         overrides = {k: v for k, v in extra.items() if k in _TIER_FIELDS}
         if isinstance(overrides.get("directories"), list):
             overrides["directories"] = tuple(overrides["directories"])
