@@ -10,7 +10,7 @@ in prometheus_client's multiprocess mode, which SGLang always uses and vLLM uses
 | metric | type | labels |
 |---|---|---|
 | ``gdskv_pages_total`` | counter | ``store``, ``event``: put, got, missed, evicted, corrupt |
-| ``gdskv_bytes_total`` | counter | ``store``, ``op``: put, got |
+| ``gdskv_bytes_total`` | counter | ``store``, ``event``: as pages (payload bytes) |
 | ``gdskv_io_failures_total`` | counter | ``store``, ``op``: read, write |
 | ``gdskv_call_seconds`` | histogram | ``store``, ``op``: put, get |
 | ``gdskv_call_pages`` | histogram | ``store``, ``op`` |
@@ -29,6 +29,9 @@ _COUNTED = {"put_stored": ("pages", "put"), "hits": ("pages", "got"),
             "corrupt_pages": ("pages", "corrupt"), "bytes_written": ("bytes", "put"),
             "bytes_read": ("bytes", "got"), "write_failed": ("failures", "write"),
             "read_failed": ("failures", "read")}
+#: page events whose bytes are the pages' payload (put/got count the bytes really moved)
+_PAGE_BYTES = ("missed", "evicted", "corrupt")
+_EVENTS = ("put", "got", "missed", "evicted", "corrupt")
 _PAGE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 _SECOND_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10)
 
@@ -45,8 +48,8 @@ def _families_for(registry) -> dict:
             fam = _families[id(registry)] = {
                 "pages": Counter("gdskv_pages", "Pages by what happened to them",
                                  ["store", "event"], **kw),
-                "bytes": Counter("gdskv_bytes", "Payload bytes written and read back",
-                                 ["store", "op"], **kw),
+                "bytes": Counter("gdskv_bytes", "Payload bytes by what happened to their pages",
+                                 ["store", "event"], **kw),
                 "failures": Counter("gdskv_io_failures", "Pages whose I/O failed",
                                     ["store", "op"], **kw),
                 "seconds": Histogram("gdskv_call_seconds", "Latency of one put/get call",
@@ -68,12 +71,14 @@ def _families_for(registry) -> dict:
 class TierMetrics:
     """A tier's series in ``registry`` (None: prometheus_client's default registry)."""
 
-    def __init__(self, store: str, capacity_pages: int, registry=None) -> None:
+    def __init__(self, store: str, capacity_pages: int, page_bytes: int, registry=None
+                 ) -> None:
         if registry is None:
             from prometheus_client import REGISTRY
             registry = REGISTRY
         self._fam = _families_for(registry)
         self.store = store
+        self._page_bytes = page_bytes
         self._fallbacks: set[tuple[str, str]] = set()
         self._fam["capacity"].labels(store).set(capacity_pages)
         self._fam["stored"].labels(store).set(0)
@@ -84,6 +89,8 @@ class TierMetrics:
             where = _COUNTED.get(key)
             if where is not None and value:
                 self._fam[where[0]].labels(self.store, where[1]).inc(value)
+                if where[1] in _PAGE_BYTES:
+                    self._fam["bytes"].labels(self.store, where[1]).inc(value * self._page_bytes)
 
     def call(self, op: str, pages: int, seconds: float, stored: int) -> None:
         self._fam["seconds"].labels(self.store, op).observe(seconds)
@@ -98,9 +105,8 @@ class TierMetrics:
     def close(self) -> None:
         """Remove this tier's series (those it may have made)."""
         f, s = self._fam, self.store
-        made = [(f["pages"], (s, e)) for e in ("put", "got", "missed", "evicted", "corrupt")]
-        made += [(f[n], (s, op)) for n in ("bytes", "failures") for op in ("put", "got", "read",
-                                                                           "write")]
+        made = [(f[n], (s, e)) for n in ("pages", "bytes") for e in _EVENTS]
+        made += [(f["failures"], (s, op)) for op in ("read", "write")]
         made += [(f[n], (s, op)) for n in ("seconds", "call_pages") for op in ("put", "get")]
         made += [(f["stored"], (s,)), (f["capacity"], (s,))]
         made += [(f["fallback"], (s, kind, reason)) for kind, reason in self._fallbacks]

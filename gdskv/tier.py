@@ -149,7 +149,7 @@ class Tier:
         o_direct, o_direct_reason = self._direct_io()
         self._metrics = TierMetrics(self.store.directories[0] + ("#follower" if self.read_only
                                                                   else ""),
-                                    self.store.num_slots, metrics_registry)
+                                    self.store.num_slots, layout.page_bytes, metrics_registry)
         self._stats.listener = self._metrics.count
         if not o_direct:
             self._metrics.fallback("o_direct", o_direct_reason)
