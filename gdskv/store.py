@@ -417,15 +417,31 @@ class SlabStore:
             log.warning("store manifest has no slab file identities: recovered pages dropped")
         self.store_id = int(self._stored[0]["store_id"], 16) if self._stored else \
             int.from_bytes(os.urandom(8), "little")
+        self._inodes = inodes
         if had != inodes and not self.read_only:
-            for i, d in enumerate(self.directories):
-                manifest = dict(self._manifest(i), slab_inodes=inodes,
-                                store_id=f"{self.store_id:016x}")
-                for name in (MANIFEST, MANIFEST_COPY):
-                    path = os.path.join(d, name)
-                    if self.created:
-                        self._created_paths.append(path)
-                    _atomic_write(path, _sealed(manifest))
+            self._write_manifests()
+
+    def _write_manifests(self) -> None:
+        for i, d in enumerate(self.directories):
+            manifest = dict(self._manifest(i), slab_inodes=self._inodes,
+                            store_id=f"{self.store_id:016x}")
+            for name in (MANIFEST, MANIFEST_COPY):
+                path = os.path.join(d, name)
+                if self.created:
+                    self._created_paths.append(path)
+                _atomic_write(path, _sealed(manifest))
+
+    def renew_id(self) -> None:
+        """Give the store a new id (the writer, with no write in flight): every slot trailer
+        written so far names the old one, so no header scan takes those pages back (after a
+        clear). Raises StoreError when the manifest cannot be written (the id stays)."""
+        old = self.store_id
+        self.store_id = int.from_bytes(os.urandom(8), "little")
+        try:
+            self._write_manifests()
+        except StoreError:
+            self.store_id = old
+            raise
 
     def slot_at(self, file: int, offset: int) -> int:
         """The global slot at byte ``offset`` of slab file ``file`` (inverse of location)."""

@@ -58,7 +58,7 @@ from .persistence import PersistentDirectory
 from .pool import KVPool, PoolCache
 from .staging import StagingParts
 from .stats import TierStats
-from .store import SlabStore
+from .store import SlabStore, StoreError
 
 log = logging.getLogger("gdskv.tier")
 
@@ -256,12 +256,19 @@ class Tier:
         return gone
 
     def clear(self) -> None:
-        """Drop every page."""
+        """Drop every page (for good: the store takes a new id, so a later header scan does not
+        bring them back from their slot trailers)."""
         self._check_open()
         with self._gate.alone():
             self._check_open()  # closed while this waited
             keys = [k for k, _, _ in self.directory.ready_items()]
             self._persist.journal_evictions(self.directory.remove(keys))
+            if not self.read_only and not self._lost:
+                try:
+                    self.store.renew_id()
+                except StoreError as exc:  # the pages are dropped all the same
+                    self._log_once("renew-id", "clear: %s; a header scan may bring the "
+                                   "cleared pages back", exc)
 
     def compact(self) -> None:
         """Rewrite the journal now to one COMMIT per stored page (the writer; a follower

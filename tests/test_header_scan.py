@@ -160,3 +160,16 @@ def test_header_scan_speed(tmp_path):
     seconds = recovery_bench.measure(str(tmp_path), 20_000, scan=True)
     print(f"header scan recovery of 20000 pages: {seconds:.3f} s")
     assert seconds < 4.0
+
+
+def test_cleared_pages_do_not_come_back(tmp_path):
+    """clear gives the store a new id: the old trailers are foreign to a later header scan."""
+    cfg = small_config(tmp_path)
+    with Tier(LAYOUT, cfg, device="cpu") as tier:
+        assert all(put(tier, ["a", "b"]))
+        tier.clear()
+        assert all(put(tier, ["c"]))
+    os.unlink(tmp_path / JOURNAL)
+    with Tier(LAYOUT, cfg, device="cpu") as tier:
+        assert ready_keys(tier) == ["c"]
+        assert not check_pages(tier, ["c"])["missed"]
