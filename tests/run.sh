@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The README's test command: .venv with gdskv and its test/gpu/nixl extras (built once, rebuilt
 # when pyproject.toml or this script changes), the test suite (slow-marked tests excluded; -rs
-# prints each skip's reason), then the SGLang adapter tests in their own venv. Run from
+# prints each skip's reason), then the SGLang and vLLM adapter tests in their own venvs. Run from
 # anywhere; on a fresh clone (CI) both venvs are built from scratch.
 # To re-run only the tests once the venvs exist:  .venv/bin/python -m pytest -q -rs -m "not slow"
 set -euo pipefail
@@ -17,3 +17,5 @@ fi
 .venv/bin/python -m pytest -q -rs -m "not slow" "$@"
 # The SGLang adapter against the real sglang package, in its own venv (torch 2.14.1; see there).
 bash tests/run_sglang.sh
+# The vLLM adapter against the real vllm package, in its own venv (torch 2.14.1; see there).
+bash tests/run_vllm.sh
