@@ -95,11 +95,11 @@ def _config(directories: Sequence[str], manifest: dict, *, read_only: bool) -> T
                       backend="posix", read_only=read_only, preallocate=False)
 
 
-def open_store(directories: Sequence[str], *, read_only: bool, scan_headers: bool = False
-               ) -> Tier:
+def open_store(directories: Sequence[str], *, read_only: bool, scan_headers: bool = False,
+               scan_progress=None) -> Tier:
     manifest = _manifest(directories)
     return Tier(_layout(manifest), _config(directories, manifest, read_only=read_only),
-                device="cpu", scan_headers=scan_headers)
+                device="cpu", scan_headers=scan_headers, scan_progress=scan_progress)
 
 
 # -- progress (rich, on a terminal only) -----------------------------------------------------
@@ -229,8 +229,15 @@ def cmd_verify(args) -> tuple[dict, int]:
 
 
 def cmd_rebuild(args) -> tuple[dict, int]:
-    with open_store(args.directories, read_only=False, scan_headers=True) as tier:
-        st = tier.stats()
+    manifest = _manifest(args.directories)
+    progress = _Progress("scanning slot trailers", int(manifest.get("num_slots", 0)),
+                         not args.json)
+    try:
+        with open_store(args.directories, read_only=False, scan_headers=True,
+                        scan_progress=progress.advance) as tier:
+            st = tier.stats()
+    finally:
+        progress.close()
     return {"pages": st["pages_stored"], "from_trailers": st.get("header_scan_pages", 0),
             "scan_seconds": round(st.get("header_scan_seconds", 0.0), 3)}, 0
 

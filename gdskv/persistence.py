@@ -39,9 +39,11 @@ class PersistentDirectory:
     """
 
     def __init__(self, store: SlabStore, config: TierConfig, stats: TierStats,
-                 log_once: Callable[..., None], *, scan_headers: bool = False) -> None:
+                 log_once: Callable[..., None], *, scan_headers: bool = False,
+                 scan_progress: Callable[[int], None] | None = None) -> None:
         self.store = store
         self._force_scan = scan_headers
+        self._scan_progress = scan_progress
         self.read_only = bool(config.read_only)
         self._stats = stats
         self._log_once = log_once
@@ -97,7 +99,7 @@ class PersistentDirectory:
                         "rebuilt from slot trailers (their payloads cannot be checked)", why)
             return live
         t0 = time.perf_counter()
-        scanned = header_scan.scan(self.store)
+        scanned = header_scan.scan(self.store, self._scan_progress)
         # new pages must get seqs above every trailer's, or the next scan would prefer old ones
         self.journal.seq = max(self.journal.seq, max((r.seq for r in scanned), default=0))
         merged = header_scan.merge(live, self.journal.evicted, scanned)

@@ -79,6 +79,8 @@ class Tier:
             device if there is one, else CPU.
         scan_headers: rebuild the directory from the slot trailers too, even when the journal
             looks whole (``gdskv rebuild``; it happens by itself when the journal is damaged).
+        scan_progress: called with the number of slots scanned as a header scan goes (from
+            its reading threads).
         metrics_registry: the Prometheus registry for this tier's ``gdskv_*`` series
             (:mod:`.metrics`); None: prometheus_client's default registry.
     """
@@ -88,6 +90,7 @@ class Tier:
 
     def __init__(self, layout: PageLayout, config: TierConfig | None = None, *,
                  device: torch.device | str | None = None, scan_headers: bool = False,
+                 scan_progress: Callable[[int], None] | None = None,
                  metrics_registry=None) -> None:
         if not isinstance(layout, (KVLayout, BytePageLayout)):
             raise TypeError(f"layout must be a KVLayout or BytePageLayout, got "
@@ -125,7 +128,8 @@ class Tier:
             # pages are verified with the algorithm that made their checksum (see checksum.py)
             self._verifiers = {self._checksums.algorithm: self._checksums}
             self._persist = PersistentDirectory(self.store, self.config, self._stats,
-                                                self._log_once, scan_headers=scan_headers)
+                                                self._log_once, scan_headers=scan_headers,
+                                                scan_progress=scan_progress)
             self._followed_at = time.monotonic()
             self.backend = create_backend(self.config, self.device)
             self.backend.attach(self.store.files)

@@ -173,3 +173,21 @@ def test_cleared_pages_do_not_come_back(tmp_path):
     with Tier(LAYOUT, cfg, device="cpu") as tier:
         assert ready_keys(tier) == ["c"]
         assert not check_pages(tier, ["c"])["missed"]
+
+
+def test_forced_scan_reports_progress_over_every_slot(tmp_path):
+    """Tier(scan_headers=True) scans even a whole journal (gdskv rebuild); scan_progress hears
+    of every slot once (it drives the command's progress bar)."""
+    import threading
+    cfg = small_config(tmp_path)
+    with Tier(LAYOUT, cfg, device="cpu") as tier:
+        assert all(put(tier, ["a", "b"]))
+    done, lock = [0], threading.Lock()
+
+    def progress(n):
+        with lock:
+            done[0] += n
+
+    with Tier(LAYOUT, cfg, device="cpu", scan_headers=True, scan_progress=progress) as tier:
+        assert done[0] == tier.store.num_slots
+        assert set(ready_keys(tier)) == {"a", "b"} and "header_scan_pages" in tier.stats()
