@@ -108,10 +108,11 @@ class _Progress:
         self._bar = None
         if enabled and sys.stderr.isatty():
             try:
+                from rich.console import Console
                 from rich.progress import Progress
             except ImportError:  # rich is optional (the bench extra): no bar without it
                 return
-            self._bar = Progress(transient=True)
+            self._bar = Progress(console=Console(file=sys.stderr), transient=True)
             self._bar.start()
             self._task = self._bar.add_task(label, total=total)
 
