@@ -49,6 +49,8 @@ log = logging.getLogger("gdskv.store")
 MANIFEST = "gdskv-manifest.json"
 #: the manifest's second copy (read when the first is missing or damaged)
 MANIFEST_COPY = "gdskv-manifest.copy.json"
+#: present while a new store is being created (removed once its manifests are written)
+CREATING = "gdskv-creating"
 LOCK = "gdskv.lock"
 JOURNAL = "gdskv-journal.log"
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -95,8 +97,13 @@ class SlabStore:
             self._open_manifest()
             if self.created and config.preallocate:
                 self._check_free_space(config.capacity)
+            if self.created:
+                self._mark_creating()
             self._open_files(config.direct_io, config.preallocate)
             self._check_identity()  # a new store's manifest is written here, after its files
+            if self.created:
+                for d in self.directories:
+                    os.unlink(os.path.join(d, CREATING))
         except BaseException:
             self.close()
             self._remove_created()
@@ -242,11 +249,32 @@ class SlabStore:
         orphans = sorted(os.path.join(d, name) for d in self.directories
                          for name in os.listdir(d)
                          if name == JOURNAL or _SLAB_NAME.fullmatch(name))
+        markers = [os.path.join(d, CREATING) for d in self.directories
+                   if os.path.lexists(os.path.join(d, CREATING))]
+        if markers and not any(p.endswith(JOURNAL) for p in orphans):
+            # A creation killed before its manifest (SIGKILL, power cut): its slab files never
+            # held a page (puts start after the manifest), so they are made again.
+            log.warning("gdskv: a store creation in %s was interrupted before its manifest; "
+                        "removing what it made (%s) and creating the store again",
+                        ", ".join(self.directories), ", ".join(orphans + markers))
+            for path in orphans + markers:
+                _check_store_file(path)
+                os.unlink(path)
+            return
         if orphans:
             raise StoreMismatchError(
                 f"store files without a manifest ({MANIFEST}): {', '.join(orphans)}; their "
                 "layout cannot be proven, so they are not adopted. Restore the manifest, or "
                 "remove these files (their pages are lost) to create a new store here")
+
+    def _mark_creating(self) -> None:
+        """``gdskv-creating`` in each directory until the manifests are written: an open
+        that finds it beside slab files knows they are an interrupted creation's."""
+        for d in self.directories:
+            path = os.path.join(d, CREATING)
+            os.close(_open_store_file(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC))
+            self._created_paths.append(path)
+            _fsync_dir(d)
 
     def _remove_created(self) -> None:
         """Undo a failed creation: remove the files this attempt made (the space they took

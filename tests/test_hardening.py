@@ -349,3 +349,28 @@ def test_errors_doc_lists_every_error_class():
     for name in ("ConfigError", "StoreError", "StoreMismatchError", "StoreLockedError",
                  "TierClosedError", "puts refused", "ShortIOError"):
         assert name in text, name
+
+
+def test_creation_killed_before_its_manifest_is_made_again(tmp_path, monkeypatch, caplog):
+    """A creation that dies after its slab files but before its manifest (SIGKILL: nothing
+    cleans up) leaves gdskv-creating beside them: the next open removes them, says so once and
+    creates the store; without the marker the files stay refused."""
+    import gdskv.store as store_mod
+
+    class Killed(BaseException):
+        pass
+
+    def die(self):
+        raise Killed()
+
+    monkeypatch.setattr(store_mod.SlabStore, "_check_identity", die)
+    monkeypatch.setattr(store_mod.SlabStore, "_remove_created", lambda self: None)  # as SIGKILL
+    with pytest.raises(Killed):
+        Tier(LAYOUT, small_config(tmp_path), device="cpu")
+    monkeypatch.undo()
+    assert {"slab-000.bin", store_mod.CREATING} <= set(os.listdir(tmp_path))
+    with caplog.at_level("WARNING", logger="gdskv.store"):
+        with Tier(LAYOUT, small_config(tmp_path), device="cpu") as tier:
+            assert all(put(tier, ["a"]))
+    assert sum("interrupted" in r.getMessage() for r in caplog.records) == 1
+    assert store_mod.CREATING not in os.listdir(tmp_path)
