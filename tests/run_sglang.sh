@@ -2,16 +2,9 @@
 # The SGLang adapter tests in their own venv (.venv-sglang): sglang 0.5.23 installed --no-deps
 # plus what its storage/host-pool import chain needs (tests/requirements-sglang.txt; torch 2.14.1
 # and torchvision 0.29.1, which SGLang's host pool classes need). About 6.5 minutes and 6 GB from
-# scratch; re-runs reuse the venv while the requirements file and this script are unchanged.
+# scratch; re-runs reuse the venv while the requirements file and the scripts are unchanged.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-. tests/venv.sh
-venv=.venv-sglang
-if venv_stale "$venv" tests/requirements-sglang.txt tests/run_sglang.sh; then
-  "$venv/bin/pip" install -q -r tests/requirements-sglang.txt
-  "$venv/bin/pip" install -q --no-deps sglang==0.5.23
-  venv_built "$venv"
-fi
-"$venv/bin/pip" install -q --no-deps -e .
-"$venv/bin/python" -m pytest -q -rs tests/test_sglang_adapter.py tests/test_sglang_v2.py \
+exec bash tests/run_engine.sh .venv-sglang tests/requirements-sglang.txt sglang==0.5.23 \
+  tests/run_sglang.sh -- tests/test_sglang_adapter.py tests/test_sglang_v2.py \
   tests/test_bench_cli.py::test_hicachefile_engine_on_the_real_class "$@"

@@ -39,11 +39,14 @@ def test_venv_is_built_once_and_rebuilt_when_an_input_changes(tmp_path):
 
 
 def test_run_scripts_print_skip_reasons_and_readme_gives_the_rerun_line():
-    for name in ("run.sh", "run_sglang.sh"):
+    for name in ("run.sh", "run_engine.sh"):
         with open(os.path.join(ROOT, "tests", name), encoding="utf-8") as f:
             text = f.read()
         assert re.search(r"-m pytest -q -rs\b", text), name
         assert "venv_stale" in text and "venv_built" in text, name
+    for name in ("run_sglang.sh", "run_vllm.sh"):  # the engines' venvs: through run_engine.sh
+        with open(os.path.join(ROOT, "tests", name), encoding="utf-8") as f:
+            assert "exec bash tests/run_engine.sh" in f.read(), name
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
         readme = f.read()
     assert '.venv/bin/python -m pytest -q -rs -m "not slow"' in readme

@@ -60,7 +60,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import re
 import threading
 import time
 from typing import Any, List, Optional
@@ -78,6 +77,7 @@ from ...config import ConfigError, TierConfig, parse_bool, parse_size, suggest
 from ...layout import KVLayout
 from ...memory import check_device
 from ...tier import Tier
+from .. import safe_name
 from . import hit_policy
 from .rank_store import RankStore
 from .sidecar import SidecarPool, page_starts, store_config
@@ -95,10 +95,6 @@ _LAYOUTS = ("page_first_direct", "page_first", "layer_first")
 # One-byte KV types SGLang stores as raw bytes (fp8 caches): copies are byte-wise, so they are
 # carried under gdskv's one-byte dtype name.
 _BYTE_DTYPES = (torch.uint8, torch.int8)
-
-
-def _safe_name(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-") or "model"
 
 
 def _pool_name(name) -> str:
@@ -167,7 +163,7 @@ class GdskvHiCacheStorage(HiCacheStorage):
         self.pool_capacity = _parse_pool_capacity(extra.get("pool_capacity"))
 
         sc = storage_config
-        self.model_name = _safe_name(sc.model_name or "")
+        self.model_name = safe_name(sc.model_name or "")
         self.is_mla = bool(sc.is_mla_model)
         self.is_writer = bool(sc.is_storage_writer)
         shard = ""
@@ -445,7 +441,7 @@ class GdskvHiCacheStorage(HiCacheStorage):
                              tp_size=1 if replicated else sc.tp_size,
                              pp_rank=sc.pp_rank, pp_size=sc.pp_size)
         config = store_config(self.config, layout,
-                              directories=self._store_dirs(_safe_name(name), shard_dir),
+                              directories=self._store_dirs(safe_name(name), shard_dir),
                               kv_capacity=self.config.capacity, pool_host_bytes=pool.host_bytes,
                               kv_host_bytes=self._kv_host_bytes,
                               capacity=self.pool_capacity.get(name))

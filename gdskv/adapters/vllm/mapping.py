@@ -27,24 +27,19 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from ...config import ConfigError, TierConfig
+from .. import safe_name
 from ...layout import KVLayout
 
 #: gdskv's name for "one byte per element": copies are byte-wise, so the type is only a width.
 BYTE_DTYPE = "float8_e4m3fn"
 _BYTE_TORCH_DTYPE = torch.float8_e4m3fn
 TIER_FIELDS = frozenset(f.name for f in dataclasses.fields(TierConfig))
-
-
-def safe_name(text: str) -> str:
-    """A file-name-safe, ``|``-free form of a model name or path."""
-    return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-") or "model"
 
 
 def tier_config(options: Mapping, *, where: str) -> TierConfig:
