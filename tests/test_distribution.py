@@ -74,6 +74,10 @@ def test_license_is_the_apache_2_text_pyproject_declares(dist):
 def test_wheel_ships_the_library_and_gdskv_bench_only(dist):
     with zipfile.ZipFile(_one(dist, "*.whl")) as whl:
         modules = {n for n in whl.namelist() if n.endswith(".py")}
+        (entry,) = [n for n in whl.namelist() if n.endswith(".dist-info/entry_points.txt")]
+        scripts = whl.read(entry).decode()
+    # the console scripts: the benchmark and the store's operator command
+    assert "gdskv-bench = gdskv.bench.cli:main" in scripts and "gdskv = gdskv.cli:run" in scripts
     bench = {n for n in modules if n.startswith("gdskv/bench/")}
     assert bench == {f"gdskv/bench/{f}" for f in os.listdir(os.path.join(ROOT, "bench"))
                      if f.endswith(".py")}
