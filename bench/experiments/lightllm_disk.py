@@ -18,6 +18,9 @@ machine's other cache is left alone: the machine is shared), so buffered reads c
 device. Every loaded byte is checked against what was offloaded (outside the timing).
 
     python bench/experiments/lightllm_disk.py --dir /mnt/nvme/bench --out lightllm.json
+
+Results it produced (bench/RESULTS.md, "LightLLM's disk cache"), under bench/results/:
+``cpu-2026-11-23/lightllm/`` and ``h200-2026-11-23/lightllm/``.
 """
 
 from __future__ import annotations
