@@ -208,6 +208,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         inv = parse_args(argv)
         if inv.output:
             open(inv.output, "w").close()  # fio truncates --output
+        if inv.metrics_port is not None:
+            _serve_metrics(inv.metrics_port)
         progress, bar = _make_progress(inv)
         try:
             if inv.sweep:
@@ -228,6 +230,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     _emit(render(results, inv.output_format, extra,
                  {"gdskv_compare": ratios} if ratios else None), inv)
     return _status(results)
+
+
+def _serve_metrics(port: int) -> None:
+    """Serve the default registry (every tier's gdskv_* series) for the run's length."""
+    from prometheus_client import start_http_server
+    try:
+        start_http_server(port)
+    except OSError as exc:
+        raise OptionError(f"--metrics-port {port}: cannot listen there ({exc.strerror}); "
+                          "pick a free port") from None
 
 
 def _sweep(inv: Invocation, progress) -> int:

@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from gdskv.cli import int_between
 from gdskv.config import ENV_PREFIX, FIELD_DOCS, TierConfig, suggest
 from gdskv.layout import canonical_dtype_name
 
@@ -431,6 +432,7 @@ class Invocation:
     compare: bool = False
     sweep: tuple[str, list] | None = None
     sweep_dir: str | None = None
+    metrics_port: int | None = None
 
 
 class _Parser(argparse.ArgumentParser):
@@ -453,6 +455,9 @@ def _arg_type(opt: Opt) -> Callable[[str], Any]:
             raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
     parse.__name__ = opt.name  # argparse names the type in some messages
     return parse
+
+
+_port = int_between(1, 65535, "a port number")
 
 
 def _output_formats(text: str) -> tuple[str, ...]:
@@ -543,6 +548,9 @@ def build_parser() -> argparse.ArgumentParser:
                    type=_output_formats, default=("normal",),
                    help="normal|json|terse, or a comma list of them")
     o.add_argument("--output", default=None, help="write the report to this file")
+    o.add_argument("--metrics-port", "--metrics_port", dest="metrics_port", type=_port,
+                   default=None, help="serve the tiers' gdskv_* Prometheus metrics on this "
+                   "port during the run (http://HOST:PORT/metrics)")
     o.add_argument("--compare", nargs="?", const=("1", True),
                    type=_arg_type(Opt("compare", _bool, False, "")), default=("0", False),
         help="run each job with ioengine gdskv, raw and hicachefile (when sglang is importable)"
@@ -580,7 +588,8 @@ def parse_args(argv: Sequence[str], environ: Mapping[str, str] | None = None) ->
     for job in jobs:
         job.apply_kb_base()
     return Invocation(jobs=jobs, output_format=ns.output_format, output=ns.output,
-                      compare=ns.compare[1], sweep=ns.sweep, sweep_dir=ns.sweep_dir)
+                      compare=ns.compare[1], sweep=ns.sweep, sweep_dir=ns.sweep_dir,
+                      metrics_port=ns.metrics_port)
 
 
 def job_options_dict(job: JobOptions) -> dict[str, str]:

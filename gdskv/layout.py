@@ -5,7 +5,8 @@ staging buffer a page is stored page-first::
 
     [kv (2 for MHA: K then V, 1 for MLA)][layer][token in page][heads x head_dim]
 
-in the KV dtype, padded to a 4 KiB multiple (the *slot*). This is the per-page order of SGLang's
+in the KV dtype, followed by padding and the slot trailer (:mod:`.slot_trailer`) to a 4 KiB
+multiple (the *slot*). This is the per-page order of SGLang's
 ``page_first_direct`` host layout, so a host-pool page maps to a slot without reshuffling.
 
 :class:`BytePageLayout` is opaque fixed-size byte pages: the pages of an engine's pools that are
@@ -25,8 +26,11 @@ from dataclasses import dataclass
 
 import torch
 
-#: Version of the on-disk format (page order, slot padding, journal records). Bump on change.
-FORMAT_VERSION = 1
+from .slot_trailer import TRAILER_BYTES
+
+#: Version of the on-disk format (page order, slot padding, slot trailer, journal records).
+#: Bump on change. 2: every slot ends with a self-describing trailer (:mod:`.slot_trailer`).
+FORMAT_VERSION = 2
 
 #: Offsets, sizes and buffers are aligned to this for O_DIRECT and GPUDirect Storage.
 ALIGNMENT = 4096
@@ -53,6 +57,13 @@ _DTYPE_ALIASES = {
 
 def align_up(n: int, alignment: int = ALIGNMENT) -> int:
     return (n + alignment - 1) // alignment * alignment
+
+
+def slot_size(page_bytes: int) -> int:
+    """Bytes a page of ``page_bytes`` occupies in a slab file and in the staging buffer:
+    payload, padding and the slot trailer in its last bytes, 4 KiB aligned (a page that leaves
+    less room than the trailer takes one more 4 KiB block)."""
+    return align_up(page_bytes + TRAILER_BYTES)
 
 
 def canonical_dtype_name(dtype: str | torch.dtype) -> str:
@@ -167,8 +178,7 @@ class KVLayout(ShardIdentity):
 
     @property
     def slot_bytes(self) -> int:
-        """Bytes one page occupies in a slab file and in the staging buffer (4 KiB aligned)."""
-        return align_up(self.page_bytes)
+        return slot_size(self.page_bytes)
 
     @property
     def fingerprint(self) -> str:
@@ -211,8 +221,7 @@ class BytePageLayout(ShardIdentity):
 
     @property
     def slot_bytes(self) -> int:
-        """Bytes one page occupies in a slab file and in the staging buffer (4 KiB aligned)."""
-        return align_up(self.page_bytes)
+        return slot_size(self.page_bytes)
 
     @property
     def fingerprint(self) -> str:

@@ -13,12 +13,13 @@ newest COMMIT per slot (an EVICT lost in a crash: the newer commit owns the slot
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Hashable, Iterable
 
 import numpy as np
 
-from . import checksum
+from . import checksum, header_scan
 from .config import Eviction, SyncPolicy, TierConfig
 from .directory import PageDirectory
 from .journal import Journal, JournalFollower, Record, RecordKind, live_records
@@ -38,8 +39,11 @@ class PersistentDirectory:
     """
 
     def __init__(self, store: SlabStore, config: TierConfig, stats: TierStats,
-                 log_once: Callable[..., None]) -> None:
+                 log_once: Callable[..., None], *, scan_headers: bool = False,
+                 scan_progress: Callable[[int], None] | None = None) -> None:
         self.store = store
+        self._force_scan = scan_headers
+        self._scan_progress = scan_progress
         self.read_only = bool(config.read_only)
         self._stats = stats
         self._log_once = log_once
@@ -50,7 +54,10 @@ class PersistentDirectory:
             # seq of the COMMIT that put each slot's page there: the newest one wins
             self._slot_seq = np.zeros(store.num_slots, dtype=np.uint64)
         else:
+            # no journal beside an existing store: lost, so the slot trailers must tell
+            self._journal_lost = not store.created and not os.path.exists(store.journal_path)
             self.journal = Journal(store.journal_path, sync=config.sync == SyncPolicy.DATA)
+        self._verify = bool(config.verify)
         try:
             self._recover()
         except BaseException:
@@ -65,15 +72,44 @@ class PersistentDirectory:
             live, nrec = live_records(records), len(records)
         else:
             live, nrec = self.journal.replay()
+        scanned = not self.read_only and (self._force_scan or self._journal_lost or
+                                          self.journal.damaged or self.journal.torn)
+        if scanned:
+            live = self._scan(live)
         recovered = self._servable(live.values(), self.store.replaced_files)
         self._load(self.directory, recovered)
-        if not self.read_only and nrec > 2 * len(recovered) + COMPACT_SLACK:
+        if scanned:
+            # the damage would be met again at every open: one clean journal from now on
+            self._rewrite(recovered, "after the header scan")
+        elif not self.read_only and nrec > 2 * len(recovered) + COMPACT_SLACK:
             self._rewrite(recovered, "at open")
         self._stats.add(recovered_pages=len(recovered),
                         recovery_seconds=time.perf_counter() - t0)
         if recovered:
             log.info("gdskv: recovered %d pages from %s in %.3f s", len(recovered),
                      self.journal.path, time.perf_counter() - t0)
+
+    def _scan(self, live: dict) -> dict:
+        """Live pages after a header scan of every slot (the journal cannot vouch for all)."""
+        why = "the journal is missing" if self._journal_lost else \
+            "the journal was damaged" if self.journal.damaged or self.journal.torn else \
+            "a header scan was asked for"
+        if not self._verify:  # trailers' checksums are 0 and reads would not verify anyway
+            log.warning("gdskv: %s, but verify=false: pages the journal does not name are not "
+                        "rebuilt from slot trailers (their payloads cannot be checked)", why)
+            return live
+        t0 = time.perf_counter()
+        scanned = header_scan.scan(self.store, self._scan_progress)
+        # new pages must get seqs above every trailer's, or the next scan would prefer old ones
+        self.journal.seq = max(self.journal.seq, max((r.seq for r in scanned), default=0))
+        merged = header_scan.merge(live, self.journal.evicted, scanned)
+        adopted = sum(1 for k, rec in merged.items() if live.get(k) is not rec)
+        seconds = time.perf_counter() - t0
+        self._stats.add(header_scan_seconds=seconds, header_scan_pages=adopted)
+        log.warning("gdskv: %s: header scan of %d slots in %.2f s took %d pages from slot "
+                    "trailers beside the journal's %d", why, self.store.num_slots, seconds,
+                    adopted, len(live))
+        return merged
 
     def _servable(self, live: Iterable[Record], replaced: set[int]) -> list[Record]:
         """The live COMMITs this store can serve, the newest one per slot, oldest first (LRU
@@ -103,11 +139,16 @@ class PersistentDirectory:
             self._slot_seq[[r.slot for r in recovered]] = [r.seq for r in recovered]
 
     # -- the writer's records --------------------------------------------------------------------
-    def journal_commits(self, pages: Iterable[tuple[Hashable, int, int, int]]) -> None:
-        """Journal ``(key, slot, checksum, algorithm)`` pages as READY (durable when the call
-        returns, per the sync policy). Raises OSError: the pages must then not become READY."""
-        self.journal.append(Record(RecordKind.COMMIT, self.journal.next_seq(), slot, csum, algo,
-                                   key) for key, slot, csum, algo in pages)
+    def next_seqs(self, n: int) -> list[int]:
+        """Sequence numbers for ``n`` pages about to be written (their trailers and COMMITs)."""
+        return [self.journal.next_seq() for _ in range(n)]
+
+    def journal_commits(self, pages: Iterable[tuple[Hashable, int, int, int, int]]) -> None:
+        """Journal ``(key, slot, checksum, algorithm, seq)`` pages as READY (durable when the
+        call returns, per the sync policy). Raises OSError: the pages must then not become
+        READY."""
+        self.journal.append(Record(RecordKind.COMMIT, seq, slot, csum, algo, key)
+                            for key, slot, csum, algo, seq in pages)
 
     def journal_evictions(self, evicted: list[tuple[Hashable, int]]) -> None:
         """Journal pages the directory dropped (a follower only forgets them locally)."""
@@ -121,15 +162,19 @@ class PersistentDirectory:
             self._log_once("evict-journal", "journaling %d evictions failed: %s", len(evicted),
                            exc)
 
-    def compact(self) -> None:
-        """Rewrite the journal to one COMMIT per live page if it has grown long (the writer, with
-        no data call in flight)."""
-        if self.read_only or self.journal.records_written <= \
+    def compact(self, force: bool = False) -> None:
+        """Rewrite the journal to one COMMIT per live page if it has grown long, or ``force``
+        (the writer, with no data call in flight)."""
+        if self.read_only or not force and self.journal.records_written <= \
                 2 * len(self.directory) + COMPACT_SLACK:
             return
-        self._rewrite([Record(RecordKind.COMMIT, n + 1, slot, csum, algo, key) for n,
-                       (key, slot, csum, algo) in enumerate(self.directory.ready_entries())],
-                      "at close")
+        entries = self.directory.ready_entries()
+        # fresh seqs above every one in use: a header scan must still find the journal's
+        # records newer than any trailer they outlived
+        seqs = self.next_seqs(len(entries))
+        self._rewrite([Record(RecordKind.COMMIT, seq, slot, csum, algo, key) for seq,
+                       (key, slot, csum, algo) in zip(seqs, entries)],
+                      "on request" if force else "at close")
 
     def _rewrite(self, records: list[Record], when: str) -> None:
         try:

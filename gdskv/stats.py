@@ -4,16 +4,21 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
+from collections.abc import Callable
 
 
 class TierStats:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._counts: Counter = Counter()
+        #: also told every ``add`` (the tier's Prometheus counters, :mod:`.metrics`)
+        self.listener: Callable[[dict], None] | None = None
 
     def add(self, **amounts: float) -> None:
         with self._lock:
             self._counts.update(amounts)
+        if self.listener is not None:
+            self.listener(amounts)
 
     def snapshot(self) -> dict:
         with self._lock:

@@ -37,6 +37,8 @@ import re
 import stat
 from collections.abc import Iterable, Sequence
 
+import crc32c
+
 from .backends.base import Extent, SlabFile
 from .config import ConfigError, DirectIO, TierConfig
 from .directory import PageDirectory
@@ -45,6 +47,10 @@ from .layout import ALIGNMENT, FORMAT_VERSION, PageLayout
 log = logging.getLogger("gdskv.store")
 
 MANIFEST = "gdskv-manifest.json"
+#: the manifest's second copy (read when the first is missing or damaged)
+MANIFEST_COPY = "gdskv-manifest.copy.json"
+#: present while a new store is being created (removed once its manifests are written)
+CREATING = "gdskv-creating"
 LOCK = "gdskv.lock"
 JOURNAL = "gdskv-journal.log"
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -91,8 +97,13 @@ class SlabStore:
             self._open_manifest()
             if self.created and config.preallocate:
                 self._check_free_space(config.capacity)
+            if self.created:
+                self._mark_creating()
             self._open_files(config.direct_io, config.preallocate)
             self._check_identity()  # a new store's manifest is written here, after its files
+            if self.created:
+                for d in self.directories:
+                    os.unlink(os.path.join(d, CREATING))
         except BaseException:
             self.close()
             self._remove_created()
@@ -171,7 +182,8 @@ class SlabStore:
 
     def _open_manifest(self) -> None:
         existing = [os.path.join(d, MANIFEST) for d in self.directories]
-        found = [p for p in existing if os.path.lexists(p)]
+        found = [p for p in existing if os.path.lexists(p) or
+                 os.path.lexists(os.path.join(os.path.dirname(p), MANIFEST_COPY))]
         self.created = not found
         self._stored: list[dict] = []
         for d in self.directories:
@@ -186,17 +198,16 @@ class SlabStore:
             raise StoreMismatchError(f"store manifest missing in {sorted(set(existing) - set(found))} "
                                      f"but present in {found}: directories do not form one store")
         for i, path in enumerate(existing):
-            _check_store_file(path)
-            try:
-                with open(os.open(path, os.O_RDONLY | os.O_CLOEXEC | _NOFOLLOW), "rb") as fh:
-                    have = json.load(fh)
-            except (OSError, ValueError) as exc:
-                raise StoreMismatchError(f"unreadable store manifest {path}: {exc}") from exc
-            if not isinstance(have, dict):
-                raise StoreMismatchError(f"unreadable store manifest {path}: a JSON "
-                                         f"{type(have).__name__}, not an object; restore the "
-                                         "manifest, or remove the store's files to start over")
+            have = self._read_manifest(path)
             self._stored.append(have)
+            if have.get("format_version") != FORMAT_VERSION:
+                raise StoreMismatchError(
+                    f"store in {os.path.dirname(path)} has on-disk format version "
+                    f"{have.get('format_version')!r}; this gdskv reads version {FORMAT_VERSION} "
+                    "only (since version 2 every slot ends with a self-describing trailer). "
+                    "Its pages are a cache: remove the store's files (gdskv clear --yes does not "
+                    "apply; delete the directory's gdskv-* and slab-*.bin files) or use a new "
+                    "directory")
             if have.get("fingerprint") != self.layout.fingerprint:
                 raise StoreMismatchError(
                     f"store in {os.path.dirname(path)} was written for layout "
@@ -204,11 +215,32 @@ class SlabStore:
                     "use another directory for this model/sharding")
             want = self._manifest(i)
             diff = {k: (have.get(k), v) for k, v in want.items() if have.get(k) != v}
+            if i and not diff and have.get("store_id") != self._stored[0].get("store_id"):
+                diff = {"store_id": (have.get("store_id"), self._stored[0].get("store_id"))}
             if diff:
                 raise StoreMismatchError(
                     f"store in {os.path.dirname(path)} has another geometry (stored, asked): {diff}; "
                     "open it with the same capacity, files_per_dir, io_chunk_size and "
                     "directories, or use a new directory")
+
+    def _read_manifest(self, path: str) -> dict:
+        """The manifest at ``path``, or its copy when it is missing, unreadable or fails its
+        checksum (one warning; the writer puts the good copy back)."""
+        copy = os.path.join(os.path.dirname(path), MANIFEST_COPY)
+        try:
+            return load_manifest(path)
+        except StoreMismatchError as exc:
+            if not os.path.lexists(copy):
+                raise
+            try:
+                have = load_manifest(copy)
+            except StoreMismatchError as exc2:
+                raise StoreMismatchError(f"{exc}; its copy is damaged too: {exc2}") from None
+            log.warning("gdskv: %s; using its copy %s%s", exc, copy,
+                        "" if self.read_only else " and restoring the manifest from it")
+            if not self.read_only:
+                _atomic_write(path, _sealed(have))
+            return have
 
     def _refuse_orphans(self) -> None:
         """No manifest: a new store, unless store files are there. Slab files or a journal
@@ -217,11 +249,32 @@ class SlabStore:
         orphans = sorted(os.path.join(d, name) for d in self.directories
                          for name in os.listdir(d)
                          if name == JOURNAL or _SLAB_NAME.fullmatch(name))
+        markers = [os.path.join(d, CREATING) for d in self.directories
+                   if os.path.lexists(os.path.join(d, CREATING))]
+        if markers and not any(p.endswith(JOURNAL) for p in orphans):
+            # A creation killed before its manifest (SIGKILL, power cut): its slab files never
+            # held a page (puts start after the manifest), so they are made again.
+            log.warning("gdskv: a store creation in %s was interrupted before its manifest; "
+                        "removing what it made (%s) and creating the store again",
+                        ", ".join(self.directories), ", ".join(orphans + markers))
+            for path in orphans + markers:
+                _check_store_file(path)
+                os.unlink(path)
+            return
         if orphans:
             raise StoreMismatchError(
                 f"store files without a manifest ({MANIFEST}): {', '.join(orphans)}; their "
                 "layout cannot be proven, so they are not adopted. Restore the manifest, or "
                 "remove these files (their pages are lost) to create a new store here")
+
+    def _mark_creating(self) -> None:
+        """``gdskv-creating`` in each directory until the manifests are written: an open
+        that finds it beside slab files knows they are an interrupted creation's."""
+        for d in self.directories:
+            path = os.path.join(d, CREATING)
+            os.close(_open_store_file(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC))
+            self._created_paths.append(path)
+            _fsync_dir(d)
 
     def _remove_created(self) -> None:
         """Undo a failed creation: remove the files this attempt made (the space they took
@@ -390,13 +443,64 @@ class SlabStore:
         elif not self.created:
             self.replaced_files = set(range(len(inodes)))  # unknown identity: trust nothing
             log.warning("store manifest has no slab file identities: recovered pages dropped")
+        self.store_id = int(self._stored[0]["store_id"], 16) if self._stored else \
+            int.from_bytes(os.urandom(8), "little")
+        self._inodes = inodes
         if had != inodes and not self.read_only:
-            for i, d in enumerate(self.directories):
-                path = os.path.join(d, MANIFEST)
+            self._write_manifests()
+
+    def _write_manifests(self) -> None:
+        for i, d in enumerate(self.directories):
+            manifest = dict(self._manifest(i), slab_inodes=self._inodes,
+                            store_id=f"{self.store_id:016x}")
+            for name in (MANIFEST, MANIFEST_COPY):
+                path = os.path.join(d, name)
                 if self.created:
                     self._created_paths.append(path)
-                _atomic_write(path, json.dumps(dict(self._manifest(i), slab_inodes=inodes),
-                                               indent=1).encode())
+                _atomic_write(path, _sealed(manifest))
+
+    def renew_id(self) -> None:
+        """Give the store a new id (the writer, with no write in flight): every slot trailer
+        written so far names the old one, so no header scan takes those pages back (after a
+        clear). Raises StoreError when the manifest cannot be written (the id stays)."""
+        old = self.store_id
+        self.store_id = int.from_bytes(os.urandom(8), "little")
+        try:
+            self._write_manifests()
+        except StoreError:
+            self.store_id = old
+            raise
+
+    def slot_at(self, file: int, offset: int) -> int:
+        """The global slot at byte ``offset`` of slab file ``file`` (inverse of location)."""
+        local_stripe, within = divmod(offset // self.slot_bytes, self.stripe_slots)
+        return (local_stripe * self.num_files + file) * self.stripe_slots + within
+
+
+def _sealed(manifest: dict) -> bytes:
+    """The manifest as written: its JSON with a crc32c of the rest under ``checksum``."""
+    body = {k: v for k, v in manifest.items() if k != "checksum"}
+    crc = crc32c.crc32c(json.dumps(body, sort_keys=True).encode())
+    return json.dumps(dict(body, checksum=crc), indent=1).encode()
+
+
+def load_manifest(path: str) -> dict:
+    """A manifest that parses and matches its checksum, else StoreMismatchError saying why."""
+    _check_store_file(path)
+    try:
+        with open(os.open(path, os.O_RDONLY | os.O_CLOEXEC | _NOFOLLOW), "rb") as fh:
+            have = json.load(fh)
+    except (OSError, ValueError) as exc:
+        raise StoreMismatchError(f"unreadable store manifest {path}: {exc}") from exc
+    if not isinstance(have, dict):
+        raise StoreMismatchError(f"unreadable store manifest {path}: a JSON "
+                                 f"{type(have).__name__}, not an object; restore the "
+                                 "manifest, or remove the store's files to start over")
+    if have.get("format_version") == FORMAT_VERSION:  # older versions had no checksum
+        body = {k: v for k, v in have.items() if k != "checksum"}
+        if have.get("checksum") != crc32c.crc32c(json.dumps(body, sort_keys=True).encode()):
+            raise StoreMismatchError(f"store manifest {path} fails its checksum (damaged)")
+    return have
 
 
 def _check_distinct(given: Sequence[str], resolved: Sequence[str]) -> None:

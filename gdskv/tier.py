@@ -50,13 +50,15 @@ from .config import ConfigError, SyncPolicy, TierConfig
 from .copiers import PageCopier, PoolCopier, RegionCopier
 from .directory import PageDirectory, PageState
 from .journal import Journal, JournalFollower, check_key
-from .layout import BytePageLayout, KVLayout, PageLayout
+from . import slot_trailer
+from .layout import FORMAT_VERSION, BytePageLayout, KVLayout, PageLayout
 from .memory import check_device, cuda_available
+from .metrics import TierMetrics
 from .persistence import PersistentDirectory
 from .pool import KVPool, PoolCache
 from .staging import StagingParts
 from .stats import TierStats
-from .store import SlabStore
+from .store import SlabStore, StoreError
 
 log = logging.getLogger("gdskv.tier")
 
@@ -75,13 +77,21 @@ class Tier:
         config: settings; ``None`` reads ``GDSKV_*`` from the environment.
         device: where staging lives: the engine pool's device. Default: the current CUDA
             device if there is one, else CPU.
+        scan_headers: rebuild the directory from the slot trailers too, even when the journal
+            looks whole (``gdskv rebuild``; it happens by itself when the journal is damaged).
+        scan_progress: called with the number of slots scanned as a header scan goes (from
+            its reading threads).
+        metrics_registry: the Prometheus registry for this tier's ``gdskv_*`` series
+            (:mod:`.metrics`); None: prometheus_client's default registry.
     """
 
     #: seconds between a read-only follower's journal catch-ups (see :meth:`refresh`)
     FOLLOW_INTERVAL = 0.05
 
     def __init__(self, layout: PageLayout, config: TierConfig | None = None, *,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, scan_headers: bool = False,
+                 scan_progress: Callable[[int], None] | None = None,
+                 metrics_registry=None) -> None:
         if not isinstance(layout, (KVLayout, BytePageLayout)):
             raise TypeError(f"layout must be a KVLayout or BytePageLayout, got "
                             f"{type(layout).__name__}")
@@ -118,7 +128,8 @@ class Tier:
             # pages are verified with the algorithm that made their checksum (see checksum.py)
             self._verifiers = {self._checksums.algorithm: self._checksums}
             self._persist = PersistentDirectory(self.store, self.config, self._stats,
-                                                self._log_once)
+                                                self._log_once, scan_headers=scan_headers,
+                                                scan_progress=scan_progress)
             self._followed_at = time.monotonic()
             self.backend = create_backend(self.config, self.device)
             self.backend.attach(self.store.files)
@@ -140,6 +151,15 @@ class Tier:
             raise
         self._closed = False
         o_direct, o_direct_reason = self._direct_io()
+        self._metrics = TierMetrics(self.store.directories[0] + ("#follower" if self.read_only
+                                                                  else ""),
+                                    self.store.num_slots, layout.page_bytes, metrics_registry)
+        self._stats.listener = self._metrics.count
+        if not o_direct:
+            self._metrics.fallback("o_direct", o_direct_reason)
+        if self.device.type == "cuda" and not self.backend.gpu_direct:
+            self._metrics.fallback("gpu_direct", f"{self.backend.name}: bytes bounce through "
+                                   "host memory (compat mode or no GPUDirect Storage)")
         log.info("gdskv tier%s: %d slots of %d B in %s; backend %s; O_DIRECT %s (%s)",
                  " (read-only follower)" if self.read_only else "", self.store.num_slots,
                  layout.slot_bytes, ", ".join(self.store.directories),
@@ -273,12 +293,27 @@ class Tier:
         return gone
 
     def clear(self) -> None:
-        """Drop every page."""
+        """Drop every page (for good: the store takes a new id, so a later header scan does not
+        bring them back from their slot trailers)."""
         self._check_open()
         with self._gate.alone():
             self._check_open()  # closed while this waited
             keys = [k for k, _, _ in self.directory.ready_items()]
             self._persist.journal_evictions(self.directory.remove(keys))
+            if not self.read_only and not self._lost:
+                try:
+                    self.store.renew_id()
+                except StoreError as exc:  # the pages are dropped all the same
+                    self._log_once("renew-id", "clear: %s; a header scan may bring the "
+                                   "cleared pages back", exc)
+
+    def compact(self) -> None:
+        """Rewrite the journal now to one COMMIT per stored page (the writer; a follower
+        does nothing)."""
+        self._check_open()
+        with self._gate.alone():
+            self._check_open()
+            self._persist.compact(force=True)
 
     def stats(self) -> dict:
         """Counters and what runs. Still readable after :meth:`close` (the final counters)."""
@@ -309,6 +344,7 @@ class Tier:
             finally:
                 self._persist.close()
                 self.store.close()
+                self._metrics.close()
 
     def _release(self) -> None:
         """Undo a constructor that failed part way: threads, backend, journal, files, lock."""
@@ -443,13 +479,18 @@ class Tier:
             with self._gate.alone():
                 if self._follow_due():  # another call may have caught up meanwhile
                     self._follow()
+        t0 = time.perf_counter()
         with self._gate.shared():
             self._check_open()
             if self._stream is None:
-                return fn(keys, copier)
-            with torch.cuda.stream(self._stream):
-                self._stream.wait_event(engine_event)
-                return fn(keys, copier)
+                results = fn(keys, copier)
+            else:
+                with torch.cuda.stream(self._stream):
+                    self._stream.wait_event(engine_event)
+                    results = fn(keys, copier)
+        self._metrics.call("put" if fn == self._put else "get", len(keys),
+                           time.perf_counter() - t0, len(self.directory))
+        return results
 
     def _copies_done(self) -> None:
         """Wait for the GPU copies this thread queued so far (before I/O threads read a part
@@ -514,13 +555,14 @@ class Tier:
                 fill(part, [i for i, _ in chunk])
                 sums = self._checksums.compute(part, len(chunk)) if self.config.verify \
                     else np.zeros(len(chunk), dtype=np.uint64)
+                seqs = self._write_trailers(part, keys, chunk, sums)
                 self._copies_done()
                 extents = self.store.extents([s for _, s in chunk])
                 fut = self.backend.write(part, extents)
                 # the part is free once its bytes are written: fdatasync and journal need not it
                 fut.add_done_callback(lambda _f, i=held: self._staging.give_back(i))
                 held = None
-                pending.append((chunk, sums, extents, fut, time.perf_counter()))
+                pending.append((chunk, sums, seqs, extents, fut, time.perf_counter()))
             while pending:
                 finish_oldest()
         except BaseException:
@@ -533,8 +575,18 @@ class Tier:
         self._stats.add(put_pages=len(keys), put_stored=sum(results))
         return results
 
-    def _finish_write(self, keys, chunk, sums, extents: list[Extent], fut: Future, t0: float,
-                      results: list[bool]) -> None:
+    def _write_trailers(self, part: torch.Tensor, keys, chunk, sums) -> list[int]:
+        """Each page's slot trailer into staging, beside its payload (same I/O); returns the
+        sequence numbers, which the journal's COMMITs carry too."""
+        seqs = self._persist.next_seqs(len(chunk))
+        algo, store_id = self._checksums.algorithm, self.store.store_id
+        slot_trailer.write_into(part, self.layout.slot_bytes, [
+            slot_trailer.encode(FORMAT_VERSION, store_id, slot, keys[i], seq, int(csum), algo)
+            for (i, slot), seq, csum in zip(chunk, seqs, sums)])
+        return seqs
+
+    def _finish_write(self, keys, chunk, sums, seqs, extents: list[Extent], fut: Future,
+                      t0: float, results: list[bool]) -> None:
         outcome: IOOutcome = fut.result()
         failed = self._failed_positions(outcome, extents, "write")
         ok = [pos for pos in range(len(chunk)) if pos not in failed]
@@ -547,7 +599,7 @@ class Tier:
                     self.store.sync({e.file for e in extents})
                 self._persist.journal_commits(
                     (keys[chunk[pos][0]], chunk[pos][1], int(sums[pos]),
-                     self._checksums.algorithm) for pos in ok)
+                     self._checksums.algorithm, seqs[pos]) for pos in ok)
             except OSError as exc:
                 self._log_once(f"commit:{exc.errno}", "commit of %d pages failed: %s", len(ok), exc)
                 failed.update(ok)
@@ -705,6 +757,7 @@ class Tier:
                           "from now on could not be found again. Close the tier and open the "
                           "store again (its surviving files) or a new store")
             self._stats.add(store_files_removed=len(gone))
+            self._metrics.fallback("puts", "refused: store files removed while open")
             log.error("gdskv: %s", self._lost)
         return True
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The README's test command: .venv with gdskv and its test/gpu/nixl extras (built once, rebuilt
 # when pyproject.toml or this script changes), the test suite (slow-marked tests excluded; -rs
-# prints each skip's reason), then the SGLang, vLLM and LMCache adapter tests in their own venvs. Run from
-# anywhere; on a fresh clone (CI) all venvs are built from scratch.
+# prints each skip's reason), then the SGLang, vLLM, LightLLM and LMCache adapter tests in their
+# own venvs. Run from anywhere; on a fresh clone (CI) every venv is built from scratch.
 # To re-run only the tests once the venvs exist:  .venv/bin/python -m pytest -q -rs -m "not slow"
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,5 +19,7 @@ fi
 bash tests/run_sglang.sh
 # The vLLM adapter against the real vllm package, in its own venv (torch 2.14.1; see there).
 bash tests/run_vllm.sh
+# gdskv as LightLLM's disk cache, against LightLLM's own cache code, in its own venv (see there).
+bash tests/run_lightllm.sh
 # The LMCache L2 adapter against the real lmcache package, in its own venv (see there).
 bash tests/run_lmcache.sh

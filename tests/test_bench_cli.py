@@ -292,3 +292,43 @@ def test_compare_sets_completion_latency_percentiles_side_by_side(tmp_path, caps
     cli.main(SMALL + ["--size=1M", "--rw=write", "--compare", f"--directory={tmp_path}"])
     out = capsys.readouterr().out
     assert re.search(r"clat   p50: gdskv=\d+us, raw=\d+us  \(gdskv/raw=[\d.]+x\)", out), out
+
+
+def test_metrics_port_serves_gdskv_metrics_during_the_run(tmp_path):
+    """gdskv-bench --metrics-port: the run's tier counters at /metrics while it runs."""
+    import socket
+    import subprocess
+    import time
+    import urllib.request
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    exe = os.path.join(os.path.dirname(sys.executable), "gdskv-bench")
+    proc = subprocess.Popen([exe] + SMALL + [
+        "--rw=randread", "--size=512k", "--bs=64k", "--time_based", "--runtime=20s",
+        f"--directory={tmp_path}", f"--metrics-port={port}"], stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE)
+    try:
+        t0, text = time.monotonic(), ""
+        while time.monotonic() - t0 < 60 and "gdskv_pages_total{" not in text:
+            assert proc.poll() is None, proc.stderr.read().decode()
+            time.sleep(0.3)
+            try:
+                text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics",
+                                              timeout=5).read().decode()
+            except OSError:
+                continue
+        got = [line for line in text.splitlines()
+               if line.startswith("gdskv_pages_total{") and 'event="got"' in line]
+        assert got and float(got[0].split()[-1]) > 0, text[:2000]
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.parametrize("value, says", [("0", "0 is not a port number: give 1..65535"),
+                                         ("http", "'http' is not a port number")])
+def test_metrics_port_bad_value(capsys, value, says):
+    assert cli.main([f"--metrics-port={value}", "--rw=write"]) == 2
+    err = capsys.readouterr().err
+    assert "--metrics-port" in err and says in err, err

@@ -87,7 +87,7 @@ def test_bad_environment_is_one_error_naming_the_variable(capsys, monkeypatch, n
     monkeypatch.delenv("GDSKV_CAPACTIY")
     monkeypatch.setenv("GDSKV_CAPACITY", "64k")
     _, err = _run(capsys, SMALL + ["--size=1M"], status=2)
-    assert "GDSKV_CAPACITY=64k is less than the job's 32 pages take (1MiB)" in err
+    assert "GDSKV_CAPACITY=64k is less than the job's 32 pages take (1152KiB)" in err  # 32 KiB pages in 36 KiB slots (trailer)
 
 
 def test_normal_report_says_where_it_wrote(tmp_path, capsys, no_gdskv_env):
@@ -154,7 +154,7 @@ class _StatVfs:
 
 @pytest.mark.parametrize("changes, needle", [
     ({"f_flag": os.ST_RDONLY}, "is on a read-only file system"),
-    ({"f_bavail": 0}, "has 0B free; the job's store needs 16MiB there"),
+    ({"f_bavail": 0}, "has 0B free; the job's store needs 16380KiB there"),
 ])
 def test_read_only_or_full_directory_is_one_error_line(tmp_path, capsys, monkeypatch, changes,
                                                        needle, no_gdskv_env):

@@ -85,7 +85,8 @@ def test_corrupt_page_is_a_miss(make_config, device):
 
 def test_eviction_at_capacity_keeps_newest(make_config, device):
     layout = BytePageLayout(page_bytes=4096, kind=KIND)
-    config = make_config(capacity=8 * 4096, io_chunk_size=4096, files_per_dir=1)
+    config = make_config(capacity=8 * layout.slot_bytes, io_chunk_size=layout.slot_bytes,
+                         files_per_dir=1)
     pages = random_pages(12, 4096, seed=5, device=device)
     keys = [f"k{i}" for i in range(12)]
     with Tier(layout, config, device=device) as tier:

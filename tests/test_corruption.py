@@ -1,5 +1,6 @@
 """Corruption: bit flips in slab payloads are misses (never wrong bytes), dropped and counted;
-a torn or corrupt journal loses records from the damage on, never serves wrong data."""
+a damaged journal record (torn tail or middle) is skipped or cut, and the header scan it sets
+off brings its page back from the slot trailer; neither ever serves wrong data."""
 
 from __future__ import annotations
 
@@ -76,7 +77,7 @@ def _journal(tmp_path) -> str:
 def _records(path: str):
     with open(path, "rb") as f:
         data = f.read()
-    recs, valid = decode_all(data)
+    recs, valid, _ = decode_all(data)
     assert valid == len(data)
     offsets, pos = [], 0
     for r in recs:  # record boundaries, for cutting and flipping inside one record
@@ -87,6 +88,8 @@ def _records(path: str):
 
 @pytest.mark.parametrize("damage", ["torn", "flipped"])
 def test_journal_tail_damage(tmp_path, damage):
+    """A torn or flipped last record: cut at open; the header scan it sets off still finds that
+    page (its bytes and slot trailer were on disk), so nothing is lost."""
     cfg = small_config(tmp_path)
     keys = [f"j{i}" for i in range(12)]
     with Tier(LAYOUT, cfg, device="cpu") as tier:
@@ -101,20 +104,22 @@ def test_journal_tail_damage(tmp_path, damage):
     else:
         _flip(path, random.Random(2).randrange(last, size), 0)
     with Tier(LAYOUT, cfg, device="cpu") as tier:
-        assert set(ready_keys(tier)) == set(keys[:-1])
+        assert set(ready_keys(tier)) == set(keys)
+        assert tier.stats()["header_scan_pages"] == 1  # the last page, from its trailer
         res = check_pages(tier, keys)
-        assert not res["wrong"] and res["missed"] == [keys[-1]]
-        assert os.path.getsize(path) == last  # the bad tail was cut ...
+        assert not res["wrong"] and not res["missed"]
+        assert len(_records(path)[0]) == len(keys)  # rewritten whole: no bad tail left
         assert put(tier, ["after"]) == [True]  # ... so records appended now are reachable
     with Tier(LAYOUT, cfg, device="cpu") as tier:
-        assert set(ready_keys(tier)) == set(keys[:-1]) | {"after"}
-        assert not check_pages(tier, keys[:-1] + ["after"])["missed"]
+        assert set(ready_keys(tier)) == set(keys) | {"after"}
+        assert not check_pages(tier, keys + ["after"])["missed"]
 
 
 def test_journal_middle_corruption(tmp_path):
-    """A bad record in the middle: replay keeps what comes before it and drops the rest (it
-    cannot tell later records from garbage). Pages resurrected because their EVICT record was
-    lost may sit in slots reused since: they must read back exact or miss, never wrong."""
+    """A bad record in the middle: replay skips it and keeps every intact record after it; the
+    header scan the damage sets off brings that record's page back from its slot trailer; the
+    damage is written away. Pages whose EVICT record was lost may come back in slots reused
+    since: they read back exact or miss, never wrong."""
     cfg = small_config(tmp_path, capacity=16 * SLOT)
     with Tier(LAYOUT, cfg, device="cpu") as tier:
         first = [f"a{i}" for i in range(16)]
@@ -127,17 +132,36 @@ def test_journal_middle_corruption(tmp_path):
     cut = next(i for i, r in enumerate(recs) if r.key == "b4")
     _flip(path, offsets[cut] + 12, 3)  # inside the record body: crc mismatch
     with Tier(LAYOUT, cfg, device="cpu") as tier:
-        assert os.path.getsize(path) == offsets[cut]  # cut at the bad record
         ready = ready_keys(tier)
-        assert not set(ready) - set(first) - {"b0", "b1", "b2", "b3"}
+        assert set(later) <= set(ready)  # b4 too: from its trailer
         res = check_pages(tier, first + later)
         assert not res["wrong"], res["wrong"]
         assert set(k for k in first + later if k not in res["missed"]) <= set(ready)
-        for k in ("b0", "b1", "b2", "b3"):
-            assert k not in res["missed"]
+        assert not set(res["missed"]) & set(later)
+        recs_now, _, _ = _records(path)  # rewritten: nothing damaged left to skip
+        assert len(recs_now) == len(ready)
         assert put(tier, ["after"]) == [True]
-    with Tier(LAYOUT, cfg, device="cpu") as tier:  # appends after the cut are reachable
+    with Tier(LAYOUT, cfg, device="cpu") as tier:  # appends after the rewrite are reachable
         assert tier.contains("after") and not check_pages(tier, ["after"])["missed"]
+        assert set(later) <= set(ready_keys(tier))
+
+
+@pytest.mark.parametrize("where", ["length", "crc", "kind", "key"])
+def test_decode_skips_one_damaged_record(where):
+    """decode_all: a record damaged in any field is skipped, the ones after it kept; damage
+    with nothing intact after it is the torn tail."""
+    from gdskv.journal import Record, RecordKind, encode
+    recs = [Record(RecordKind.COMMIT, n + 1, n, 1000 + n, 1, f"key-{n}") for n in range(20)]
+    blobs = [encode(r) for r in recs]
+    data = bytearray(b"".join(blobs))
+    start = sum(len(b) for b in blobs[:7])
+    field = {"length": 1, "crc": 5, "kind": 8, "key": len(blobs[7]) - 2}[where]
+    data[start + field] ^= 0x10
+    got, valid, skipped = decode_all(bytes(data))
+    assert [r.key for r in got] == [r.key for r in recs if r.seq != 8]
+    assert valid == len(data) and skipped == [(start, start + len(blobs[7]))]
+    got, valid, skipped = decode_all(bytes(data[:start + 5]))  # torn inside record 7
+    assert len(got) == 7 and valid == start and skipped == []
 
 
 @pytest.mark.gpu

@@ -74,12 +74,20 @@ def test_license_is_the_apache_2_text_pyproject_declares(dist):
 def test_wheel_ships_the_library_and_gdskv_bench_only(dist):
     with zipfile.ZipFile(_one(dist, "*.whl")) as whl:
         modules = {n for n in whl.namelist() if n.endswith(".py")}
+        (entry,) = [n for n in whl.namelist() if n.endswith(".dist-info/entry_points.txt")]
+        scripts = whl.read(entry).decode()
+    # the console scripts: the benchmark and the store's operator command
+    assert "gdskv-bench = gdskv.bench.cli:main" in scripts and "gdskv = gdskv.cli:run" in scripts
     bench = {n for n in modules if n.startswith("gdskv/bench/")}
     assert bench == {f"gdskv/bench/{f}" for f in os.listdir(os.path.join(ROOT, "bench"))
                      if f.endswith(".py")}
     assert {f"gdskv/kernels/{f}" for f in os.listdir(os.path.join(ROOT, "kernels"))
             if f.endswith(".py")} <= modules
     assert all(n.startswith("gdskv/") for n in modules), sorted(modules)
+    # LightLLM's adapter ships; the light_mem module (LightMem's import name) never does: it is
+    # the separate gdskv-light-mem distribution (integrations/light_mem)
+    assert "gdskv/adapters/lightllm.py" in modules
+    assert not any("light_mem" in n for n in modules)
 
 
 def _main_command_args() -> str:

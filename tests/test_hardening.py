@@ -19,7 +19,7 @@ import torch
 
 from gdskv.config import ConfigError, TierConfig
 from gdskv.layout import KVLayout
-from gdskv.store import MANIFEST, StoreError, StoreMismatchError
+from gdskv.store import MANIFEST, MANIFEST_COPY, StoreError, StoreMismatchError
 from gdskv.tier import Tier, TierClosedError
 from reliability_helpers import (LAYOUT, SLOT, check_pages, page_content, put, read_back,
                                  slot_location, small_config)
@@ -47,6 +47,7 @@ def test_store_without_manifest_is_refused_not_adopted(tmp_path, other):
     with Tier(layout, small_config(tmp_path), device="cpu") as tier:
         assert all(put(tier, ["a", "b", "c"]))
     os.unlink(tmp_path / MANIFEST)
+    os.unlink(tmp_path / MANIFEST_COPY)
     before = _tree(tmp_path)
     with pytest.raises(StoreMismatchError, match=r"store files without a manifest .*"
                        r"gdskv-journal\.log.*slab-000\.bin.*remove these files") as info:
@@ -61,8 +62,35 @@ def test_manifest_that_is_not_an_object(tmp_path, text):
     with Tier(LAYOUT, small_config(tmp_path), device="cpu") as tier:
         assert all(put(tier, ["a"]))
     (tmp_path / MANIFEST).write_text(text)
-    with pytest.raises(StoreMismatchError, match="unreadable store manifest .*not an object"):
+    (tmp_path / MANIFEST_COPY).write_text(text)
+    with pytest.raises(StoreMismatchError, match="unreadable store manifest .*not an object"
+                       ".*its copy is damaged too"):
         Tier(LAYOUT, small_config(tmp_path), device="cpu")
+
+
+@pytest.mark.parametrize("damage", ["deleted", "bit-flipped", "not-json"])
+def test_damaged_manifest_is_restored_from_its_copy(tmp_path, damage, caplog):
+    """One warning naming the damage and the copy; the manifest is written back; every page is
+    still served."""
+    with Tier(LAYOUT, small_config(tmp_path), device="cpu") as tier:
+        assert all(put(tier, ["a", "b"]))
+    path = tmp_path / MANIFEST
+    good = path.read_bytes()
+    if damage == "deleted":
+        path.unlink()
+    elif damage == "bit-flipped":
+        raw = bytearray(good)
+        raw[raw.index(b'"num_slots": ') + 13] ^= 1  # still JSON, another number
+        path.write_bytes(bytes(raw))
+    else:
+        path.write_text("{")
+    with caplog.at_level("WARNING", logger="gdskv.store"):
+        with Tier(LAYOUT, small_config(tmp_path), device="cpu") as tier:
+            res = check_pages(tier, ["a", "b"])
+            assert res["hits"] == 2 and not res["wrong"]
+    lines = [r.getMessage() for r in caplog.records if MANIFEST_COPY in r.getMessage()]
+    assert len(lines) == 1 and "restoring the manifest" in lines[0], lines
+    assert path.read_bytes() == good
 
 
 # -- defect 3: a failed Tier() releases the lock and its descriptors ------------------------------
@@ -321,3 +349,28 @@ def test_errors_doc_lists_every_error_class():
     for name in ("ConfigError", "StoreError", "StoreMismatchError", "StoreLockedError",
                  "TierClosedError", "puts refused", "ShortIOError"):
         assert name in text, name
+
+
+def test_creation_killed_before_its_manifest_is_made_again(tmp_path, monkeypatch, caplog):
+    """A creation that dies after its slab files but before its manifest (SIGKILL: nothing
+    cleans up) leaves gdskv-creating beside them: the next open removes them, says so once and
+    creates the store; without the marker the files stay refused."""
+    import gdskv.store as store_mod
+
+    class Killed(BaseException):
+        pass
+
+    def die(self):
+        raise Killed()
+
+    monkeypatch.setattr(store_mod.SlabStore, "_check_identity", die)
+    monkeypatch.setattr(store_mod.SlabStore, "_remove_created", lambda self: None)  # as SIGKILL
+    with pytest.raises(Killed):
+        Tier(LAYOUT, small_config(tmp_path), device="cpu")
+    monkeypatch.undo()
+    assert {"slab-000.bin", store_mod.CREATING} <= set(os.listdir(tmp_path))
+    with caplog.at_level("WARNING", logger="gdskv.store"):
+        with Tier(LAYOUT, small_config(tmp_path), device="cpu") as tier:
+            assert all(put(tier, ["a"]))
+    assert sum("interrupted" in r.getMessage() for r in caplog.records) == 1
+    assert store_mod.CREATING not in os.listdir(tmp_path)

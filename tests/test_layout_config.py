@@ -12,7 +12,8 @@ from gdskv.layout import KVLayout
 def test_llama3_8b_geometry():
     lay = KVLayout(num_layers=32, page_size=16, head_dim=128, kv_heads=8, dtype=torch.bfloat16)
     assert lay.dtype == "bfloat16" and lay.row_bytes == 2048
-    assert lay.page_bytes == 2 * 32 * 16 * 2048 == lay.slot_bytes == 2 << 20
+    assert lay.page_bytes == 2 * 32 * 16 * 2048 == 2 << 20
+    assert lay.slot_bytes == (2 << 20) + 4096  # no padding left: the trailer takes a block
 
 
 def test_mla_geometry_and_padding():

@@ -39,7 +39,7 @@ def test_venv_is_built_once_and_rebuilt_when_an_input_changes(tmp_path):
 
 
 def test_run_scripts_print_skip_reasons_and_readme_gives_the_rerun_line():
-    for name in ("run.sh", "run_engine.sh"):
+    for name in ("run.sh", "run_engine.sh", "run_lightllm.sh"):
         with open(os.path.join(ROOT, "tests", name), encoding="utf-8") as f:
             text = f.read()
         assert re.search(r"-m pytest -q -rs\b", text), name

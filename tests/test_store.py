@@ -14,7 +14,7 @@ from gdskv.config import TierConfig
 from gdskv.layout import KVLayout
 from gdskv.store import SlabStore, StoreError, StoreLockedError
 
-LAYOUT = KVLayout(num_layers=1, page_size=1, head_dim=1024, kv_heads=1, dtype="fp16")  # 4 KiB
+LAYOUT = KVLayout(num_layers=1, page_size=1, head_dim=768, kv_heads=1, dtype="fp16")  # 4 KiB slots
 
 
 def cfg(*dirs, **kw) -> TierConfig:

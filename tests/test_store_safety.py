@@ -15,12 +15,12 @@ import xxhash
 from gdskv import checksum
 from gdskv.journal import MAX_KEY_BYTES
 from gdskv.layout import KVLayout
-from gdskv.store import JOURNAL, LOCK, MANIFEST, StoreError, StoreLockedError, StoreMismatchError
+from gdskv.store import JOURNAL, LOCK, MANIFEST, MANIFEST_COPY, StoreError, StoreLockedError, StoreMismatchError
 from gdskv.tier import Tier
 from reliability_helpers import (LAYOUT, PAGE, check_pages, forkserver, hold_store, put,
                                  ready_keys, slot_location, small_config, try_open)
 
-STORE_FILES = {LOCK, MANIFEST, JOURNAL, "slab-000.bin", "slab-001.bin"}
+STORE_FILES = {LOCK, MANIFEST, MANIFEST_COPY, JOURNAL, "slab-000.bin", "slab-001.bin"}
 
 
 # -- two processes ---------------------------------------------------------------------------------

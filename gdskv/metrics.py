@@ -1,0 +1,115 @@
+"""Prometheus metrics of a tier (``gdskv_*``), through ``prometheus_client``.
+
+One family per metric and registry (the process's default registry unless a tier is given
+another), shared by the tiers of a process; each tier's series carry ``store`` = its first
+directory. The counters follow :class:`~gdskv.stats.TierStats` (every ``add`` goes to both);
+the gauges are set after each call (not computed at scrape time: ``set_function`` does not work
+in prometheus_client's multiprocess mode, which SGLang always uses and vLLM uses with
+``PROMETHEUS_MULTIPROC_DIR``). A closed tier's series are removed.
+
+| metric | type | labels |
+|---|---|---|
+| ``gdskv_pages_total`` | counter | ``store``, ``event``: put, got, missed, evicted, corrupt |
+| ``gdskv_bytes_total`` | counter | ``store``, ``event``: as pages (payload bytes) |
+| ``gdskv_io_failures_total`` | counter | ``store``, ``op``: read, write |
+| ``gdskv_call_seconds`` | histogram | ``store``, ``op``: put, get |
+| ``gdskv_call_pages`` | histogram | ``store``, ``op`` |
+| ``gdskv_pages_stored`` / ``gdskv_capacity_pages`` | gauge | ``store`` |
+| ``gdskv_fallback`` | gauge (1 while on) | ``store``, ``kind``, ``reason`` |
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+#: TierStats keys -> (family, label value); a key not here is not a metric
+_COUNTED = {"put_stored": ("pages", "put"), "hits": ("pages", "got"),
+            "misses": ("pages", "missed"), "evictions": ("pages", "evicted"),
+            "corrupt_pages": ("pages", "corrupt"), "bytes_written": ("bytes", "put"),
+            "bytes_read": ("bytes", "got"), "write_failed": ("failures", "write"),
+            "read_failed": ("failures", "read")}
+#: page events whose bytes are the pages' payload (put/got count the bytes really moved)
+_PAGE_BYTES = ("missed", "evicted", "corrupt")
+_EVENTS = ("put", "got", "missed", "evicted", "corrupt")
+_PAGE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
+_SECOND_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10)
+
+_families: dict[int, dict] = {}
+_lock = threading.Lock()
+
+
+def _families_for(registry) -> dict:
+    from prometheus_client import Counter, Gauge, Histogram
+    with _lock:
+        fam = _families.get(id(registry))
+        if fam is None:
+            kw = {"registry": registry}
+            fam = _families[id(registry)] = {
+                "pages": Counter("gdskv_pages", "Pages by what happened to them",
+                                 ["store", "event"], **kw),
+                "bytes": Counter("gdskv_bytes", "Payload bytes by what happened to their pages",
+                                 ["store", "event"], **kw),
+                "failures": Counter("gdskv_io_failures", "Pages whose I/O failed",
+                                    ["store", "op"], **kw),
+                "seconds": Histogram("gdskv_call_seconds", "Latency of one put/get call",
+                                     ["store", "op"], buckets=_SECOND_BUCKETS, **kw),
+                "call_pages": Histogram("gdskv_call_pages", "Pages in one put/get call",
+                                        ["store", "op"], buckets=_PAGE_BUCKETS, **kw),
+                "stored": Gauge("gdskv_pages_stored", "Pages stored now", ["store"],
+                                multiprocess_mode="livemostrecent", **kw),
+                "capacity": Gauge("gdskv_capacity_pages", "Pages the store can hold",
+                                  ["store"], multiprocess_mode="livemostrecent", **kw),
+                "fallback": Gauge("gdskv_fallback", "1 while the tier runs on a fallback "
+                                  "(kind: o_direct, gpu_direct, puts); reason says why",
+                                  ["store", "kind", "reason"],
+                                  multiprocess_mode="livemostrecent", **kw),
+            }
+        return fam
+
+
+class TierMetrics:
+    """A tier's series in ``registry`` (None: prometheus_client's default registry)."""
+
+    def __init__(self, store: str, capacity_pages: int, page_bytes: int, registry=None
+                 ) -> None:
+        if registry is None:
+            from prometheus_client import REGISTRY
+            registry = REGISTRY
+        self._fam = _families_for(registry)
+        self.store = store
+        self._page_bytes = page_bytes
+        self._fallbacks: set[tuple[str, str]] = set()
+        self._fam["capacity"].labels(store).set(capacity_pages)
+        self._fam["stored"].labels(store).set(0)
+
+    def count(self, amounts: dict) -> None:
+        """Feed TierStats.add's amounts into the counters."""
+        for key, value in amounts.items():
+            where = _COUNTED.get(key)
+            if where is not None and value:
+                self._fam[where[0]].labels(self.store, where[1]).inc(value)
+                if where[1] in _PAGE_BYTES:
+                    self._fam["bytes"].labels(self.store, where[1]).inc(value * self._page_bytes)
+
+    def call(self, op: str, pages: int, seconds: float, stored: int) -> None:
+        self._fam["seconds"].labels(self.store, op).observe(seconds)
+        self._fam["call_pages"].labels(self.store, op).observe(pages)
+        self._fam["stored"].labels(self.store).set(stored)
+
+    def fallback(self, kind: str, reason: str) -> None:
+        """Mark a fallback as on (it stays on for the tier's life)."""
+        self._fallbacks.add((kind, reason))
+        self._fam["fallback"].labels(self.store, kind, reason).set(1)
+
+    def close(self) -> None:
+        """Remove this tier's series (those it may have made)."""
+        f, s = self._fam, self.store
+        made = [(f[n], (s, e)) for n in ("pages", "bytes") for e in _EVENTS]
+        made += [(f["failures"], (s, op)) for op in ("read", "write")]
+        made += [(f[n], (s, op)) for n in ("seconds", "call_pages") for op in ("put", "get")]
+        made += [(f["stored"], (s,)), (f["capacity"], (s,))]
+        made += [(f["fallback"], (s, kind, reason)) for kind, reason in self._fallbacks]
+        for family, labels in made:
+            with contextlib.suppress(KeyError):  # never made
+                family.remove(*labels)

@@ -1,0 +1,91 @@
+"""Self-describing slots: the trailer every written slot ends with.
+
+The last ``TRAILER_BYTES`` of a slot (after the page payload and its padding) say what the slot
+holds, so the slab files alone can rebuild the directory when the journal is gone or damaged::
+
+    [magic "GKVT"][u16 format version][u8 checksum algorithm][u8 key type][u32 key length]
+    [u64 store id][u64 sequence number][u64 payload checksum][u64 slot][16 B blake2b(key)]
+    [u32 crc32c of all the rest][key: up to KEY_BYTES, zero padded]
+
+The trailer is written into the staging buffer beside the payload, so it travels in the page's
+own I/O (no extra I/O per page). A key longer than ``KEY_BYTES`` is stored only as its digest and
+length: a header scan cannot name such a page, so it is not adopted (a miss, never wrong bytes).
+The trailer's crc32c makes a torn or stale trailer unreadable; the payload checksum it carries is
+verified on every read of the page, as the journal's is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Hashable
+from typing import NamedTuple
+
+import crc32c
+import numpy as np
+import torch
+
+MAGIC = b"GKVT"
+#: longest key kept whole in a trailer (SGLang's keys are 64-character hex digests)
+KEY_BYTES = 256
+_FIXED = struct.Struct("<4sHBBIQQQQ16s")
+_CRC = struct.Struct("<I")
+TRAILER_BYTES = _FIXED.size + _CRC.size + KEY_BYTES  # 320
+
+
+class Trailer(NamedTuple):
+    slot: int
+    key: Hashable | None  # None: too long to keep whole (digest only)
+    seq: int
+    checksum: int
+    algorithm: int
+    store_id: int
+    version: int
+
+
+def _key_bytes(key: Hashable) -> tuple[int, bytes]:
+    return (0, key.encode("utf-8")) if isinstance(key, str) else (1, bytes(key))
+
+
+def encode(version: int, store_id: int, slot: int, key: Hashable, seq: int, checksum: int,
+           algorithm: int) -> bytes:
+    key_type, raw = _key_bytes(key)
+    fixed = _FIXED.pack(MAGIC, version, algorithm, key_type, len(raw), store_id, seq, checksum,
+                        slot, hashlib.blake2b(raw, digest_size=16).digest())
+    inline = raw if len(raw) <= KEY_BYTES else b""
+    tail = inline.ljust(KEY_BYTES, b"\0")
+    return fixed + _CRC.pack(crc32c.crc32c(fixed + tail)) + tail
+
+
+def decode(data: bytes | memoryview) -> Trailer | None:
+    """The trailer in ``data`` (``TRAILER_BYTES`` long), or None: no trailer there (never
+    written, zeroed) or a damaged one."""
+    if bytes(data[:4]) != MAGIC:
+        return None
+    fixed = bytes(data[:_FIXED.size])
+    (crc,) = _CRC.unpack_from(data, _FIXED.size)
+    tail = bytes(data[_FIXED.size + _CRC.size:TRAILER_BYTES])
+    if crc32c.crc32c(fixed + tail) != crc:
+        return None
+    _, version, algo, key_type, key_len, store_id, seq, csum, slot, digest = _FIXED.unpack(fixed)
+    key: Hashable | None = None
+    if key_len <= KEY_BYTES and key_type <= 1:
+        raw = tail[:key_len]
+        if hashlib.blake2b(raw, digest_size=16).digest() != digest:
+            return None
+        try:
+            key = raw.decode("utf-8") if key_type == 0 else raw
+        except UnicodeDecodeError:
+            return None
+    return Trailer(slot, key, seq, csum, algo, store_id, version)
+
+
+def write_into(part: torch.Tensor, slot_bytes: int, trailers: list[bytes]) -> None:
+    """Copy ``trailers[i]`` to the end of page ``i``'s slot in staging ``part`` (host or GPU:
+    one small host-to-device copy, queued on the current stream)."""
+    n = len(trailers)
+    if not n:
+        return
+    src = torch.from_numpy(np.frombuffer(b"".join(trailers), dtype=np.uint8).copy())
+    dst = part[:n * slot_bytes].view(n, slot_bytes)[:, slot_bytes - TRAILER_BYTES:]
+    dst.copy_(src.view(n, TRAILER_BYTES).to(part.device, non_blocking=False))

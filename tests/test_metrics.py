@@ -1,0 +1,89 @@
+"""Prometheus metrics (gdskv/metrics.py): a tier's gdskv_* series, read by scraping the
+registry, on a registry passed in and on the default one; removed at close."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from gdskv.tier import Tier
+from reliability_helpers import LAYOUT, PAGE, put, read_back, slot_location, small_config
+
+
+def scrape(registry) -> dict:
+    """{(sample name, frozenset(labels)): value} from the registry's text exposition."""
+    text = generate_latest(registry).decode()
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def value(samples, name, **labels) -> float:
+    return samples.get((name, frozenset(labels.items())), 0.0)
+
+
+def test_counters_histograms_gauges(tmp_path):
+    reg = CollectorRegistry()
+    store = str(tmp_path)
+    with Tier(LAYOUT, small_config(tmp_path), device="cpu", metrics_registry=reg) as tier:
+        assert all(put(tier, [f"k{i}" for i in range(10)]))
+        path, off = slot_location(tier, "k3")
+        with open(path, "r+b") as f:
+            f.seek(off + 5)
+            b = f.read(1)
+            f.seek(off + 5)
+            f.write(bytes([b[0] ^ 1]))
+        hits, _ = read_back(tier, [f"k{i}" for i in range(10)] + ["nope"])
+        assert sum(hits) == 9
+        tier.evict(["k0", "k1"])
+        s = scrape(reg)
+        assert value(s, "gdskv_pages_total", store=store, event="put") == 10
+        assert value(s, "gdskv_pages_total", store=store, event="got") == 9
+        assert value(s, "gdskv_pages_total", store=store, event="missed") == 2
+        assert value(s, "gdskv_pages_total", store=store, event="corrupt") == 1
+        assert value(s, "gdskv_pages_total", store=store, event="evicted") == 2
+        for event, pages in (("put", 10), ("got", 9), ("missed", 2), ("corrupt", 1),
+                             ("evicted", 2)):
+            assert value(s, "gdskv_bytes_total", store=store, event=event) == pages * PAGE
+        assert value(s, "gdskv_call_seconds_count", store=store, op="put") == 1
+        assert value(s, "gdskv_call_seconds_count", store=store, op="get") == 1
+        assert value(s, "gdskv_call_pages_sum", store=store, op="get") == 11
+        assert value(s, "gdskv_call_pages_bucket", store=store, op="put", le="16.0") == 1
+        assert value(s, "gdskv_call_pages_bucket", store=store, op="put", le="8.0") == 0
+        assert value(s, "gdskv_capacity_pages", store=store) == tier.store.num_slots
+        assert value(s, "gdskv_pages_stored", store=store) == 9  # after the get dropped k3
+        o_direct = tier.stats()["o_direct"]
+        fallback = [k for k in s if k[0] == "gdskv_fallback"]
+        assert bool(fallback) != o_direct  # O_DIRECT refused (tmpfs): a fallback with reason
+    assert not [k for k in scrape(reg) if dict(k[1]).get("store") == store]  # removed
+
+
+def test_failed_io_counted(tmp_path, monkeypatch):
+    reg = CollectorRegistry()
+    with Tier(LAYOUT, small_config(tmp_path), device="cpu", metrics_registry=reg) as tier:
+        assert all(put(tier, ["a"]))
+        real = os.preadv
+
+        def failing(fd, buffers, offset, *a):
+            raise OSError(5, "injected read error")
+
+        monkeypatch.setattr(os, "preadv", failing)
+        assert read_back(tier, ["a"])[0] == [False]
+        monkeypatch.setattr(os, "preadv", real)
+        s = scrape(reg)
+        assert value(s, "gdskv_io_failures_total", store=str(tmp_path), op="read") == 1
+
+
+def test_default_registry_and_two_tiers(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    with Tier(LAYOUT, small_config(a), device="cpu") as ta, \
+            Tier(LAYOUT, small_config(b), device="cpu") as tb:
+        put(ta, ["x"])
+        put(tb, ["y", "z"])
+        s = scrape(REGISTRY)
+        assert value(s, "gdskv_pages_total", store=str(a), event="put") == 1
+        assert value(s, "gdskv_pages_total", store=str(b), event="put") == 2
