@@ -178,7 +178,8 @@ def test_async_page_calls_round_trip(make_config, device):
 
 def test_pinned_page_survives_lru_and_evict_until_unpinned(make_config, device):
     layout = BytePageLayout(page_bytes=4096, kind=KIND)
-    config = make_config(capacity=4 * 4096, io_chunk_size=4096, files_per_dir=1)
+    config = make_config(capacity=4 * layout.slot_bytes, io_chunk_size=layout.slot_bytes,
+                         files_per_dir=1)
     with Tier(layout, config, device=device) as tier:
         pages = random_pages(8, 4096, seed=4, device=device)
         assert all(tier.put_pages([f"p{i}" for i in range(4)], [[p] for p in pages[:4]]))
