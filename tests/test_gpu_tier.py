@@ -57,7 +57,8 @@ def test_gpu_round_trip_1gib_pipelined(tmp_path, backend):
 
 
 def test_auto_picks_kvikio_on_gpu(tmp_path):
-    cfg = TierConfig(directories=(str(tmp_path),), capacity="64MiB", staging_size="8MiB")
+    cfg = TierConfig(directories=(str(tmp_path),), capacity="64MiB",
+                     staging_size=4 * LLAMA.slot_bytes)  # one slot per pipeline part
     with Tier(LLAMA, cfg, device="cuda") as tier:
         assert tier.backend.name == "kvikio"
         assert "CUDA device" in tier.stats()["backend_selected_because"]
