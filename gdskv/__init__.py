@@ -3,8 +3,9 @@
 from .config import BackendKind, ConfigError, DirectIO, Eviction, SyncPolicy, TierConfig
 from .layout import FORMAT_VERSION, BytePageLayout, KVLayout
 from .tier import Tier
+from .cluster import ClusterStore, open_tier
 
 __version__ = "0.1.0"
 
-__all__ = ["Tier", "KVLayout", "BytePageLayout", "TierConfig", "ConfigError", "BackendKind",
+__all__ = ["Tier", "ClusterStore", "open_tier", "KVLayout", "BytePageLayout", "TierConfig", "ConfigError", "BackendKind",
            "DirectIO", "Eviction", "SyncPolicy", "FORMAT_VERSION", "__version__"]

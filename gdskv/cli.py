@@ -32,7 +32,8 @@ from importlib.metadata import PackageNotFoundError, version
 from . import checksum
 from .config import ConfigError, TierConfig
 from .layout import BytePageLayout, KVLayout, PageLayout
-from .store import JOURNAL, LOCK, MANIFEST, MANIFEST_COPY, StoreError, load_manifest
+from .store import (JOURNAL, LOCK, MANIFEST, MANIFEST_COPY, StoreError, load_manifest,
+                    manifest_geometry)
 from .tier import Tier
 
 
@@ -81,18 +82,13 @@ def _layout(manifest: dict) -> PageLayout:
 def _config(directories: Sequence[str], manifest: dict, *, read_only: bool) -> TierConfig:
     """The TierConfig that reopens this store's geometry (from its manifest)."""
     try:
-        slot, slots = int(manifest["slot_bytes"]), int(manifest["num_slots"])
-        stripe, files = int(manifest["stripe_slots"]), int(manifest["num_files"])
-        ndirs = int(manifest["directories"])
-    except (KeyError, TypeError, ValueError) as exc:
-        raise UsageError(f"the store manifest lacks its geometry ({exc})") from None
-    if ndirs != len(directories):
-        raise UsageError(f"the store was made over {ndirs} directories; name all of them, in "
-                         f"order (got {len(directories)})")
-    return TierConfig(directories=tuple(directories), capacity=slots * slot,
-                      io_chunk_size=stripe * slot, files_per_dir=math.ceil(files / ndirs),
-                      staging_size=max(4 * slot, 16 << 20), pipeline_depth=2, io_threads=4,
-                      backend="posix", read_only=read_only, preallocate=False)
+        geometry = manifest_geometry(manifest, len(directories))
+    except StoreError as exc:
+        raise UsageError(str(exc)) from None
+    return TierConfig(directories=tuple(directories), **geometry,
+                      staging_size=max(4 * int(manifest["slot_bytes"]), 16 << 20),
+                      pipeline_depth=2, io_threads=4, backend="posix", read_only=read_only,
+                      preallocate=False)
 
 
 def open_store(directories: Sequence[str], *, read_only: bool, scan_headers: bool = False,

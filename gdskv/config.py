@@ -185,6 +185,21 @@ class TierConfig:
     #: writes; the directory follows the writer's journal). Needs verify: a slot the writer
     #: reuses while a follower reads it then fails its checksum and is a miss
     read_only: bool = False
+    #: cluster mode: ``directories`` are shared by several nodes (a network or parallel file
+    #: system); this node writes its own namespace ``<directory>/<node_id>`` and reads every
+    #: other node's as a follower (:mod:`gdskv.cluster`)
+    cluster: bool = False
+    #: this node's namespace in a cluster store (a directory name); "" = host name + GPU
+    #: index (and the engine's ranks, which the adapters add)
+    node_id: str = ""
+    #: cluster: a put skips keys another node already holds (true), or stores its own copy
+    cluster_dedup: bool = True
+    #: cluster: milliseconds between listings of the shared directory for new or vanished
+    #: namespaces (one readdir and one manifest stat per namespace each time)
+    cluster_discovery_ms: int = 1000
+    #: cluster: staging buffer of each other node's follower tier (there is one per node, so
+    #: it is kept smaller than staging_size; at least one slot per pipeline part)
+    cluster_peer_staging_size: int = 64 << 20
 
     def __post_init__(self) -> None:
         # Every field is checked and converted here, the same way whether it came from Python,
@@ -195,7 +210,8 @@ class TierConfig:
             raise ConfigError(f"pipeline_depth: must be an integer in 2..64, got "
                               f"{self.pipeline_depth!r}")
         for name in ("capacity", "staging_size", "io_threads", "io_chunk_size",
-                     "files_per_dir", "admit_after"):
+                     "files_per_dir", "admit_after", "cluster_discovery_ms",
+                     "cluster_peer_staging_size"):
             value = getattr(self, name)
             if value < 1:
                 raise ConfigError(f"{name}: must be a positive integer, got {value!r}")
@@ -204,6 +220,16 @@ class TierConfig:
         if self.read_only and not self.verify:
             raise ConfigError("read_only: a read-only follower needs verify=true (the writer may "
                               "reuse a slot while it is read; only the checksum catches that)")
+        if self.cluster and not self.verify:
+            raise ConfigError("cluster: reading other nodes' pages needs verify=true (a node may "
+                              "reuse a slot while another reads it; only the checksum catches "
+                              "that)")
+        if self.node_id:
+            check_node_id(self.node_id)
+            if not self.cluster:
+                raise ConfigError(f"node_id: {self.node_id!r} is set but cluster is off; set "
+                                  "cluster=true (GDSKV_CLUSTER=true) to share a store across "
+                                  "nodes, or leave node_id unset")
         if self.nixl_posix_queue not in ("aio", "uring", "posix_aio"):
             raise ConfigError(f"nixl_posix_queue: must be aio, uring or posix_aio, got "
                               f"{self.nixl_posix_queue!r}")
@@ -235,7 +261,19 @@ class TierConfig:
         return dataclasses.replace(self, **changes)
 
 
-_SIZE_FIELDS = ("capacity", "staging_size", "io_chunk_size")
+_SIZE_FIELDS = ("capacity", "staging_size", "io_chunk_size", "cluster_peer_staging_size")
+#: a node id is one directory name on every file system gdskv runs on
+_NODE_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def check_node_id(node_id: str) -> str:
+    """A node id as a cluster namespace's directory name: letters, digits, ``.``, ``_``,
+    ``-``, starting with a letter or digit, at most 128 characters."""
+    if not isinstance(node_id, str) or not _NODE_ID_RE.fullmatch(node_id):
+        raise ConfigError(f"node_id: {node_id!r} cannot name a namespace directory; use 1-128 "
+                          "letters, digits, '.', '_' or '-', starting with a letter or digit "
+                          "(e.g. node07-gpu3)")
+    return node_id
 _ENUMS = {"BackendKind": BackendKind, "DirectIO": DirectIO, "Eviction": Eviction,
           "SyncPolicy": SyncPolicy, "NixlPlugin": NixlPlugin}
 
@@ -292,5 +330,10 @@ FIELD_DOCS: dict[str, str] = {
     "admit_after": "store a page only once it has been offered this many times (SSD wear)",
     "nixl_plugin": "auto (GDS_MT, GDS, then POSIX), GDS, GDS_MT or POSIX",
     "nixl_posix_queue": "NIXL POSIX plugin queue: aio, uring or posix_aio",
+    "cluster": "share directories with other nodes: write <dir>/<node_id>, read the others'",
+    "node_id": "this node's namespace in a cluster (default: host name + GPU index + ranks)",
+    "cluster_dedup": "cluster: a put skips keys another node already holds",
+    "cluster_discovery_ms": "cluster: ms between listings of the shared directory for nodes",
+    "cluster_peer_staging_size": "cluster: staging buffer of each other node's follower tier",
 }
 

@@ -503,6 +503,39 @@ def load_manifest(path: str) -> dict:
     return have
 
 
+def read_manifest(directory: str) -> dict:
+    """The manifest of the store in ``directory``, or its copy when the first is missing or
+    damaged; StoreError (ENOENT) when neither exists, StoreMismatchError when both are bad."""
+    first_error: StoreError | None = None
+    for name in (MANIFEST, MANIFEST_COPY):
+        path = os.path.join(directory, name)
+        if os.path.lexists(path):
+            try:
+                return load_manifest(path)
+            except StoreError as exc:
+                first_error = first_error or exc
+    if first_error is not None:
+        raise first_error
+    raise StoreError(errno.ENOENT, f"no gdskv store in {directory!r} (no {MANIFEST})")
+
+
+def manifest_geometry(manifest: dict, directories: int) -> dict:
+    """The :class:`TierConfig` fields that reopen the store a manifest describes (capacity,
+    io_chunk_size, files_per_dir) over ``directories`` directories; StoreMismatchError when
+    the manifest lacks its geometry or was made over another number of directories."""
+    try:
+        slot, slots = int(manifest["slot_bytes"]), int(manifest["num_slots"])
+        stripe, files = int(manifest["stripe_slots"]), int(manifest["num_files"])
+        ndirs = int(manifest["directories"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise StoreMismatchError(f"the store manifest lacks its geometry ({exc})") from None
+    if ndirs != directories:
+        raise StoreMismatchError(f"the store was made over {ndirs} directories; name all of "
+                                 f"them, in order (got {directories})")
+    return dict(capacity=slots * slot, io_chunk_size=stripe * slot,
+                files_per_dir=-(-files // ndirs))
+
+
 def _check_distinct(given: Sequence[str], resolved: Sequence[str]) -> None:
     """Each directory once: the same one listed twice (also through a symlink or a bind mount)
     would lock against itself and stripe a file over itself."""

@@ -97,6 +97,9 @@ class Tier:
                             f"{type(layout).__name__}")
         self.layout = layout
         self.config = config if config is not None else TierConfig.from_env()
+        if self.config.cluster:
+            raise ConfigError("cluster=true: a Tier opens one store; open a cluster store with "
+                              "gdskv.open_tier(layout, config) or gdskv.cluster.ClusterStore")
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if cuda_available() \
                 else torch.device("cpu")
