@@ -8,6 +8,10 @@
     gdskv rebuild DIR...              header scan: rebuild the directory from the slot trailers
     gdskv compact DIR...              rewrite the journal to one record per page
     gdskv clear DIR... [--yes]        drop every page (asks first unless --yes)
+    gdskv cluster list DIR...         the nodes' namespaces of a cluster store (DIR: the shared
+                                      directories) and whether each one's writer runs
+    gdskv cluster reclaim NODE DIR... [--yes]
+                                      remove a node's namespace (refused while its writer runs)
 
 Every subcommand takes ``--json``. A store is named by its directories (all of them, in the
 order it was made with); its layout and geometry come from its manifest. ``info``, ``ls`` and
@@ -20,8 +24,8 @@ status: 0 done, 1 verify found bad pages, 2 bad input or a store that cannot be 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
-import math
 import os
 import random
 import sys
@@ -30,10 +34,10 @@ from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, version
 
 from . import checksum
-from .config import ConfigError, TierConfig
+from .config import ConfigError, TierConfig, check_node_id
 from .layout import BytePageLayout, KVLayout, PageLayout
-from .store import (JOURNAL, LOCK, MANIFEST, MANIFEST_COPY, StoreError, load_manifest,
-                    manifest_geometry)
+from .store import (JOURNAL, LOCK, MANIFEST, MANIFEST_COPY, StoreError, is_store_file,
+                    load_manifest, manifest_geometry)
 from .tier import Tier
 
 
@@ -49,12 +53,16 @@ def _version() -> str:
 
 
 # -- opening a store from its manifest -------------------------------------------------------
-def _manifest(directories: Sequence[str]) -> dict:
+def _check_dirs(directories: Sequence[str]) -> None:
     for d in directories:
         if not os.path.exists(d):
             raise UsageError(f"store directory {d!r} does not exist")
         if not os.path.isdir(d):
             raise UsageError(f"{d!r} is not a directory: name the store's directory")
+
+
+def _manifest(directories: Sequence[str]) -> dict:
+    _check_dirs(directories)
     first = directories[0]
     for name in (MANIFEST, MANIFEST_COPY):
         path = os.path.join(first, name)
@@ -251,18 +259,111 @@ def cmd_compact(args) -> tuple[dict, int]:
 
 def cmd_clear(args) -> tuple[dict, int]:
     manifest = _manifest(args.directories)
-    if not args.yes:
-        if not sys.stdin.isatty():
-            raise UsageError("clear drops every page: pass --yes (no terminal to ask on)")
-        answer = input(f"drop every page of the store in {', '.join(args.directories)} "
-                       f"({manifest.get('fingerprint')})? type yes: ")
-        if answer.strip() != "yes":
-            raise UsageError("clear not confirmed: nothing changed")
+    _confirm(args, "clear", "drops every page", f"drop every page of the store in "
+             f"{', '.join(args.directories)} ({manifest.get('fingerprint')})")
     with open_store(args.directories, read_only=False) as tier:
         pages = len(tier.directory)
         tier.clear()
         tier.compact()
     return {"dropped": pages}, 0
+
+
+# -- cluster stores (gdskv.cluster): one namespace per node under the shared directories ---
+def _namespace(roots: Sequence[str], node: str) -> list[str]:
+    return [os.path.join(r, node) for r in roots]
+
+
+def _confirm(args, what: str, effect: str, question: str) -> None:
+    """Ask on a terminal before ``what`` (the subcommand) destroys data, unless --yes."""
+    if args.yes:
+        return
+    if not sys.stdin.isatty():
+        raise UsageError(f"{what} {effect}: pass --yes (no terminal to ask on)")
+    if input(f"{question}? type yes: ").strip() != "yes":
+        raise UsageError(f"{what} not confirmed: nothing changed")
+
+
+def _take_writer_locks(directories: Sequence[str]) -> list[int] | None:
+    """The writer locks of a store, taken (flock, which NFS and parallel file systems carry to
+    other hosts), or None when a writer holds one: it runs, here or on another node."""
+    fds: list[int] = []
+    for d in directories:
+        path = os.path.join(d, LOCK)
+        if not os.path.exists(path):
+            continue  # never opened by a writer
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        fds.append(fd)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            for f in fds:
+                os.close(f)
+            return None
+    return fds
+
+
+def _release(fds: Sequence[int]) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
+def cmd_cluster_list(args) -> tuple[dict, int]:
+    roots = args.directories
+    _check_dirs(roots)
+    nodes = []
+    for name in sorted(os.listdir(roots[0])):
+        dirs = _namespace(roots, name)
+        if not all(os.path.isdir(d) for d in dirs) or name.startswith("."):
+            continue
+        locks = _take_writer_locks(dirs)
+        entry = {"node": name, "writer_running": locks is None}
+        if locks is not None:
+            _release(locks)
+        try:
+            info, _ = cmd_info(argparse.Namespace(directories=dirs))
+        except (UsageError, StoreError, ConfigError) as exc:
+            entry["store"] = f"none readable ({exc})"
+        else:
+            entry.update({k: info[k] for k in ("pages", "bytes", "capacity_bytes",
+                                               "fingerprint", "last_write", "writer_pid")})
+        nodes.append(entry)
+    return {"directories": list(roots), "nodes": nodes}, 0
+
+
+def cmd_cluster_reclaim(args) -> tuple[dict, int]:
+    roots = args.directories
+    _check_dirs(roots)
+    node = check_node_id(args.node)
+    dirs = _namespace(roots, node)
+    for d in dirs:
+        if not os.path.isdir(d):
+            raise UsageError(f"no namespace {node!r} in {os.path.dirname(d)!r} ({d!r} is not a "
+                             "directory): see gdskv cluster list")
+    foreign = sorted(os.path.join(d, n) for d in dirs for n in os.listdir(d)
+                     if not is_store_file(n))
+    if foreign:
+        raise UsageError(f"namespace {node!r} holds files gdskv did not make: "
+                         f"{', '.join(foreign)}; move them away first (nothing removed)")
+    _confirm(args, "reclaim", "removes a node's pages", f"remove node {node!r}'s namespace and "
+             f"its pages ({', '.join(dirs)})")
+    locks = _take_writer_locks(dirs)
+    if locks is None:
+        raise UsageError(f"node {node!r}'s namespace is in use: its writer lock is held (pid "
+                         f"{_lock_holder(dirs[0]) or 'on another host'}); stop that engine "
+                         "process first (nothing removed)")
+    freed, removed = 0, 0
+    try:  # the locks are held while the files go: a writer starting now waits for none
+        for d in dirs:
+            for n in sorted(os.listdir(d)):
+                path = os.path.join(d, n)
+                freed += os.lstat(path).st_size
+                os.unlink(path)
+                removed += 1
+    finally:
+        _release(locks)
+    for d in dirs:
+        os.rmdir(d)
+    return {"reclaimed": node, "files_removed": removed, "bytes_freed": freed}, 0
 
 
 # -- the command line ------------------------------------------------------------------------
@@ -291,6 +392,23 @@ def build_parser() -> argparse.ArgumentParser:
     add("compact", cmd_compact, "rewrite the journal to one record per page (takes the lock)")
     p = add("clear", cmd_clear, "drop every page (takes the lock; asks unless --yes)")
     p.add_argument("--yes", action="store_true", help="do not ask")
+    cluster = sub.add_parser("cluster", help="the namespaces of a cluster store",
+                             description="A cluster store's nodes (GDSKV_CLUSTER=true): one "
+                             "namespace directory per node under each shared directory.")
+    csub = cluster.add_subparsers(dest="cluster_command", required=True, metavar="COMMAND")
+    for name, fn, help_ in (
+            ("list", cmd_cluster_list, "each node's namespace: pages, capacity, last write, "
+             "whether its writer runs"),
+            ("reclaim", cmd_cluster_reclaim, "remove a node's namespace (refused while its "
+             "writer runs; asks unless --yes)")):
+        p = csub.add_parser(name, help=help_, description=help_)
+        if name == "reclaim":
+            p.add_argument("node", metavar="NODE", help="the node id (see gdskv cluster list)")
+            p.add_argument("--yes", action="store_true", help="do not ask")
+        p.add_argument("directories", nargs="+", metavar="DIR",
+                       help="the cluster's shared directories (all of them, in order)")
+        p.add_argument("--json", action="store_true", help="print one JSON object")
+        p.set_defaults(fn=fn)
     return ap
 
 

@@ -401,11 +401,11 @@ class ClusterStore:
         """``call(tier, positions)``: the tier's ``method`` for those keys' pages of
         ``kv_pool`` (their token slots cut out of ``token_slots``)."""
         n, ps = len(keys), self.layout.page_size
-        slots = token_slots if isinstance(token_slots, torch.Tensor) else \
-            torch.as_tensor(token_slots)
-        if slots.dim() != 1 or slots.numel() != n * ps:
-            raise ValueError(f"token_slots: {tuple(slots.shape)} entries for {n} keys; give a "
-                             f"1-D tensor of len(keys) * page_size = {n * ps} token slots")
+        slots = (token_slots if isinstance(token_slots, torch.Tensor) else
+                 torch.as_tensor(token_slots)).reshape(-1)
+        if slots.numel() != n * ps:
+            raise ValueError(f"got {slots.numel()} slot indices for {n} pages; expected pages "
+                             f"x page_size = {n * ps}")
         by_page = slots.view(n, ps)
 
         def call(tier: Tier, positions: list[int]) -> Future:

@@ -250,8 +250,10 @@ class TierConfig:
                                   f"{suggest(var, known)}; known: {', '.join(known)}")
             try:
                 values[name] = _coerce(fields[name], text)
-                if name != "directories":
-                    cls(**{name: values[name]})  # validate this one value, naming the var
+                if name != "directories":  # validate this one value, naming the var
+                    # (node_id needs cluster on: that pair is checked with the rest below)
+                    cls(**{name: values[name]}, **({"cluster": True} if name == "node_id"
+                                                   else {}))
             except ConfigError as exc:
                 raise ConfigError(f"{var}={text!r}: {exc}") from None
         values.update(overrides)

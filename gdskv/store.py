@@ -503,6 +503,14 @@ def load_manifest(path: str) -> dict:
     return have
 
 
+def is_store_file(name: str) -> bool:
+    """Whether a file name in a store directory is one gdskv makes there (temp files of its
+    atomic rewrites included): what removing a store removes."""
+    base = name[:-len(".tmp")] if name.endswith(".tmp") else name
+    return base in (MANIFEST, MANIFEST_COPY, JOURNAL, LOCK, CREATING) or \
+        _SLAB_NAME.fullmatch(name) is not None
+
+
 def read_manifest(directory: str) -> dict:
     """The manifest of the store in ``directory``, or its copy when the first is missing or
     damaged; StoreError (ENOENT) when neither exists, StoreMismatchError when both are bad."""

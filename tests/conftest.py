@@ -25,6 +25,12 @@ NEEDS_NIXL = pytest.mark.skipif(
     reason="nixl (nixl-cu13) or gdskv.backends.nixl not installed")
 
 
+def pytest_addoption(parser):
+    parser.addoption("--shared-dir", default=None, metavar="DIR",
+                     help="run the cluster tests (test_cluster.py) over this directory, e.g. on a "
+                     "real NFS or parallel file system mount, instead of a temporary directory")
+
+
 def _backend_params():
     yield pytest.param("posix", id="posix")
     yield pytest.param("nixl", id="nixl", marks=NEEDS_NIXL)
