@@ -47,8 +47,9 @@ _SUMMED = ("get_pages", "hits", "misses", "corrupt_pages", "read_failed", "bytes
 
 def default_node_id(*ranks: str, device: torch.device | str | None = None) -> str:
     """This process's node id: the host name, the engine's ``ranks`` (e.g. ``"dp1"``, given
-    by the adapters) and the GPU: its index among all of the host's GPUs (``CUDA_VISIBLE_DEVICES``
-    resolved), so engine processes on one host get distinct namespaces."""
+    by the adapters) and the GPU this process works on (``device`` when it is one, else the
+    current one if this process uses CUDA), as its index among all of the host's GPUs
+    (``CUDA_VISIBLE_DEVICES`` resolved): engine processes on one host get distinct ids."""
     host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname().split(".")[0]).strip("-._")
     parts = [host or "node", *ranks]
     gpu = _physical_gpu(device)
@@ -59,10 +60,12 @@ def default_node_id(*ranks: str, device: torch.device | str | None = None) -> st
 
 def _physical_gpu(device) -> str | None:
     dev = torch.device(device) if device is not None else None
-    if dev is not None and dev.type != "cuda" or not cuda_available():
+    if dev is not None and dev.type == "cuda" and dev.index is not None:
+        index = dev.index
+    elif cuda_available() and torch.cuda.is_initialized():  # never starts CUDA by itself
+        index = torch.cuda.current_device()
+    else:
         return None
-    index = dev.index if dev is not None and dev.index is not None else \
-        torch.cuda.current_device()
     visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
                if v.strip()]
     return re.sub(r"[^A-Za-z0-9._-]", "-", visible[index]) if index < len(visible) \
@@ -481,6 +484,8 @@ class ClusterStore:
         peers = {name: t.stats() for name, t in self.peers.items()}
         for key in _SUMMED:
             s[key] = s.get(key, 0) + sum(p.get(key, 0) for p in peers.values())
+        if self.own is None:  # a read-only node: what it can read
+            s["pages_stored"] = sum(p["pages_stored"] for p in peers.values())
         s["read_gbps"] = s["bytes_read"] / s["read_seconds"] / 1e9 if s["read_seconds"] else 0.0
         with self._counts_lock:
             counts = dict(self._counts)

@@ -6,6 +6,10 @@ compressed pools) is stored once, by the writer rank. The other ranks read it th
 read-only follower tier (``TierConfig.read_only``), opened lazily: the writer may create the
 store after them, so until it exists their reads are misses and the open is retried at most
 every ``FOLLOWER_RETRY_S`` seconds.
+
+With ``TierConfig.cluster`` the tier is a :class:`~gdskv.cluster.ClusterStore` (this rank's
+namespace plus every other engine's), its node id built from the engine's ranks
+(``node_ranks``); a follower rank then reads every namespace and writes none.
 """
 
 from __future__ import annotations
@@ -13,13 +17,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
 from ...config import TierConfig
 from ...layout import PageLayout
 from ...store import StoreError
+from ...cluster import ClusterStore, open_tier
 from ...tier import Tier
 
 log = logging.getLogger("gdskv.sglang")
@@ -36,22 +41,25 @@ class RankStore:
         layout / config / device: the tier's (``config.directories`` already name the shard).
         follower: this rank reads the writer rank's store and writes nothing.
         log_once: the adapter's once-per-kind logger (a follower waiting for the writer).
+        node_ranks: the engine's ranks for a cluster store's default node id (``("dp1",)``).
     """
 
     def __init__(self, what: str, layout: PageLayout, config: TierConfig, device: torch.device,
-                 *, follower: bool, log_once: Callable[..., None]) -> None:
+                 *, follower: bool, log_once: Callable[..., None],
+                 node_ranks: Sequence[str] = ()) -> None:
         self.what = what
         self.layout = layout
         self.follower = follower
         self._device = device
+        self._node_ranks = tuple(node_ranks)
         self._log_once = log_once
-        self.tier: Optional[Tier] = None
+        self.tier: Optional[Union[Tier, ClusterStore]] = None
         self._follower_config: Optional[TierConfig] = None  # until the follower is open
         self._tried = float("-inf")
         self._lock = threading.Lock()
         dirs = ", ".join(config.directories)
         if not follower:
-            self.tier = Tier(layout, config, device=device)
+            self.tier = open_tier(layout, config, device=device, node_ranks=node_ranks)
             log.info("gdskv: %s store %s (%s), backend %s", what, dirs, layout.fingerprint,
                      self.tier.backend.name)
         elif not config.verify:
@@ -64,7 +72,7 @@ class RankStore:
                      "store in %s", what, dirs)
             self.open()
 
-    def open(self) -> Optional[Tier]:
+    def open(self) -> Optional[Union[Tier, ClusterStore]]:
         """The tier, or None while a follower's writer has not made the store yet."""
         if self.tier is not None or self._follower_config is None:
             return self.tier
@@ -75,16 +83,18 @@ class RankStore:
             if self.tier is None:
                 self._tried = now
                 try:
-                    self.tier = Tier(self.layout, self._follower_config, device=self._device)
+                    self.tier = open_tier(self.layout, self._follower_config,
+                                          device=self._device, node_ranks=self._node_ranks)
                 except (StoreError, FileNotFoundError) as exc:
                     self._log_once(f"follower-wait:{self.what}", "%s follower: writer's store "
                                    "not readable yet (%s); misses until it is, retrying",
                                    self.what, exc, level=logging.INFO)
                 else:
                     self._follower_config = None
-                    log.info("gdskv: %s follower opened the writer's store %s (%d pages)",
-                             self.what, ", ".join(self.tier.store.directories),
-                             len(self.tier.directory))
+                    where = ", ".join(self.tier.store.directories) if self.tier.store \
+                        is not None else "every cluster node's namespace"
+                    log.info("gdskv: %s follower opened %s (%d pages)", self.what, where,
+                             self.tier.stats()["pages_stored"])
             return self.tier
         finally:
             self._lock.release()

@@ -35,6 +35,11 @@ the others answer ``batch_set_v1`` with success and store nothing, as SGLang's c
 and read the writer's store through a read-only follower tier (``TierConfig.read_only``), opened
 lazily (:mod:`.rank_store`).
 
+Cluster store (``"cluster": true`` or ``GDSKV_CLUSTER=true``; :mod:`gdskv.cluster`): several
+SGLang servers (or DP ranks) on one shared mount share each shard's store. Each is a node with
+its own namespace under the shard directory, its node id the host name, ``dp<rank>`` and the
+GPU (or ``node_id``); reads find pages any node wrote, and DP ranks share the shard directory.
+
 Hybrid models (SGLang's v2 interface): ``HybridCacheController`` registers every other host pool
 (Mamba states, sliding-window KV, DSA indexer, DeepSeek-V4 compressed pools, draft KV) with
 :meth:`register_mem_host_pool_v2` and moves them with ``batch_exists_v2`` / ``batch_get_v2`` /
@@ -204,10 +209,17 @@ class GdskvHiCacheStorage(HiCacheStorage):
         (``replicated``) or split by TP rank."""
         sc = self.storage_config
         tp = "" if replicated else f"_tp{sc.tp_rank}-{sc.tp_size}"
-        # Separate processes cannot share one store (it is flock-ed): DP groups get their own.
+        # Separate processes cannot share one store (it is flock-ed): DP groups get their own,
+        # except in a cluster store, where each one is a node (its own namespace, node id
+        # from the DP rank) and all of them share the shard's directory.
         shard_dir = ("mla" if replicated else f"tp{sc.tp_rank}-{sc.tp_size}") + self._shard + \
-            (f"_dp{sc.dp_rank}" if sc.dp_rank else "")
+            (f"_dp{sc.dp_rank}" if sc.dp_rank and not self.config.cluster else "")
         return shard_dir, f"_{self.model_name}{tp}{self._shard}"
+
+    def _node_ranks(self) -> tuple[str, ...]:
+        """What this engine process adds to a cluster store's default node id (host name and
+        GPU come first and last): its DP rank. The TP/PP rank is in the shard directory."""
+        return (f"dp{self.storage_config.dp_rank or 0}",)
 
     def _store_dirs(self, *parts: str) -> tuple[str, ...]:
         dirs = []
@@ -280,7 +292,8 @@ class GdskvHiCacheStorage(HiCacheStorage):
         self._kv_store = RankStore(
             f"{layout_name} {'MLA' if self.is_mla else 'MHA'} KV", self.kv_layout,
             self.config.replace(directories=self._store_dirs(self.shard_dir)), self.device,
-            follower=self.is_mla and not self.is_writer, log_once=self._log_once)
+            follower=self.is_mla and not self.is_writer, log_once=self._log_once,
+            node_ranks=self._node_ranks())
 
     def _as_pool(self, kv_layer_first: torch.Tensor):
         """(k, v) or the MLA tensor as the tier's KVPool takes it: [layers, tokens, heads, dim]."""
@@ -446,7 +459,8 @@ class GdskvHiCacheStorage(HiCacheStorage):
                               kv_host_bytes=self._kv_host_bytes,
                               capacity=self.pool_capacity.get(name))
         store = RankStore(name, layout, config, self.device,
-                          follower=replicated and not self.is_writer, log_once=self._log_once)
+                          follower=replicated and not self.is_writer, log_once=self._log_once,
+                          node_ranks=self._node_ranks())
         self.sidecars[name] = _Sidecar(pool, store, suffix)
 
     def on_host_pools_registered(self) -> None:
@@ -456,7 +470,7 @@ class GdskvHiCacheStorage(HiCacheStorage):
             log.info("gdskv: sidecar pool %s: %d B pages (%s), %s; store %s", name,
                      side.pool.page_bytes, side.pool.mode,
                      f"{tier.store.num_slots} slots of {tier.layout.slot_bytes} B"
-                     if tier is not None else "read-only follower",
+                     if tier is not None and tier.store is not None else "read-only follower",
                      side.store.layout.fingerprint)
 
     def batch_exists_v2(self, keys: List[str], pool_transfers=None,

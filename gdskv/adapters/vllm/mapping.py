@@ -106,17 +106,23 @@ class Shard:
     def pp_size(self) -> int:
         return self.world_size // self.tp_size
 
-    def store_name(self, what: str, rank: int | None = None) -> str:
-        """The store's sub-directory under each configured directory."""
+    @property
+    def node_ranks(self) -> tuple[str, ...]:
+        """What this replica adds to a cluster store's default node id (:mod:`gdskv.cluster`)."""
+        return (f"dp{self.dp_index}",)
+
+    def store_name(self, what: str, rank: int | None = None, *, cluster: bool = False) -> str:
+        """The store's sub-directory under each configured directory (``cluster``: shared by
+        the data-parallel replicas, each a node with a namespace of its own in it)."""
         rank = self.rank if rank is None else rank
-        dp = f"_dp{self.dp_index}" if self.dp_index else ""
+        dp = f"_dp{self.dp_index}" if self.dp_index and not cluster else ""
         return f"{safe_name(self.model)}/{what}_rank{rank}-of-{self.world_size}{dp}"
 
     def directories(self, config: TierConfig, what: str, rank: int | None = None, *,
                     create: bool = False) -> tuple[str, ...]:
         """The store's directories: ``<directory>/<model>/<what>_rank<r>-of-<n>`` for each
         configured directory (made, owner-only, when ``create``: the writer's side)."""
-        name = self.store_name(what, rank)
+        name = self.store_name(what, rank, cluster=config.cluster)
         dirs = tuple(os.path.join(d, name) for d in config.directories)
         if create:
             for d in dirs:

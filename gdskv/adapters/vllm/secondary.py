@@ -36,7 +36,7 @@ from vllm.v1.kv_offload.base import (Locality, LookupResult, Medium, OffloadingE
                                      ReqContext, RequestOffloadingContext)
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
-from ...tier import Tier
+from ...cluster import open_tier
 from .mapping import Shard, tier_config
 
 log = logging.getLogger("gdskv.vllm")
@@ -74,10 +74,11 @@ class GdskvSecondaryTier(SecondaryTierManager):
                       dp_index=cfg.parallel.data_parallel_index)
         what = (f"cpu-rows-w{cfg.parallel.world_size}-c{offloading_spec.blocks_per_chunk}"
                 f"{'-replicated' if offloading_spec.replicated_layout else ''}")
-        self.tier = Tier(shard.layout(num_layers=1, row_bytes=row, what=what),
-                         self.config.replace(directories=shard.directories(self.config, what,
-                                                                             create=True)),
-                         device="cpu")
+        # with "cluster": true, a cluster store (every replica's and host's blocks readable)
+        self.tier = open_tier(shard.layout(num_layers=1, row_bytes=row, what=what),
+                              self.config.replace(directories=shard.directories(
+                                  self.config, what, create=True)),
+                              device="cpu", node_ranks=shard.node_ranks)
         self._pool = ThreadPoolExecutor(self.config.pipeline_depth,
                                         thread_name_prefix="gdskv-vllm-tier")
         self._jobs: dict[int, tuple[Future, list, bool, float]] = {}

@@ -35,6 +35,7 @@ from vllm.v1.kv_offload.base import (CanonicalKVCaches, GPULoadStoreSpec, LoadSt
                                      TransferResult, get_offload_group_idx)
 from vllm.v1.kv_offload.config import OffloadingConfig
 
+from ...config import ConfigError
 from .blocks import BlockTransfers
 from .index import KeyIndex
 from .mapping import Shard, group_geometry, group_store_name, tier_config
@@ -248,6 +249,12 @@ class GdskvOffloadingSpec(OffloadingSpec):
         self.replicated_layout = False
         self.gdskv_config = tier_config(self.extra_config.get(OPTIONS_KEY, {}),
                                         where=f"kv_connector_extra_config[{OPTIONS_KEY!r}]")
+        if self.gdskv_config.cluster:
+            raise ConfigError("gdskv: \"cluster\": true is not supported by the GPU-direct "
+                              "connector yet (its scheduler-side index follows one store per "
+                              "worker rank, not every node's namespace); use the secondary tier "
+                              "(GdskvSecondaryTier under TieringOffloadingSpec) for a cluster "
+                              "store, or leave cluster off")
         self.shard = shard_of(config)
         self._manager: GdskvOffloadingManager | None = None
         self._worker: GdskvOffloadingWorker | None = None
