@@ -555,3 +555,75 @@ def test_negative_host_indices_are_refused_not_wrapped(tmp_path, caplog):
         assert any("host index out of range" in r.getMessage() for r in caplog.records)
     finally:
         s.close()
+
+
+def _dp(config: HiCacheStorageConfig, dp_rank: int) -> HiCacheStorageConfig:
+    import dataclasses
+    return dataclasses.replace(config, dp_rank=dp_rank)
+
+
+def test_cluster_store_dp_ranks_share_pages(tmp_path):
+    """"cluster": true: two engine processes (DP ranks 0 and 1) on one directory are two nodes
+    of a cluster store: each writes its own namespace (node id from its DP rank) and prefetches
+    the pages the other backed up, bit-exact; a backup of pages the other holds stores nothing."""
+    pools = [build_pool(False, "page_first_direct") for _ in range(3)]
+    fill_random(pools[0], seed=1)
+    fill_random(pools[1], seed=2)
+    first, second = page_hashes(NUM_PAGES, seed=1), page_hashes(NUM_PAGES, seed=2)
+    src = list(range(NUM_PAGES))
+    dst = list(range(NUM_PAGES, 2 * NUM_PAGES))
+    dp0 = attach(_dp(storage_config(tmp_path, cluster=True), 0), pools[0])
+    try:
+        assert controller_backup(dp0, first, host_indices_for(src)) == NUM_PAGES
+        dp1 = attach(_dp(storage_config(tmp_path, cluster=True), 1), pools[1])
+        try:
+            assert dp0.tier.node_id.endswith("-dp0") and dp1.tier.node_id.endswith("-dp1")
+            shard = os.path.dirname(dp0.tier.store.directories[0])
+            assert sorted(os.listdir(shard)) == sorted([dp0.tier.node_id, dp1.tier.node_id])
+            # dp1 reads dp0's pages
+            assert controller_hit_query(dp1, first) == NUM_PAGES
+            assert controller_prefetch(dp1, first, host_indices_for(dst)) == NUM_PAGES
+            for s, d in zip(src, dst):
+                assert torch.equal(page_bytes(pools[0], s), page_bytes(pools[1], d))
+            # dedup: dp1 backing up the same pages stores none of them itself
+            assert controller_backup(dp1, first, host_indices_for(dst)) == NUM_PAGES
+            assert dp1.tier.own.stats()["pages_stored"] == 0
+            # dp0 (opened first) finds dp1's pages once dp1 writes them
+            fill_random(pools[1], seed=2)
+            assert controller_backup(dp1, second, host_indices_for(src)) == NUM_PAGES
+            deadline = time.monotonic() + 10
+            while controller_hit_query(dp0, second) < NUM_PAGES and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert controller_prefetch(dp0, second, host_indices_for(dst)) == NUM_PAGES
+            for s, d in zip(src, dst):
+                assert torch.equal(page_bytes(pools[1], s), page_bytes(pools[0], d))
+            assert dp0.tier_stats()["cluster"]["peer_hits"] == NUM_PAGES
+        finally:
+            dp1.close()
+    finally:
+        dp0.close()
+
+
+def test_cluster_store_mla_follower_rank_reads_every_node(tmp_path):
+    """MLA with TP 2 in a cluster: the writer rank of DP rank 0 writes; the other TP rank of
+    DP rank 1 (a read-only cluster node) reads those pages."""
+    pools = [build_pool(True, "page_first_direct") for _ in range(2)]
+    fill_random(pools[0], seed=3)
+    hashes = page_hashes(NUM_PAGES, seed=3)
+    writer = attach(_dp(storage_config(tmp_path, mla=True, tp_size=2, cluster=True), 0),
+                    pools[0])
+    try:
+        assert controller_backup(writer, hashes, host_indices_for(range(NUM_PAGES))) == NUM_PAGES
+        reader = attach(_dp(storage_config(tmp_path, mla=True, tp_rank=1, tp_size=2,
+                                           cluster=True), 1), pools[1])
+        try:
+            assert reader.tier.own is None and reader.tier.read_only
+            assert controller_hit_query(reader, hashes) == NUM_PAGES
+            dst = list(range(NUM_PAGES, 2 * NUM_PAGES))
+            assert controller_prefetch(reader, hashes, host_indices_for(dst)) == NUM_PAGES
+            for s, d in zip(range(NUM_PAGES), dst):
+                assert torch.equal(page_bytes(pools[0], s), page_bytes(pools[1], d))
+        finally:
+            reader.close()
+    finally:
+        writer.close()
