@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -49,7 +50,7 @@ from .call_gate import CallGate
 from .config import ConfigError, SyncPolicy, TierConfig
 from .copiers import PageCopier, PoolCopier, RegionCopier
 from .directory import PageDirectory, PageState
-from .gpu_verdicts import GpuVerdicts
+from .gpu_verdicts import GpuVerdicts, VerdictBuffers
 from .journal import Journal, JournalFollower, check_key
 from . import slot_trailer
 from .layout import FORMAT_VERSION, BytePageLayout, KVLayout, PageLayout
@@ -128,6 +129,7 @@ class Tier:
             self._checksums = checksum.default_for(self.device, layout)
             # pages are verified with the algorithm that made their checksum (see checksum.py)
             self._verifiers = {self._checksums.algorithm: self._checksums}
+            self._verdict_buffers = threading.local()  # gpu_verdicts.VerdictBuffers per thread
             self._persist = PersistentDirectory(self.store, self.config, self._stats,
                                                 self._log_once, scan_headers=scan_headers,
                                                 scan_progress=scan_progress)
@@ -663,14 +665,14 @@ class Tier:
                      verdicts: GpuVerdicts | None) -> None:
         """Verify and drain one chunk (its read ended or ends now); ``first`` is the chunk's
         first position in the call's read order. With ``verdicts``, a chunk whose I/O moved
-        every page and whose pages carry this tier's GPU checksum is verified and scattered in
-        one launch, and its hits are counted when the call settles (:meth:`_settle`)."""
+        every page is verified and scattered in one launch, and its hits are counted when the
+        call settles (:meth:`_settle`)."""
         part = self._staging[part_index]
         good: list[int] = []
         try:
             outcome: IOOutcome = fut.result()
             failed = self._failed_positions(outcome, extents, "read")
-            if verdicts is not None and not failed and self._gpu_checksummed(chunk):
+            if verdicts is not None and not failed:
                 verdicts.scatter(drain, part, first, [i for i, _, _ in chunk])
                 self._stats.add(read_seconds=time.perf_counter() - t0)
                 return
@@ -706,20 +708,22 @@ class Tier:
 
     def _gpu_verdicts(self, drain: PageCopier, todo: list) -> GpuVerdicts | None:
         """Verdicts decided on the GPU for this restore, where it can: staging on CUDA, pages
-        going to a KV pool through the kernels, and verification on."""
+        going to a KV pool through the kernels, verification on, and every page checksummed
+        with this tier's GPU algorithm (pages an older configuration wrote are verified the
+        plain way)."""
         if not todo or self._stream is None or not self.config.verify \
                 or not isinstance(drain, PoolCopier) \
                 or self._checksums.algorithm != checksum.GPU_PAGE \
                 or not kd.uses_triton(self.device):
             return None
-        return GpuVerdicts([want for _, _, want in todo], self.device, self.layout.page_bytes,
-                           self.layout.slot_bytes)
-
-    def _gpu_checksummed(self, chunk) -> bool:
-        """Whether every page of the chunk was checksummed with this tier's GPU algorithm
-        (pages an older configuration wrote are verified the plain way)."""
-        algos = self.directory.algorithms([s for _, s, _ in chunk])
-        return bool((algos == checksum.GPU_PAGE).all())
+        algos = self.directory.algorithms([s for _, s, _ in todo])
+        if not (algos == checksum.GPU_PAGE).all():
+            return None
+        buffers = getattr(self._verdict_buffers, "buffers", None)
+        if buffers is None:
+            buffers = self._verdict_buffers.buffers = VerdictBuffers(self.device)
+        return GpuVerdicts([want for _, _, want in todo], buffers, self._stream,
+                           self.layout.page_bytes, self.layout.slot_bytes)
 
     def _settle(self, keys, todo: list, verdicts: GpuVerdicts, results: list[bool],
                 corrupt: list) -> None:
