@@ -7,5 +7,6 @@ from .cluster import ClusterStore, open_tier
 
 __version__ = "0.1.0"
 
-__all__ = ["Tier", "ClusterStore", "open_tier", "KVLayout", "BytePageLayout", "TierConfig", "ConfigError", "BackendKind",
-           "DirectIO", "Eviction", "SyncPolicy", "FORMAT_VERSION", "__version__"]
+__all__ = ["Tier", "ClusterStore", "open_tier", "KVLayout", "BytePageLayout", "TierConfig",
+           "ConfigError", "BackendKind", "DirectIO", "Eviction", "SyncPolicy", "FORMAT_VERSION",
+           "__version__"]

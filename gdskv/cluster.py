@@ -229,6 +229,7 @@ class ClusterStore:
             cfg = self._tier_config.replace(directories=dirs, read_only=True, preallocate=False,
                                             staging_size=staging, **geometry)
             tier = Tier(self.layout, cfg, device=self.device, metrics_registry=self._registry)
+            tier.FOLLOW_INTERVAL = self.config.cluster_follow_ms / 1000
         except StoreMismatchError as exc:  # another model, sharding or format: not ours
             self._skipped[name] = identity
             self._log_once(f"skip:{name}", logging.INFO, "cluster: namespace %s skipped: %s",

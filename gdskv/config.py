@@ -197,6 +197,9 @@ class TierConfig:
     #: cluster: milliseconds between listings of the shared directory for new or vanished
     #: namespaces (one readdir and one manifest stat per namespace each time)
     cluster_discovery_ms: int = 1000
+    #: cluster: at most how often (ms) a lookup or read catches up with another node's journal
+    #: (one stat of it each time; new records are read only when it grew)
+    cluster_follow_ms: int = 50
     #: cluster: staging buffer of each other node's follower tier (there is one per node, so
     #: it is kept smaller than staging_size; at least one slot per pipeline part)
     cluster_peer_staging_size: int = 64 << 20
@@ -210,7 +213,7 @@ class TierConfig:
             raise ConfigError(f"pipeline_depth: must be an integer in 2..64, got "
                               f"{self.pipeline_depth!r}")
         for name in ("capacity", "staging_size", "io_threads", "io_chunk_size",
-                     "files_per_dir", "admit_after", "cluster_discovery_ms",
+                     "files_per_dir", "admit_after", "cluster_discovery_ms", "cluster_follow_ms",
                      "cluster_peer_staging_size"):
             value = getattr(self, name)
             if value < 1:
@@ -336,6 +339,7 @@ FIELD_DOCS: dict[str, str] = {
     "node_id": "this node's namespace in a cluster (default: host name + GPU index + ranks)",
     "cluster_dedup": "cluster: a put skips keys another node already holds",
     "cluster_discovery_ms": "cluster: ms between listings of the shared directory for nodes",
+    "cluster_follow_ms": "cluster: ms between catch-ups with another node's journal (one stat)",
     "cluster_peer_staging_size": "cluster: staging buffer of each other node's follower tier",
 }
 
