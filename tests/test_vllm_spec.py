@@ -340,3 +340,31 @@ def test_a_job_whose_keys_do_not_match_its_blocks_moves_nothing(tmp_path):
     tier = cw.worker.transfers.tiers[0]
     assert tier.stats()["pages_stored"] == 0 and tier.stats().get("bytes_written", 0) == 0
     cw.shutdown()
+
+
+def test_cluster_store_replicas_share_blocks(tmp_path):
+    """"cluster": true: two data-parallel replicas on one directory are two nodes of a cluster
+    store. Replica 1's scheduler finds the blocks replica 0 stored, does not store them again,
+    and its worker loads them bit-exact from replica 0's namespace."""
+    from vllm_helpers import with_dp_index
+    opts = extra(tmp_path, cluster=True, cluster_follow_ms=1, cluster_discovery_ms=1)
+    specs = [make_spec(with_dp_index(offloading_config(opts), dp)) for dp in (0, 1)]
+    caches = [kv_caches(8, [2], seed=30 + dp) for dp in (0, 1)]
+    workers = [connector_worker(s, c) for s, c in zip(specs, caches)]
+    managers = [s.get_manager() for s in specs]
+    tiers = [s._worker.transfers.tiers[0] for s in specs]
+    assert [t.node_id.split("-")[-1] for t in tiers] == ["dp0", "dp1"]
+    ks = keys(2)
+    assert store(managers[0], workers[0], 1, ks, [1, 2]) == ks
+    with managers[1].lock:
+        managers[1].refresh(force=True)
+        assert [managers[1].lookup(k, CTX) for k in ks] == [LookupResult.HIT] * 2
+        assert managers[1].prepare_store(ks, CTX).keys_to_store == []  # held by replica 0
+    load(managers[1], workers[1], 2, ks, [5, 6])
+    for a, b in ((1, 5), (2, 6)):
+        assert all(torch.equal(x, y) for x, y in zip(block_bytes(caches[0], 0, a),
+                                                     block_bytes(caches[1], 0, b)))
+    assert tiers[1].stats()["cluster"]["peer_hits"] == 2
+    assert len(tiers[1].own.directory) == 0
+    for w in workers:
+        w.shutdown()

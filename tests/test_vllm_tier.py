@@ -193,3 +193,29 @@ def test_real_tiering_manager_cascades_to_gdskv_and_promotes_back(tmp_path):
         assert tier.stats()["hits"] == len(ks)
     finally:
         manager.shutdown()
+
+
+def test_cluster_store_replicas_share_rows(tmp_path):
+    """"cluster": true: the secondary tiers of two data-parallel replicas share one directory;
+    each is a node (node id from its replica index) and loads the rows the other stored."""
+    from vllm_helpers import with_dp_index
+    opts = gdskv_tier_config(tmp_path, cluster=True, cluster_follow_ms=1)
+    rows0, view0 = primary_view(8, seed=5)
+    rows1, view1 = primary_view(8, seed=6)
+    tiers = [SecondaryTierFactory.create_secondary_tier(
+        dict(opts), view, OffloadingSpecFactory.create_spec(with_dp_index(offloading_config(
+            {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 1 << 20}), dp)))
+        for dp, view in ((0, view0), (1, view1))]
+    assert [t.tier.node_id.split("-")[-1] for t in tiers] == ["dp0", "dp1"]
+    ks, ctx = keys(3), ReqContext("r")
+    tiers[0].submit_store(TransferJob(1, ks, np.array([0, 1, 2]), False, ctx))
+    assert finished(tiers[0], {1})[1].success
+    deadline = time.monotonic() + 10
+    while tiers[1].lookup(ks[-1], ctx) is not LookupResult.HIT:
+        assert time.monotonic() < deadline, "replica 1 never saw replica 0's rows"
+        time.sleep(0.01)
+    tiers[1].submit_load(TransferJob(2, ks, np.array([5, 6, 7]), True, ctx))
+    assert finished(tiers[1], {2})[2].success
+    assert np.array_equal(rows1[5:8], rows0[0:3])
+    for t in tiers:
+        t.shutdown()

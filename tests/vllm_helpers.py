@@ -70,3 +70,10 @@ def keys(n: int, group_id: int = 0, salt: str = "") -> list[bytes]:
     import hashlib
     return [make_offload_key(hashlib.sha256(f"{salt}block{i}".encode()).digest(), group_id)
             for i in range(n)]
+
+
+def with_dp_index(config: OffloadingConfig, dp_index: int) -> OffloadingConfig:
+    """``config`` as data-parallel replica ``dp_index`` of ``dp_index + 1`` sees it."""
+    import dataclasses
+    return dataclasses.replace(config, parallel=dataclasses.replace(
+        config.parallel, data_parallel_index=dp_index, data_parallel_size=dp_index + 1))

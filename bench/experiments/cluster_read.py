@@ -25,7 +25,6 @@ Result it produced (bench/RESULTS.md, "Cluster store"), under bench/results/:
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing
 import os
 import platform
@@ -33,6 +32,7 @@ import shutil
 import tempfile
 import time
 
+import experiment_helpers
 from gdskv.bench.cache import drop_page_cache, fs_type
 from gdskv.config import parse_size
 
@@ -70,7 +70,6 @@ def _node(rank: int, args, root: str, barrier, results) -> None:
     """One node: write, wait for all, (rank 0) read own, read everyone's; report timings."""
     import torch
 
-    import experiment_helpers
     from gdskv.cluster import ClusterStore
     from gdskv.config import TierConfig
 
@@ -139,8 +138,6 @@ def _node(rank: int, args, root: str, barrier, results) -> None:
 
 
 def main(args) -> dict:
-    import experiment_helpers
-
     layout = experiment_helpers.geometry(args.geometry)
     pages_each = parse_size(args.size, what="--size") // layout.page_bytes
     if pages_each < 1 or args.writers < 2 or args.batch_pages < 1:
@@ -199,23 +196,20 @@ def main(args) -> dict:
 
 
 def report(r: dict) -> str:
-    return "\n".join([
-        f"cluster_read on {r['dir']} ({r['fs_type']}), {r['backend']}, {r['writers']} nodes x "
-        f"{r['bytes_per_writer'] / 2**20:.0f} MiB, {r['geometry']}",
-        f"  own (node 0 alone, its pages):  {r['own']['gbps']:.2f} GB/s",
-        f"  all (every node, every page):   {r['all']['gbps']:.2f} GB/s aggregate "
-        f"({r['aggregate_over_own']:.2f}x own); per node "
-        + ", ".join(f"{g:.2f}" for g in r["all"]["per_node_gbps"]),
-        f"  misses {r['own']['misses'] + r['all']['misses']}, wrong pages "
-        f"{r['own']['wrong_pages'] + r['all']['wrong_pages']}"])
+    """The short summary: one node alone, all nodes at once, and the checks."""
+    own, every = r["own"], r["all"]
+    per_node = ", ".join(f"{g:.2f}" for g in every["per_node_gbps"])
+    misses = own["misses"] + every["misses"]
+    wrong = own["wrong_pages"] + every["wrong_pages"]
+    mib = r["bytes_per_writer"] / 2**20
+    return (f"cluster_read on {r['dir']} ({r['fs_type']}), {r['backend']}, {r['writers']} "
+            f"nodes x {mib:.0f} MiB, {r['geometry']}\n"
+            f"  own (node 0 alone, its pages):  {own['gbps']:.2f} GB/s\n"
+            f"  all (every node, every page):   {every['gbps']:.2f} GB/s aggregate "
+            f"({r['aggregate_over_own']:.2f}x own); per node {per_node}\n"
+            f"  misses {misses}, wrong pages {wrong}")
 
 
 if __name__ == "__main__":
-    a = _args()
-    res = main(a)
-    text = json.dumps(res, indent=1)
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(text + "\n")
-    print(text)
-    print(report(res))
+    result = main(parsed := _args())
+    experiment_helpers.print_result(result, parsed.out, report(result))

@@ -8,6 +8,7 @@ through pytest's ``pythonpath`` setting in pyproject.toml.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import sys
 from types import ModuleType
@@ -71,3 +72,14 @@ def load_test_helper(name: str) -> ModuleType:
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def print_result(result: dict, out: str | None, summary: str) -> None:
+    """A probe's ending: its JSON result, also written to ``out`` when given, then the short
+    summary (last, so it is what a device call's output tail shows)."""
+    text = json.dumps(result, indent=1)
+    if out:
+        with open(out, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+    print(text)
+    print(summary)

@@ -30,7 +30,6 @@ Result it produced (bench/RESULTS.md, "Hybrid models"), under bench/results/:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shutil
@@ -39,6 +38,7 @@ import time
 
 import torch
 
+import experiment_helpers
 from gdskv.adapters.sglang.sidecar import CONTROLLER_BATCH_PAGES, store_config
 from gdskv.bench.cache import drop_page_cache
 from gdskv.config import TierConfig
@@ -195,9 +195,4 @@ def report(r: dict) -> str:
 if __name__ == "__main__":
     options = _args()
     res = main(options)
-    text = json.dumps(res, indent=1)
-    if options.out:
-        with open(options.out, "w", encoding="utf-8") as f:
-            f.write(text)
-    print(text)
-    print(report(res))
+    experiment_helpers.print_result(res, options.out, report(res))

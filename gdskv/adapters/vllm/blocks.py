@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ...config import TierConfig
+from ...cluster import ClusterStore, open_tier
 from ...tier import Tier
 from .mapping import GroupGeometry, Shard, group_store_name
 
@@ -64,7 +65,7 @@ class BlockTransfers:
 
     def __init__(self, shard: Shard, config: TierConfig, groups: Sequence[GroupGeometry]) -> None:
         self.groups = list(groups)
-        self.tiers: list[Tier] = []
+        self.tiers: list[Tier | ClusterStore] = []
         self._jobs: dict[int, _Job] = {}
         self._logged: set[str] = set()
         try:
@@ -72,7 +73,8 @@ class BlockTransfers:
                 what = group_store_name(g.group_id, g.tokens_per_block)
                 layout = shard.layout(num_layers=len(g.rows), row_bytes=g.row_bytes, what=what)
                 cfg = config.replace(directories=shard.directories(config, what, create=True))
-                self.tiers.append(Tier(layout, cfg, device=g.rows[0].device))
+                self.tiers.append(open_tier(layout, cfg, device=g.rows[0].device,
+                                            node_ranks=shard.node_ranks))
         except BaseException:
             self.close()
             raise

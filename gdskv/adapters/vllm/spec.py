@@ -35,7 +35,6 @@ from vllm.v1.kv_offload.base import (CanonicalKVCaches, GPULoadStoreSpec, LoadSt
                                      TransferResult, get_offload_group_idx)
 from vllm.v1.kv_offload.config import OffloadingConfig
 
-from ...config import ConfigError
 from .blocks import BlockTransfers
 from .index import KeyIndex
 from .mapping import Shard, group_geometry, group_store_name, tier_config
@@ -249,18 +248,13 @@ class GdskvOffloadingSpec(OffloadingSpec):
         self.replicated_layout = False
         self.gdskv_config = tier_config(self.extra_config.get(OPTIONS_KEY, {}),
                                         where=f"kv_connector_extra_config[{OPTIONS_KEY!r}]")
-        if self.gdskv_config.cluster:
-            raise ConfigError("gdskv: \"cluster\": true is not supported by the GPU-direct "
-                              "connector yet (its scheduler-side index follows one store per "
-                              "worker rank, not every node's namespace); use the secondary tier "
-                              "(GdskvSecondaryTier under TieringOffloadingSpec) for a cluster "
-                              "store, or leave cluster off")
         self.shard = shard_of(config)
         self._manager: GdskvOffloadingManager | None = None
         self._worker: GdskvOffloadingWorker | None = None
 
     def store_dirs(self, group) -> list[str]:
-        """The first directory of each rank's store of ``group`` (where its journal is)."""
+        """The first directory of each rank's store of ``group`` (where its journal is; in a
+        cluster store, where each node's namespace of that rank is)."""
         what = group_store_name(group.group_id, group.tokens_per_block)
         return [self.shard.directories(self.gdskv_config, what, rank=r)[0]
                 for r in range(self.shard.world_size)]
@@ -268,7 +262,9 @@ class GdskvOffloadingSpec(OffloadingSpec):
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
             self._manager = GdskvOffloadingManager(
-                {g.group_id: KeyIndex(self.store_dirs(g)) for g in self.config.groups},
+                {g.group_id: KeyIndex(self.store_dirs(g), cluster=self.gdskv_config.cluster,
+                                      discovery_s=self.gdskv_config.cluster_discovery_ms / 1000)
+                 for g in self.config.groups},
                 enable_events=self.kv_events_config.enable_kv_cache_events)
         return self._manager
 
