@@ -145,6 +145,7 @@ class ClusterStore:
         self.device = self.own.device if self.own is not None else \
             check_device(device if device is not None else "cpu")
         self._worker = ThreadPoolExecutor(config.pipeline_depth, thread_name_prefix="gdskv-cluster")
+        self._lister = ThreadPoolExecutor(1, thread_name_prefix="gdskv-cluster-list")
         try:
             self.discover()
         except BaseException:
@@ -172,7 +173,7 @@ class ClusterStore:
     @property
     def peers(self) -> dict[str, Tier]:
         """The other nodes' namespaces open now, by node id."""
-        return {name: p.tier for name, p in sorted(self._peers.items())}
+        return {name: p.tier for name, p in sorted(self._peers.copy().items())}
 
     @property
     def store(self):
@@ -253,15 +254,20 @@ class ClusterStore:
         peer.tier.close()  # waits for its calls in flight; later ones find it closed (a miss)
 
     def _discover_if_due(self) -> None:
-        if time.monotonic() - self._discovered_at < self.config.cluster_discovery_ms / 1000:
+        """Start a listing in the background when one is due: opening a namespace (its files,
+        staging, kernel warm-up on a GPU) must not stall the engine's call that noticed it."""
+        if time.monotonic() - self._discovered_at < self.config.cluster_discovery_ms / 1000 \
+                or self._discovery.locked():
             return
-        if self._discovery.acquire(blocking=False):  # another thread is listing: go on
-            self._discovery.release()
-            self.discover()
+        self._discovered_at = time.monotonic()  # one listing per interval, not one per call
+        try:
+            self._lister.submit(self.discover)
+        except RuntimeError:  # closing: no more listings
+            pass
 
     def _tiers(self) -> list[Tier]:
         """This node's tier first, then the others' in name order."""
-        peers = [p.tier for _, p in sorted(self._peers.items())]
+        peers = [p.tier for _, p in sorted(self._peers.copy().items())]
         return ([self.own] if self.own is not None else []) + peers
 
     # -- lookups --------------------------------------------------------------------------------
@@ -435,7 +441,7 @@ class ClusterStore:
         ``(node id, slot)`` or None; give each back to :meth:`unpin` once."""
         keys = self._keys(keys)
         named = ([(self.node_id, self.own)] if self.own is not None else []) + \
-            sorted((n, p.tier) for n, p in self._peers.items())
+            sorted((n, p.tier) for n, p in self._peers.copy().items())
         handles: list[tuple[str, int] | None] = [None] * len(keys)
         for name, tier in named:
             idx = [i for i, h in enumerate(handles) if h is None and _holds(tier, keys[i])]
@@ -502,6 +508,7 @@ class ClusterStore:
             return
         self._closed = True
         self._worker.shutdown(wait=True)
+        self._lister.shutdown(wait=True)
         with self._discovery:
             for name in list(self._peers):
                 self._peers.pop(name).tier.close()

@@ -90,11 +90,13 @@ def churn_writer(root: str, node: str, generation: int, ack_path: str, result_pa
             os.write(fd, line.encode())
             os.fsync(fd)
             n += 1
+            time.sleep(0.005)  # leave the two-core test machine's readers some CPU
 
 
 def churn_reader(root: str, node: str, ack_path: str, stop_path: str, result_path: str) -> None:
     """Read the writer's most recently acknowledged pages over and over until told to stop:
-    hits must be bit-exact (slots are reused under us all the time: those are misses)."""
+    hits must be bit-exact (slots are reused under us all the time: those are misses). The
+    hits so far per writer generation are in ``result_path + ".progress"`` after each round."""
     wrong: list = []
     hits = {"gen0": 0, "gen1": 0}
     reads = 0
@@ -111,6 +113,7 @@ def churn_reader(root: str, node: str, ack_path: str, stop_path: str, result_pat
                 reads += len(keys)
                 for k in set(keys) - set(got["missed"]):
                     hits[k.split("/")[1].split("-")[0]] += 1
+                dump(result_path + ".progress", hits)
             time.sleep(0.01)
         corrupt = cs.stats()["corrupt_pages"]
     dump(result_path, {"wrong": wrong, "hits": hits, "reads": reads, "corrupt": corrupt})

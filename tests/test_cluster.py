@@ -23,7 +23,7 @@ from gdskv.store import StoreLockedError
 from gdskv.tier import Tier
 
 import cluster_helpers as ch
-from conftest import random_pool
+from conftest import HAS_CUDA, NEEDS_NIXL, random_pool
 from reliability_helpers import LAYOUT, SLOT, check_pages, forkserver, put
 
 NODES = ["node0", "node1", "node2", "node3"]
@@ -105,6 +105,14 @@ def test_writer_killed_mid_write_and_restarted(shared, tmp_path):
     readers = [ctx.Process(target=ch.churn_reader, name=f"reader{i}", args=(
         shared, f"reader{i}", ack, stop, str(tmp_path / f"reader{i}.json"))) for i in range(3)]
 
+    def readers_hit(gen: str) -> bool:
+        """Every reader has read at least one page of this writer generation."""
+        try:
+            return all(_json(str(tmp_path / f"reader{i}.json.progress"))[gen] > 0
+                       for i in range(3))
+        except (FileNotFoundError, ValueError):
+            return False
+
     def acked() -> int:
         try:
             with open(ack) as f:
@@ -122,13 +130,15 @@ def test_writer_killed_mid_write_and_restarted(shared, tmp_path):
         r.start()
     first = writer(0)
     try:
-        _wait_for(lambda: acked() >= 120, 60, "the first writer's pages")
+        _wait_for(lambda: acked() >= 120 and readers_hit("gen0"), 60,
+                  "the first writer's pages, read by every reader")
         os.kill(first.pid, signal.SIGKILL)
         first.join(10)
         assert first.exitcode == -signal.SIGKILL
         n_first = acked()
         second = writer(1)
-        _wait_for(lambda: acked() >= n_first + 120, 60, "the restarted writer's pages")
+        _wait_for(lambda: acked() >= n_first + 120 and readers_hit("gen1"), 60,
+                  "the restarted writer's pages, read by every reader")
         with open(stop, "w"):
             pass
         _join(readers)
@@ -190,6 +200,31 @@ def test_pool_calls_route_each_page_to_the_node_holding_it(shared):
                                        t[:, list(src[key])].view(torch.int16))
         assert a.get_async(["p1"], out, slots[:ps]).result() == [True]
         assert a.stats()["cluster"]["peer_hits"] == 2
+
+
+@pytest.mark.parametrize("backend", [
+    pytest.param("nixl", marks=NEEDS_NIXL),
+    pytest.param("kvikio", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not HAS_CUDA, reason="kvikio backend needs a CUDA device (none here)")])])
+def test_nodes_on_other_backends_read_each_other(shared, backend):
+    """The same routing with each node's tiers (own and followers) on NIXL, or on kvikio with
+    the KV pool on the GPU: bit-exact across nodes."""
+    device = "cuda" if backend == "kvikio" else "cpu"
+    pool = random_pool(LAYOUT, 64, seed=2, device=device)
+    ps = LAYOUT.page_size
+    with ClusterStore(LAYOUT, ch.cluster_config(shared, "a", backend=backend),
+                      device=device) as a, \
+            ClusterStore(LAYOUT, ch.cluster_config(shared, "b", backend=backend),
+                         device=device) as b:
+        assert a.put(["q0", "q1"], pool, torch.arange(0, 2 * ps, device=device)) == [True] * 2
+        b.refresh()
+        out = tuple(torch.zeros_like(t) for t in pool)
+        slots = torch.arange(8 * ps, 10 * ps, device=device)
+        assert b.get(["q1", "q0"], out, slots) == [True, True]
+        for t, o in zip(pool, out):
+            assert torch.equal(o[:, 8 * ps:10 * ps].view(torch.int16),
+                               t[:, list(range(ps, 2 * ps)) + list(range(ps))].view(torch.int16))
+        assert b.peers["a"].stats()["backend"] == backend
 
 
 def test_dedup_off_stores_own_copies_and_pins_name_the_holder(shared):
