@@ -350,6 +350,9 @@ class NixlBackend(Backend):
         for i, e in enumerate(extents):
             if e.length < 0 or e.buffer_offset < 0 or e.buffer_offset + e.length > size:
                 raise ValueError(f"extents[{i}]: {e} does not fit a buffer of {size} bytes")
+            if e.memory:  # in_place_host_memory is False: the tier never sends these
+                raise ValueError(f"extents[{i}] carries its own memory; the nixl backend moves "
+                                 "only registered buffers (the call's buffer)")
         pieces = io_pieces(extents, self._config.io_threads, self._config.io_chunk_size)
         event = None
         if buffer.device.type == "cuda":
