@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from . import kernels
 from .layout import KVLayout
 from .pool import KVPool
 
@@ -87,6 +88,12 @@ class PoolCopier(PageCopier):
 
     def __call__(self, staging: torch.Tensor, page_idx: list[int]) -> None:
         self.kernel(self.pool, self.layout, self._chunk_slots(page_idx), staging)
+
+    def scatter_verified(self, staging: torch.Tensor, page_idx: list[int], verdicts) -> None:
+        """Restore only the pages whose checksum matches (:class:`gdskv.gpu_verdicts.GpuVerdicts`
+        says which): one launch that verifies and scatters."""
+        kernels.scatter_pages_verified(self.pool, self.layout, self._chunk_slots(page_idx),
+                                       staging, verdicts)
 
 
 class RegionCopier(PageCopier):

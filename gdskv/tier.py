@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -54,6 +55,7 @@ from .call_gate import CallGate
 from .config import ConfigError, SyncPolicy, TierConfig
 from .copiers import PageCopier, PoolCopier, RegionCopier
 from .directory import PageDirectory, PageState
+from .gpu_verdicts import GpuVerdicts, VerdictBuffers
 from .host_pages import HostPagePath, InPlacePages
 from .journal import Journal, JournalFollower, check_key
 from . import slot_trailer
@@ -134,6 +136,7 @@ class Tier:
             self._checksums = checksum.default_for(self.device, layout)
             # pages are verified with the algorithm that made their checksum (see checksum.py)
             self._verifiers = {self._checksums.algorithm: self._checksums}
+            self._verdict_buffers = threading.local()  # gpu_verdicts.VerdictBuffers per thread
             self._persist = PersistentDirectory(self.store, self.config, self._stats,
                                                 self._log_once, scan_headers=scan_headers,
                                                 scan_progress=scan_progress)
@@ -699,40 +702,47 @@ class Tier:
         corrupt: list = []
         pending: collections.deque = collections.deque()
         held = None
+        verdicts = self._gpu_verdicts(drain, todo)
 
         in_place = isinstance(drain, InPlacePages)
         self._count_region_pages(drain, len(todo), "read")
 
         def finish_oldest() -> None:
-            finish = self._finish_read_in_place if in_place else self._finish_read
-            finish(keys, *pending.popleft(), drain, results, corrupt)
+            if in_place:
+                self._finish_read_in_place(keys, *pending.popleft(), drain, results, corrupt)
+            else:
+                self._finish_read(keys, *pending.popleft(), drain, results, corrupt, verdicts)
 
         try:
             if not in_place:
                 drain.prepare([i for i, _, _ in todo])
-            for chunk in chunks:
+            for k, chunk in enumerate(chunks):
                 if in_place:  # no part: the I/O goes straight into the caller's regions
                     extents = drain.read_extents(self.store.extents([s for _, s, _ in chunk]),
                                                  [i for i, _, _ in chunk])
-                    pending.append((chunk, None, extents, self.backend.read(None, extents),
-                                    time.perf_counter()))
+                    pending.append((chunk, k * self._chunk_pages, None, extents,
+                                    self.backend.read(None, extents), time.perf_counter()))
                     continue
                 held = self._take_part(pending, finish_oldest)
                 extents = self.store.extents([s for _, s, _ in chunk])
-                pending.append((chunk, held, extents, self.backend.read(self._staging[held],
-                                                                         extents),
+                pending.append((chunk, k * self._chunk_pages, held, extents,
+                                self.backend.read(self._staging[held], extents),
                                 time.perf_counter()))
                 held = None
             while pending:
                 finish_oldest()
+            if verdicts is not None:
+                verdicts.read_back()
             self._copies_done()
+            if verdicts is not None:
+                self._settle(keys, todo, verdicts, results, corrupt)
         finally:
             if held is not None:
                 self._staging.give_back(held)
             for item in pending:  # not drained: its part is free once its read has ended
-                item[3].exception()
-                if item[1] is not None:
-                    self._staging.give_back(item[1])
+                item[4].exception()
+                if item[2] is not None:
+                    self._staging.give_back(item[2])
             freed = self.directory.unpin([s for _, s, _ in todo])
             self._persist.journal_evictions(freed)
             if corrupt:
@@ -742,12 +752,22 @@ class Tier:
                         corrupt_pages=len(corrupt))
         return results
 
-    def _finish_read(self, keys, chunk, part_index: int, extents, fut: Future, t0: float,
-                     drain: PageCopier, results: list[bool], corrupt: list) -> None:
+    def _finish_read(self, keys, chunk, first: int, part_index: int, extents, fut: Future,
+                     t0: float, drain: PageCopier, results: list[bool], corrupt: list,
+                     verdicts: GpuVerdicts | None) -> None:
+        """Verify and drain one chunk (its read ended or ends now); ``first`` is the chunk's
+        first position in the call's read order. With ``verdicts``, a chunk whose I/O moved
+        every page is verified and scattered in one launch, and its hits are counted when the
+        call settles (:meth:`_settle`)."""
         part = self._staging[part_index]
+        good: list[int] = []
         try:
             outcome: IOOutcome = fut.result()
             failed = self._failed_positions(outcome, extents, "read")
+            if verdicts is not None and not failed:
+                verdicts.scatter(drain, part, first, [i for i, _, _ in chunk])
+                self._stats.add(read_seconds=time.perf_counter() - t0)
+                return
             if self.config.verify:
                 sums = self._verify_sums(part, chunk)
                 bad = []
@@ -778,8 +798,9 @@ class Tier:
         self._stats.add(bytes_read=len(good) * self.layout.page_bytes,
                         read_seconds=time.perf_counter() - t0, read_failed=len(failed))
 
-    def _finish_read_in_place(self, keys, chunk, _part, extents, fut: Future, t0: float,
-                              pages: InPlacePages, results: list[bool], corrupt: list) -> None:
+    def _finish_read_in_place(self, keys, chunk, _first: int, _part: None, extents,
+                              fut: Future, t0: float, pages: InPlacePages, results: list[bool],
+                              corrupt: list) -> None:
         """Complete an in-place read: the pages it did not move whole, or whose bytes (in the
         caller's regions) fail their checksum, are misses."""
         outcome: IOOutcome = fut.result()
@@ -808,6 +829,42 @@ class Tier:
             results[chunk[pos][0]] = True
         self._stats.add(bytes_read=len(good) * self.layout.page_bytes,
                         read_seconds=time.perf_counter() - t0, read_failed=len(failed))
+
+    def _gpu_verdicts(self, drain: PageCopier, todo: list) -> GpuVerdicts | None:
+        """Verdicts decided on the GPU for this restore, where it can: staging on CUDA, pages
+        going to a KV pool through the kernels, verification on, and every page checksummed
+        with this tier's GPU algorithm (pages an older configuration wrote are verified the
+        plain way)."""
+        if not todo or self._stream is None or not self.config.verify \
+                or not isinstance(drain, PoolCopier) \
+                or self._checksums.algorithm != checksum.GPU_PAGE \
+                or not kd.uses_triton(self.device):
+            return None
+        algos = self.directory.algorithms([s for _, s, _ in todo])
+        if not (algos == checksum.GPU_PAGE).all():
+            return None
+        buffers = getattr(self._verdict_buffers, "buffers", None)
+        if buffers is None:
+            buffers = self._verdict_buffers.buffers = VerdictBuffers(self.device)
+        return GpuVerdicts([want for _, _, want in todo], buffers, self._stream,
+                           self.layout.page_bytes, self.layout.slot_bytes)
+
+    def _settle(self, keys, todo: list, verdicts: GpuVerdicts, results: list[bool],
+                corrupt: list) -> None:
+        """Hits and checksum misses of the chunks verified on the GPU (after the stream sync)."""
+        bad, settled = [], verdicts.settle()
+        for k, matched in settled:
+            i = todo[k][0]
+            if matched:
+                results[i] = True
+            else:
+                bad.append(keys[i])
+        if bad:
+            corrupt.extend(bad)
+            self._log_once("corrupt", "checksum mismatch: %d pages dropped as misses "
+                           "(first key %r)", len(bad), bad[0])
+        self._stats.add(bytes_read=(len(settled) - len(bad)) * self.layout.page_bytes,
+                        read_failed=len(bad))
 
     def _verify_sums(self, part: torch.Tensor, chunk) -> np.ndarray:
         """Checksums of the chunk's pages, each made with the algorithm its stored one used."""

@@ -20,15 +20,16 @@ import torch
 
 from gdskv.pool import as_pool
 
-from .checksum import page_checksums_reference
+from .checksum import Verdicts, page_checksums_reference, page_word_sums_reference
 from .reference import (gather_pages_layer_reference, gather_pages_reference,
                         scatter_pages_layer_reference, scatter_pages_reference,
-                        staging_pages_view)
+                        scatter_pages_verified_reference, staging_pages_view)
 
 __all__ = ["gather_pages", "scatter_pages", "gather_pages_layer", "scatter_pages_layer",
            "gather_pages_reference", "scatter_pages_reference", "gather_pages_layer_reference",
            "scatter_pages_layer_reference", "staging_pages_view", "page_checksums",
-           "page_checksums_reference", "triton_available", "uses_triton"]
+           "page_checksums_reference", "page_partial_sums", "scatter_pages_verified",
+           "scatter_pages_verified_reference", "Verdicts", "triton_available", "uses_triton"]
 
 
 @functools.cache
@@ -67,6 +68,17 @@ def scatter_pages(rows, layout, token_slots, staging) -> None:
         scatter_pages_reference(as_pool(layout, rows).rows, layout, token_slots, staging)
 
 
+def scatter_pages_verified(rows, layout, token_slots, staging, verdicts: Verdicts) -> None:
+    """Unpack only the staging pages whose checksum matches (one launch on Triton): the
+    restore's verify and scatter in one step, with per-page verdicts left in ``verdicts.ok``."""
+    if uses_triton(staging.device):
+        from .triton_gather import scatter_pages_triton
+        scatter_pages_triton(rows, layout, token_slots, staging, verdicts=verdicts)
+    else:
+        scatter_pages_verified_reference(as_pool(layout, rows).rows, layout, token_slots,
+                                         staging, verdicts)
+
+
 def gather_pages_layer(rows, layout, token_slots, staging, layer: int,
                        kv: int | None = None) -> None:
     """Gather one layer (K and V, or only ``kv``) of every page into its place in ``staging``."""
@@ -89,13 +101,27 @@ def scatter_pages_layer(rows, layout, token_slots, staging, layer: int,
                                       layer, kv)
 
 
+def _triton_hashes(staging, num_pages: int, slot_bytes: int) -> bool:
+    """The Triton checksum kernel needs 4-byte aligned words; other buffers take the reference."""
+    return isinstance(staging, torch.Tensor) and uses_triton(staging.device) \
+        and staging.data_ptr() % 4 == 0 and (num_pages <= 1 or slot_bytes % 4 == 0)
+
+
+def page_partial_sums(staging: torch.Tensor, num_pages: int, page_bytes: int,
+                      slot_bytes: int) -> torch.Tensor:
+    """Each page's word-hash sum in parts, int64 ``[num_pages, parts]`` (their wrapping sum is
+    the algorithm's ``S``): what :class:`Verdicts` and
+    :func:`gdskv.kernels.checksum.finalize_partials_host` finish. One launch on Triton."""
+    if _triton_hashes(staging, num_pages, slot_bytes):
+        from .triton_checksum import page_partial_sums_triton
+        return page_partial_sums_triton(staging, num_pages, page_bytes, slot_bytes)
+    return page_word_sums_reference(staging, num_pages, page_bytes, slot_bytes).unsqueeze(1)
+
+
 def page_checksums(staging: torch.Tensor, num_pages: int, page_bytes: int,
                    slot_bytes: int) -> torch.Tensor:
-    """Checksums of ``num_pages`` pages of ``staging`` (the algorithm: :mod:`.checksum`), int64.
-
-    The Triton kernel needs 4-byte aligned words; other buffers take the reference."""
-    if isinstance(staging, torch.Tensor) and uses_triton(staging.device) \
-            and staging.data_ptr() % 4 == 0 and (num_pages <= 1 or slot_bytes % 4 == 0):
+    """Checksums of ``num_pages`` pages of ``staging`` (the algorithm: :mod:`.checksum`), int64."""
+    if _triton_hashes(staging, num_pages, slot_bytes):
         from .triton_checksum import page_checksums_triton
         return page_checksums_triton(staging, num_pages, page_bytes, slot_bytes)
     return page_checksums_reference(staging, num_pages, page_bytes, slot_bytes)

@@ -33,9 +33,11 @@ to verify pages a GPU wrote); :mod:`.triton_checksum` is the Triton kernel, and
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-__all__ = ["page_checksums_reference", "check_checksum_args", "as_int64", "fmix64_torch",
+__all__ = ["page_checksums_reference", "page_word_sums_reference", "finalize_partials_host",
+           "Verdicts", "check_checksum_args", "as_int64", "fmix64_torch",
            "GOLDEN", "FMIX_C1", "FMIX_C2"]
 
 GOLDEN = 0x9E3779B97F4A7C15
@@ -85,15 +87,54 @@ def check_checksum_args(staging: torch.Tensor, num_pages: int, page_bytes: int,
                          f"{page_bytes} at a {slot_bytes}-byte pitch need {need}")
 
 
+class Verdicts:
+    """What the verifying scatter needs and gives: the pages' ``partial`` checksum sums (int64
+    ``[pages, n_chunks]``), their stored checksums ``want`` (int64 ``[pages]``), and ``ok``
+    (int8 ``[pages]``), which receives 1 per page that matched and was scattered, 0 otherwise.
+    All on the pool's device."""
+
+    __slots__ = ("partial", "want", "ok", "page_bytes")
+
+    def __init__(self, partial: torch.Tensor, want: torch.Tensor, ok: torch.Tensor,
+                 page_bytes: int) -> None:
+        self.partial, self.want, self.ok, self.page_bytes = partial, want, ok, page_bytes
+
+    def reference_ok(self, num_pages: int) -> torch.Tensor:
+        """The verdicts by the pure-torch definition: bool ``[num_pages]``."""
+        sums = self.partial[:num_pages].sum(1)  # int64 sums wrap mod 2**64, as the kernel's
+        return finalize(sums, self.page_bytes) == self.want[:num_pages]
+
+
 def finalize(sums: torch.Tensor, page_bytes: int) -> torch.Tensor:
     """Step 4 of the algorithm on per-page word-hash sums (int64 bit patterns)."""
     return fmix64_torch(sums + as_int64((page_bytes * GOLDEN) % (1 << 64)))
+
+
+def finalize_partials_host(partial: np.ndarray, page_bytes: int) -> np.ndarray:
+    """Step 4 on the host: per page (row), the wrapping sum of its partial word-hash sums, plus
+    the length term, through ``fmix`` -> uint64 ``[pages]``. ``partial`` holds int64 or uint64
+    bit patterns (e.g. :func:`~.triton_checksum.page_partial_sums_triton` read back)."""
+    z = np.asarray(partial).view(np.uint64).sum(axis=1, dtype=np.uint64)  # wraps mod 2**64
+    z += np.uint64(page_bytes * GOLDEN % (1 << 64))
+    z ^= z >> np.uint64(30)
+    z *= np.uint64(FMIX_C1)
+    z ^= z >> np.uint64(27)
+    z *= np.uint64(FMIX_C2)
+    z ^= z >> np.uint64(31)
+    return z
 
 
 def page_checksums_reference(staging: torch.Tensor, num_pages: int, page_bytes: int,
                              slot_bytes: int) -> torch.Tensor:
     """Checksums of pages ``staging[p * slot_bytes : p * slot_bytes + page_bytes]`` -> int64
     ``[num_pages]`` (uint64 bit patterns). Pure torch, on staging's device."""
+    return finalize(page_word_sums_reference(staging, num_pages, page_bytes, slot_bytes),
+                    page_bytes)
+
+
+def page_word_sums_reference(staging: torch.Tensor, num_pages: int, page_bytes: int,
+                             slot_bytes: int) -> torch.Tensor:
+    """Steps 1-3 of the algorithm: each page's word-hash sum ``S`` -> int64 ``[num_pages]``."""
     check_checksum_args(staging, num_pages, page_bytes, slot_bytes)
     n_words = -(-page_bytes // 4)
     idx = torch.arange(n_words, dtype=torch.int64, device=staging.device) << 32
@@ -106,5 +147,5 @@ def page_checksums_reference(staging: torch.Tensor, num_pages: int, page_bytes: 
         # Assemble little-endian words from bytes: independent of the host's byte order.
         words = (page.view(n_words, 4).to(torch.int64) << shifts).sum(1)
         out[p] = fmix64_torch(idx | words).sum()
-    return finalize(out, page_bytes)
+    return out
 

@@ -12,6 +12,8 @@ import torch
 
 from gdskv.layout import KVLayout
 
+from .checksum import Verdicts
+
 
 def staging_pages_view(layout: KVLayout, staging: torch.Tensor, num_pages: int) -> torch.Tensor:
     """``[pages, kv, layer, token, row_bytes]`` uint8 view of the first ``num_pages`` pages."""
@@ -66,6 +68,21 @@ def scatter_pages_reference(rows: list[list[torch.Tensor]], layout: KVLayout,
     for kv, layers in enumerate(rows):
         for layer, layer_rows in enumerate(layers):
             _scatter_rows(layer_rows, idx, src[:, kv, layer])
+
+
+def scatter_pages_verified_reference(rows: list[list[torch.Tensor]], layout: KVLayout,
+                                    token_slots: torch.Tensor, staging: torch.Tensor,
+                                    verdicts: Verdicts) -> None:
+    """Like :func:`scatter_pages_reference`, for only the pages whose checksum (finished from
+    ``verdicts.partial``) equals ``verdicts.want``; ``verdicts.ok`` receives 1 per such page,
+    0 per other page."""
+    n = token_slots.numel() // layout.page_size
+    ok = verdicts.reference_ok(n)
+    verdicts.ok[:n].copy_(ok)
+    slots = token_slots.view(n, layout.page_size)
+    sb = layout.slot_bytes
+    for p in ok.nonzero().flatten().tolist():
+        scatter_pages_reference(rows, layout, slots[p], staging[p * sb:(p + 1) * sb])
 
 
 def _layer_entries(layout: KVLayout, layer: int, kv: int | None) -> list[int]:

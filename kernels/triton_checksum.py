@@ -1,7 +1,12 @@
 """Triton kernel for the page checksum of :mod:`.checksum` (the algorithm is documented there).
 
-Each program hashes one chunk of one page and writes the wrapping sum of its word hashes; a
-second small launch sums each page's chunks (mod 2**64, order-free) and applies the final mix. CUDA tensors run compiled; CPU tensors run under Triton's interpreter.
+Each program hashes one chunk of one page and writes the wrapping sum of its word hashes
+(:func:`page_partial_sums_triton`). The final step -- sum each page's chunks (mod 2**64,
+order-free) and apply the final mix -- runs where its result is needed: a second small launch
+(:func:`page_checksums_triton`), on the host from the partial sums
+(:func:`gdskv.kernels.checksum.finalize_partials_host`, one launch fewer when the sums are read
+back anyway), or inside the verifying scatter (:mod:`.triton_gather`). CUDA tensors run
+compiled; CPU tensors run under Triton's interpreter.
 """
 
 from __future__ import annotations
@@ -14,7 +19,8 @@ from triton.runtime.jit import JITFunction
 
 from .checksum import GOLDEN, as_int64, check_checksum_args
 
-__all__ = ["page_checksums_triton", "BLOCK", "ITERS"]
+__all__ = ["page_checksums_triton", "page_partial_sums_triton", "chunks_per_page", "BLOCK",
+           "ITERS"]
 
 # tl.sum's own combine function: the kernel avoids tl.zeros/tl.sum (themselves @jit functions,
 # which only run under the interpreter when TRITON_INTERPRET was set before triton was
@@ -90,6 +96,43 @@ ITERS = 4
 NUM_WARPS = 8
 
 
+def _check_triton_args(staging: torch.Tensor, num_pages: int, page_bytes: int,
+                       slot_bytes: int) -> None:
+    check_checksum_args(staging, num_pages, page_bytes, slot_bytes)
+    if staging.data_ptr() % 4 or (num_pages > 1 and slot_bytes % 4):
+        raise ValueError(f"staging address ({staging.data_ptr():#x}) and slot_bytes "
+                         f"({slot_bytes}) must be multiples of 4 for the Triton checksum")
+
+
+def chunks_per_page(page_bytes: int, block: int = BLOCK, iters: int = ITERS) -> int:
+    """How many partial sums :func:`page_partial_sums_triton` makes per page."""
+    n_chunks = max(1, triton.cdiv(-(-page_bytes // 4), block * iters))
+    if n_chunks > 65535:
+        raise ValueError(f"page of {page_bytes} bytes needs {n_chunks} chunks; raise iters")
+    return n_chunks
+
+
+def page_partial_sums_triton(staging: torch.Tensor, num_pages: int, page_bytes: int,
+                             slot_bytes: int, block: int = BLOCK, iters: int = ITERS,
+                             num_warps: int = NUM_WARPS) -> torch.Tensor:
+    """Steps 1-3 of the algorithm, per chunk: int64 ``[num_pages, chunks_per_page]`` word-hash
+    sums whose wrapping sum per page is ``S``. One launch; the final mix is left to the caller
+    (:func:`page_checksums_triton`, the host, or the verifying scatter kernel)."""
+    _check_triton_args(staging, num_pages, page_bytes, slot_bytes)
+    n_chunks = chunks_per_page(page_bytes, block, iters)
+    partial = torch.empty(num_pages, n_chunks, dtype=torch.int64, device=staging.device)
+    if num_pages == 0:
+        return partial
+    n_full, tail = divmod(page_bytes, 4)
+    words = staging[:staging.numel() // 4 * 4].view(torch.int32)
+    kernel = _hash_interp if staging.device.type == "cpu" else _hash_cuda
+    kwargs = {} if staging.device.type == "cpu" else {"num_warps": num_warps}
+    pitch = slot_bytes // 4 if num_pages > 1 else 0
+    kernel[(num_pages, n_chunks)](words, staging, partial, n_full, tail, pitch,
+                                  n_chunks, BLOCK=block, ITERS=iters, **kwargs)
+    return partial
+
+
 def page_checksums_triton(staging: torch.Tensor, num_pages: int, page_bytes: int,
                           slot_bytes: int, block: int = BLOCK, iters: int = ITERS,
                           num_warps: int = NUM_WARPS) -> torch.Tensor:
@@ -98,24 +141,12 @@ def page_checksums_triton(staging: torch.Tensor, num_pages: int, page_bytes: int
     Needs ``staging`` 4-byte aligned and ``slot_bytes % 4 == 0`` (staging buffers are 4 KiB
     aligned); :func:`gdskv.kernels.page_checksums` falls back to the reference otherwise.
     """
-    check_checksum_args(staging, num_pages, page_bytes, slot_bytes)
-    if staging.data_ptr() % 4 or (num_pages > 1 and slot_bytes % 4):
-        raise ValueError(f"staging address ({staging.data_ptr():#x}) and slot_bytes "
-                         f"({slot_bytes}) must be multiples of 4 for the Triton checksum")
-    if num_pages == 0:
-        return torch.empty(0, dtype=torch.int64, device=staging.device)
-    n_full, tail = divmod(page_bytes, 4)
-    n_chunks = max(1, triton.cdiv(-(-page_bytes // 4), block * iters))
-    if n_chunks > 65535:
-        raise ValueError(f"page of {page_bytes} bytes needs {n_chunks} chunks; raise iters")
-    words = staging[:staging.numel() // 4 * 4].view(torch.int32)
-    partial = torch.empty(num_pages, n_chunks, dtype=torch.int64, device=staging.device)
-    kernel = _hash_interp if staging.device.type == "cpu" else _hash_cuda
-    kwargs = {} if staging.device.type == "cpu" else {"num_warps": num_warps}
-    pitch = slot_bytes // 4 if num_pages > 1 else 0
-    kernel[(num_pages, n_chunks)](words, staging, partial, n_full, tail, pitch,
-                                  n_chunks, BLOCK=block, ITERS=iters, **kwargs)
+    partial = page_partial_sums_triton(staging, num_pages, page_bytes, slot_bytes, block,
+                                       iters, num_warps)
     out = torch.empty(num_pages, dtype=torch.int64, device=staging.device)
+    if num_pages == 0:
+        return out
+    n_chunks = partial.shape[1]
     final = _final_interp if staging.device.type == "cpu" else _final_cuda
     final[(num_pages,)](partial, out, n_chunks, as_int64(page_bytes * GOLDEN % (1 << 64)),
                         BLOCK=triton.next_power_of_2(n_chunks))

@@ -30,14 +30,18 @@ from triton.runtime.jit import JITFunction
 from gdskv.layout import KVLayout
 from gdskv.pool import as_pool, check_token_slots
 
+from .checksum import GOLDEN, Verdicts, as_int64
+
 __all__ = ["gather_pages_triton", "scatter_pages_triton", "gather_pages_layer_triton",
            "scatter_pages_layer_triton", "LaunchConfig", "default_config"]
 
 
 def copy_rows_kernel(table_ptr, slots_ptr, staging_ptr, n_tokens, slot_words, entry_start,
-                     entry_step, ROW_WORDS: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                     entry_step, partial_ptr, want_ptr, ok_ptr, n_chunks, length_term,
+                     ROW_WORDS: tl.constexpr, PAGE_SIZE: tl.constexpr,
                      WORD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
-                     ALIGN: tl.constexpr, GATHER: tl.constexpr):
+                     ALIGN: tl.constexpr, GATHER: tl.constexpr, VERIFY: tl.constexpr,
+                     CHUNKS: tl.constexpr):
     """Copy ``BLOCK_T`` tokens x ``BLOCK_C`` words of one (kv, layer) between pool and staging.
 
     Grid: (token blocks, column tiles of a row, (kv, layer) entries). Entry ``e`` of the table
@@ -45,6 +49,13 @@ def copy_rows_kernel(table_ptr, slots_ptr, staging_ptr, n_tokens, slot_words, en
     in a page) handled by program ``pid(2)`` is ``entry_start + pid(2) * entry_step``.
     ``ALIGN``: bytes every row address, stride and staging page offset is a multiple of; the
     hints below are what let the compiler use 16-byte vector loads and stores.
+
+    ``VERIFY`` (scatter only): each token's page checksum is finished here from the page's
+    ``n_chunks`` partial sums (``partial_ptr``, int64 ``[pages, n_chunks]``; ``CHUNKS`` is
+    ``n_chunks`` rounded up to a power of two) and compared with ``want_ptr[page]``; rows of a
+    page that does not match are not stored, so the pool never receives unverified bytes. The
+    first program of each page writes its verdict (1 ok, 0 not) to ``ok_ptr[page]``: the host
+    reads one flag array per call instead of syncing per chunk for the sums.
     """
     pid_t = tl.program_id(0)
     pid_c = tl.program_id(1)
@@ -69,6 +80,24 @@ def copy_rows_kernel(table_ptr, slots_ptr, staging_ptr, n_tokens, slot_words, en
         mask = t_mask[:, None]
     else:
         mask = t_mask[:, None] & (c < ROW_WORDS)[None, :]
+    if VERIFY:
+        k = tl.arange(0, CHUNKS)
+        sums = tl.load(partial_ptr + page[:, None] * n_chunks + k[None, :],
+                       mask=t_mask[:, None] & (k < n_chunks)[None, :], other=0)
+        # (length_term arrives as i32 when its value fits: widen before the bitcast)
+        z = tl.reduce(sums.to(tl.uint64, bitcast=True), 1, _SUM) \
+            + length_term.to(tl.int64).to(tl.uint64, bitcast=True)
+        z = z ^ (z >> 30)
+        z = z * 0xBF58476D1CE4E5B9
+        z = z ^ (z >> 27)
+        z = z * 0x94D049BB133111EB
+        z = z ^ (z >> 31)
+        want = tl.load(want_ptr + page, mask=t_mask, other=0).to(tl.uint64, bitcast=True)
+        good = z == want
+        mask = mask & good[:, None]
+        # one writer per page: the page's first token in the first column tile and entry
+        writer = t_mask & ((tok + pid_c + tl.program_id(2)) == 0)
+        tl.store(ok_ptr + page, good.to(tl.int8), mask=writer)
     if GATHER:
         tl.store(dst, tl.load(src, mask=mask), mask=mask)
     else:
@@ -81,6 +110,9 @@ _copy_rows_cuda = JITFunction(copy_rows_kernel)
 _copy_rows_interp = InterpretedFunction(copy_rows_kernel)
 
 _WORD_DTYPES = {4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+# tl.sum's own combine function (see :mod:`.triton_checksum` for why not tl.sum).
+_SUM = tl.standard._sum_combine
 
 
 class LaunchConfig:
@@ -130,7 +162,7 @@ def _check_staging(layout: KVLayout, num_pages: int, staging: torch.Tensor,
 
 def _launch(rows, layout: KVLayout, token_slots: torch.Tensor, staging: torch.Tensor,
             entries: tuple[int, int, int], gather: bool,
-            config: LaunchConfig | None = None) -> None:
+            config: LaunchConfig | None = None, verdicts: Verdicts | None = None) -> None:
     """``entries``: (first, step, count) of the (kv * layers + layer) entries to copy."""
     pool = as_pool(layout, rows)
     token_slots = check_token_slots(token_slots, layout.page_size, device=pool.device)
@@ -154,10 +186,23 @@ def _launch(rows, layout: KVLayout, token_slots: torch.Tensor, staging: torch.Te
     cpu = pool.device.type == "cpu"
     kernel = _copy_rows_interp if cpu else _copy_rows_cuda
     kwargs = {} if cpu else {"num_warps": cfg.num_warps}
+    if verdicts is None:  # the verify arguments are unused: any tensor will do
+        partial = want = ok = table.table
+        n_chunks, length_term, chunks = 1, 0, 1
+    else:
+        partial, want, ok = verdicts.partial, verdicts.want, verdicts.ok
+        if partial.shape[0] < num_pages or want.numel() < num_pages or ok.numel() < num_pages:
+            raise ValueError(f"verdicts cover {min(partial.shape[0], want.numel(), ok.numel())}"
+                             f" pages, the call has {num_pages}")
+        n_chunks = partial.shape[1]
+        length_term = as_int64(verdicts.page_bytes * GOLDEN % (1 << 64))
+        chunks = triton.next_power_of_2(n_chunks)
     kernel[grid](table.table, token_slots, staging.view(_WORD_DTYPES[word]), n_tokens,
-                 layout.slot_bytes // word, first, step, ROW_WORDS=row_words,
+                 layout.slot_bytes // word, first, step, partial, want, ok, n_chunks,
+                 length_term, ROW_WORDS=row_words,
                  PAGE_SIZE=layout.page_size, WORD=word, BLOCK_T=cfg.block_t,
-                 BLOCK_C=cfg.block_c, ALIGN=align, GATHER=gather, **kwargs)
+                 BLOCK_C=cfg.block_c, ALIGN=align, GATHER=gather,
+                 VERIFY=verdicts is not None, CHUNKS=chunks, **kwargs)
 
 
 def _all(layout: KVLayout) -> tuple[int, int, int]:
@@ -187,9 +232,12 @@ def gather_pages_triton(rows, layout: KVLayout, token_slots: torch.Tensor,
 
 
 def scatter_pages_triton(rows, layout: KVLayout, token_slots: torch.Tensor,
-                         staging: torch.Tensor, config: LaunchConfig | None = None) -> None:
-    """Unpack page-first ``staging`` pages into ``rows[kv][layer][token_slots]`` (one launch)."""
-    _launch(rows, layout, token_slots, staging, _all(layout), False, config)
+                         staging: torch.Tensor, config: LaunchConfig | None = None,
+                         verdicts: Verdicts | None = None) -> None:
+    """Unpack page-first ``staging`` pages into ``rows[kv][layer][token_slots]`` (one launch).
+    With ``verdicts``, only pages whose checksum matches are unpacked (see
+    :func:`copy_rows_kernel`'s ``VERIFY``)."""
+    _launch(rows, layout, token_slots, staging, _all(layout), False, config, verdicts)
 
 
 def gather_pages_layer_triton(rows, layout: KVLayout, token_slots: torch.Tensor,

@@ -183,3 +183,60 @@ def test_gpu_staging_bit_flips_are_misses(tmp_path):
             assert not hit or torch.equal(o.cpu(), page_content(k)), f"wrong bytes for {k}"
         assert {k for k, hit in zip(keys, hits) if not hit} == set(victims)
         assert tier.stats()["corrupt_pages"] == len(victims)
+
+
+def _gpu_pool(num_slots: int, fill: int | None, seed: int = 0):
+    """A stacked K/V pool of LAYOUT on the GPU: random bytes, or every byte ``fill``."""
+    shape = (LAYOUT.num_layers, num_slots, LAYOUT.kv_heads, LAYOUT.head_dim)
+    nbytes = torch.Size(shape).numel() * LAYOUT.torch_dtype.itemsize
+    gen = torch.Generator().manual_seed(seed)
+    parts = []
+    for _ in range(2):
+        raw = (torch.full((nbytes,), fill, dtype=torch.uint8) if fill is not None else
+               torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen))
+        parts.append(raw.view(LAYOUT.torch_dtype).view(shape).cuda())
+    return tuple(parts)
+
+
+def _page_rows(pool, slots: torch.Tensor) -> list[torch.Tensor]:
+    return [p[:, slots.long()].cpu() for p in pool]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_pool_restore_bit_flips_are_misses(tmp_path):
+    """Restores into a GPU KV pool verify on the GPU (the verifying scatter, one flag read-back
+    per call): a flipped page is a miss and its destination slots keep their bytes; pages
+    written with the host checksum (a CPU tier) take the plain path in the same call; nothing
+    wrong reaches the pool."""
+    ps, n = LAYOUT.page_size, 24
+    keys = [f"v{i}" for i in range(n)]
+    src = _gpu_pool(n * ps, None, seed=9)
+    src_slots = torch.randperm(n * ps, generator=torch.Generator().manual_seed(1))
+    cfg = small_config(tmp_path)
+    with Tier(LAYOUT, cfg, device="cpu") as cpu_tier:  # the first 8 pages: XXH3 checksums
+        host = tuple(p.cpu() for p in src)
+        assert all(cpu_tier.put(keys[:8], host, src_slots[:8 * ps]))
+    rng = random.Random(6)
+    with Tier(LAYOUT, cfg, device="cuda") as tier:
+        assert all(tier.put(keys[8:], src, src_slots[8 * ps:].cuda()))
+        victims = set(rng.sample(keys[8:], 5)) | {keys[2]}
+        for k in victims:
+            path, off = slot_location(tier, k)
+            _flip(path, off + rng.randrange(PAGE), rng.randrange(8))
+        dst = _gpu_pool(n * ps + 8, 0xAB)
+        dst_slots = torch.randperm(n * ps + 8, generator=torch.Generator().manual_seed(2))[
+            :n * ps].cuda()
+        hits = tier.get(keys, dst, dst_slots)
+        torch.cuda.synchronize()
+        assert {k for k, hit in zip(keys, hits) if not hit} == victims
+        for i, (k, hit) in enumerate(zip(keys, hits)):
+            got = _page_rows(dst, dst_slots[i * ps:(i + 1) * ps])
+            if hit:
+                want = _page_rows(src, src_slots[i * ps:(i + 1) * ps])
+                assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                           for a, b in zip(got, want)), f"wrong bytes for {k}"
+            else:  # untouched: still the 0xAB fill
+                assert all((g.view(torch.uint8) == 0xAB).all() for g in got), f"{k} was written"
+        assert tier.stats()["corrupt_pages"] == len(victims)
+        assert not any(tier.contains(k) for k in victims)

@@ -10,21 +10,23 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
-from gdskv.kernels import (gather_pages, page_checksums_reference, scatter_pages,
-                           triton_available, uses_triton)
-from gdskv.kernels.checksum import FMIX_C1, FMIX_C2, GOLDEN
+from gdskv.kernels import (Verdicts, gather_pages, page_checksums_reference, page_partial_sums,
+                           scatter_pages, triton_available, uses_triton)
+from gdskv.kernels.checksum import FMIX_C1, FMIX_C2, GOLDEN, finalize_partials_host
 from gdskv.kernels.reference import (gather_pages_layer_reference, gather_pages_reference,
-                                     scatter_pages_layer_reference, scatter_pages_reference)
+                                     scatter_pages_layer_reference, scatter_pages_reference,
+                                     scatter_pages_verified_reference)
 from gdskv.layout import KVLayout
 from gdskv.pool import KVPool
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 
 if triton_available():
-    from gdskv.kernels.triton_checksum import page_checksums_triton
+    from gdskv.kernels.triton_checksum import page_checksums_triton, page_partial_sums_triton
     from gdskv.kernels.triton_gather import (LaunchConfig, gather_pages_layer_triton,
                                              gather_pages_triton, scatter_pages_layer_triton,
                                              scatter_pages_triton)
@@ -359,6 +361,56 @@ def test_checksum_bad_inputs():
         page_checksums_reference(buf, 2, 40, 30)
     with pytest.raises(ValueError, match="staging must be"):
         page_checksums_reference(buf.view(torch.int32), 1, 4, 4)
+
+
+def corrupt_one_page(layout, staging, page):
+    """Flip one payload bit of ``page`` in place."""
+    staging[page * layout.slot_bytes + layout.page_bytes // 2] ^= 0x10
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", [CASES[1], CASES[3], CASES[7]], ids=case_id)
+def test_verified_scatter_stores_only_matching_pages(case, device):
+    """The fused verify + scatter: pages whose checksum matches land exactly as the reference
+    scatter puts them; a corrupted page and a page whose stored checksum differs leave the
+    pool untouched; ``ok`` says which is which, in the kernel and in the reference."""
+    num_pages = 4
+    layout, rows, slots, staging = setup_case(case, device, seed=5, num_pages=num_pages)
+    want = page_checksums_reference(staging, num_pages, layout.page_bytes, layout.slot_bytes)
+    want[2] ^= 1  # its stored checksum no longer matches: as if the slot were reused
+    corrupt_one_page(layout, staging, 0)
+    # Triton's partial sums (interpreted on CPU): several per page with a small block
+    partial = page_partial_sums_triton(staging, num_pages, layout.page_bytes, layout.slot_bytes,
+                                       block=64, iters=1)
+    expected = clone_rows(rows)
+    ps = layout.page_size
+    for p in (1, 3):
+        scatter_pages_reference(expected, layout, slots[p * ps:(p + 1) * ps],
+                                staging[p * layout.slot_bytes:(p + 1) * layout.slot_bytes])
+    def scatter_triton(*args):
+        scatter_pages_triton(*args[:4], verdicts=args[4])
+
+    for scatter in (scatter_triton, scatter_pages_verified_reference):
+        target = clone_rows(rows)
+        ok = torch.full((num_pages,), 7, dtype=torch.int8, device=device)
+        scatter(target, layout, slots, staging,
+                Verdicts(partial, want, ok, layout.page_bytes))
+        assert ok.tolist() == [0, 1, 0, 1], scatter.__name__
+        assert rows_equal(target, expected), scatter.__name__
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_partial_sums_finish_to_the_checksum_on_host(device):
+    for page_bytes, slot_bytes, num_pages in [(4096, 8192, 3), (70001, 70004, 2)]:
+        gen = torch.Generator().manual_seed(page_bytes)
+        buf = torch.randint(0, 256, (num_pages * slot_bytes,), dtype=torch.uint8,
+                            generator=gen).to(device)
+        for partial in (page_partial_sums(buf, num_pages, page_bytes, slot_bytes),
+                        page_partial_sums_triton(buf, num_pages, page_bytes, slot_bytes,
+                                                 block=256, iters=2)):
+            got = finalize_partials_host(partial.cpu().numpy(), page_bytes)
+            want = page_checksums_reference(buf.cpu(), num_pages, page_bytes, slot_bytes)
+            assert got.tolist() == want.numpy().view(np.uint64).tolist()
 
 
 # -- GPU: full-size geometries -----------------------------------------------------------------

@@ -54,7 +54,10 @@ PHASES = ("gdskv.tier:Tier._pool_copier", "gdskv.pool:KVPool.check_token_slots",
           "gdskv.copiers:PoolCopier.prepare", "gdskv.copiers:PoolCopier.__call__",
           "gdskv.directory:PageDirectory.algorithms", "gdskv.tier:Tier._scatter_event",
           "gdskv.staging:StagingParts.give_back", "gdskv.kernels:page_checksums",
-          "gdskv.stats:TierStats.add")
+          "gdskv.stats:TierStats.add", "gdskv.gpu_verdicts:GpuVerdicts.__init__",
+          "gdskv.gpu_verdicts:GpuVerdicts.scatter", "gdskv.gpu_verdicts:GpuVerdicts.read_back",
+          "gdskv.tier:Tier._settle", "gdskv.tier:Tier._gpu_verdicts",
+          "gdskv.kernels:page_partial_sums", "gdskv.kernels:scatter_pages_verified")
 
 
 def _install_phase_timers(totals: dict, threads: tuple[str, ...]) -> list:
@@ -66,13 +69,13 @@ def _install_phase_timers(totals: dict, threads: tuple[str, ...]) -> list:
     undo = []
     for spec in PHASES:
         mod_name, attr = spec.split(":")
-        owner = importlib.import_module(mod_name)
         *path, name = attr.split(".")
         try:  # (a phase the code under test does not have -- an older commit -- is skipped)
+            owner = importlib.import_module(mod_name)
             for part in path:
                 owner = getattr(owner, part)
             fn = getattr(owner, name)
-        except AttributeError:
+        except (AttributeError, ImportError):
             continue
 
         def timed(*a, _fn=fn, _spec=spec, **kw):
@@ -132,6 +135,9 @@ def _calls(engine, op: str, batches: int, ppb: int, profile: cProfile.Profile | 
 
 
 def run(args) -> dict:
+    if args.plain_verify:
+        from gdskv.tier import Tier
+        Tier._gpu_verdicts = lambda self, drain, todo: None
     preset = get_preset(args.model)
     layout = preset.layout(args.page_tokens)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -214,6 +220,9 @@ def main(argv=None) -> None:
                    help="sys.setswitchinterval (s): how long a thread may hold the GIL")
     p.add_argument("--phases", action="store_true",
                    help="time the tier's steps (per call, this thread) instead of cProfile")
+    p.add_argument("--plain-verify", action="store_true",
+                   help="verify restores the plain way (checksums read back per chunk, compared "
+                        "on the host) instead of on the GPU: the A/B for gdskv.gpu_verdicts")
     p.add_argument("--json", help="also write the result here")
     args = p.parse_args(argv)
     if args.switch_interval:

@@ -26,6 +26,8 @@ from experiment_helpers import geometry
 
 import gdskv.kernels as kd
 from gdskv.checksum import GpuPageChecksummer
+from gdskv.copiers import PoolCopier
+from gdskv.gpu_verdicts import GpuVerdicts, VerdictBuffers
 from gdskv.pool import KVPool
 
 
@@ -70,6 +72,27 @@ def steps(directory: str, pages: int, reps: int) -> dict:
             reps)
         out["checksum_compute_readback_us"] = _median_us(
             lambda: summer.compute(staging, pages), reps)
+        # The fused restore path (gdskv.gpu_verdicts): partial sums, the verifying scatter,
+        # and the call's stored checksums up / flags down.
+        want = kd.page_checksums(staging, pages, lay.page_bytes, lay.slot_bytes)
+        ok = torch.empty(pages, dtype=torch.int8, device=dev)
+        partial = kd.page_partial_sums(staging, pages, lay.page_bytes, lay.slot_bytes)
+        verdicts = kd.Verdicts(partial, want, ok, lay.page_bytes)
+        out["partial_sums_launch_us"] = _median_us(
+            lambda: kd.page_partial_sums(staging, pages, lay.page_bytes, lay.slot_bytes), reps)
+        out["verified_scatter_launch_us"] = _median_us(
+            lambda: kd.scatter_pages_verified(pool, lay, slots_gpu, staging, verdicts), reps)
+        buffers = VerdictBuffers(dev)
+        wants = [int(w) for w in want.cpu().numpy().view("uint64")]
+
+        def verdicts_round_trip():
+            v = GpuVerdicts(wants, buffers, stream, lay.page_bytes, lay.slot_bytes)
+            v.scatter(PoolCopier(pool, lay, slots_gpu.view(pages, -1), kd.scatter_pages),
+                      staging, 0, list(range(pages)))
+            v.read_back()
+            sync()
+            assert all(matched for _, matched in v.settle())
+        out["verdicts_upload_verify_scatter_readback_us"] = _median_us(verdicts_round_trip, reps)
         out["scatter_launch_us"] = _median_us(
             lambda: kd.scatter_pages(pool, lay, slots_gpu, staging), reps)
         out["scatter_launch_and_sync_us"] = _median_us(
