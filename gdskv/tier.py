@@ -845,7 +845,8 @@ class Tier:
             return None
         buffers = getattr(self._verdict_buffers, "buffers", None)
         if buffers is None:
-            buffers = self._verdict_buffers.buffers = VerdictBuffers(self.device)
+            buffers = self._verdict_buffers.buffers = VerdictBuffers(
+                self.device, self._chunk_pages, self.layout.page_bytes)
         return GpuVerdicts([want for _, _, want in todo], buffers, self._stream,
                            self.layout.page_bytes, self.layout.slot_bytes)
 
