@@ -181,6 +181,10 @@ class TierConfig:
     nixl_plugin: NixlPlugin = NixlPlugin.AUTO
     #: NIXL POSIX plugin queue: aio, uring or posix_aio (where the plugin offers it)
     nixl_posix_queue: str = "aio"
+    #: put_pages/get_pages on a CPU tier: move host regions straight between the caller's
+    #: memory and the slab files where their alignment allows (no staging copy); off: always
+    #: through staging
+    in_place: bool = True
     #: follower mode: open a store another process owns and writes, read-only (no lock, no
     #: writes; the directory follows the writer's journal). Needs verify: a slot the writer
     #: reuses while a follower reads it then fails its checksum and is a miss
@@ -331,6 +335,7 @@ FIELD_DOCS: dict[str, str] = {
     "files_per_dir": "slab files per directory",
     "verify": "verify page checksums on read (a mismatch is a miss)",
     "preallocate": "reserve the slab files' space at creation (false: grow as written)",
+    "in_place": "CPU tier: host page regions move straight to/from the files (no staging copy)",
     "read_only": "follower: open a store another process writes, read-only (needs verify)",
     "admit_after": "store a page only once it has been offered this many times (SSD wear)",
     "nixl_plugin": "auto (GDS_MT, GDS, then POSIX), GDS, GDS_MT or POSIX",

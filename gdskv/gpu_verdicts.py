@@ -23,20 +23,25 @@ from .copiers import PoolCopier
 
 
 class VerdictBuffers:
-    """Pinned and device buffers one thread's restores reuse: the stored checksums going up
-    and the flags coming back. Allocating them per call (pinned memory especially) cost more
-    than the launches they serve. Reuse is safe because a thread runs one call at a time and a
-    call's copies are finished when it settles; a call that ended early (an exception) leaves
-    ``clean`` false, and the next call waits for the stream before touching them."""
+    """Pinned and device buffers one thread's restores reuse: the stored checksums going up,
+    the partial sums of a chunk, and the flags coming back. Allocating them per call (pinned
+    memory especially) and slicing them per chunk cost more host time than the launches they
+    serve; the kernels take whole buffers and an offset. Reuse is safe because a thread runs
+    one call at a time and a call's copies are finished when it settles; a call that ended
+    early (an exception) leaves ``clean`` false, and the next call waits for the stream before
+    touching them."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, chunk_pages: int, page_bytes: int) -> None:
+        from gdskv.kernels.triton_checksum import chunks_per_page
         self.device = device
         self.capacity = 0
         self.clean = True
+        self.partial = torch.empty(chunk_pages, chunks_per_page(page_bytes), dtype=torch.int64,
+                                   device=device)
 
-    def take(self, n: int, stream) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                           torch.Tensor]:
-        """(host want, device want, device ok, host flags), each with room for ``n`` pages."""
+    def take(self, n: int, stream) -> None:
+        """Make room for a call of ``n`` pages (``host_want``, ``want``, ``ok``,
+        ``host_flags``)."""
         if not self.clean:
             stream.synchronize()
         if n > self.capacity:
@@ -46,7 +51,6 @@ class VerdictBuffers:
             self.ok = torch.empty(self.capacity, dtype=torch.int8, device=self.device)
             self.host_flags = torch.empty(self.capacity, dtype=torch.int8, pin_memory=True)
         self.clean = False
-        return self.host_want, self.want, self.ok, self.host_flags
 
 
 class GpuVerdicts:
@@ -56,37 +60,34 @@ class GpuVerdicts:
     def __init__(self, wants: Sequence[int], buffers: VerdictBuffers, stream,
                  page_bytes: int, slot_bytes: int) -> None:
         self.page_bytes, self.slot_bytes = page_bytes, slot_bytes
-        n = len(wants)
-        self._buffers = buffers
-        host_want, want, self._ok, self._host_flags = buffers.take(n, stream)
-        host_want.numpy()[:n] = np.asarray(wants, dtype=np.uint64).view(np.int64)
+        buffers.take(len(wants), stream)
+        self._buf = buffers
+        buffers.host_want.numpy()[:len(wants)] = np.asarray(wants, dtype=np.uint64).view(np.int64)
         # From pinned memory the upload is asynchronous on the tier's stream, which every
-        # kernel of the call runs on.
-        self._want = want[:n]
-        self._want.copy_(host_want[:n], non_blocking=True)
-        self._n = n
+        # kernel of the call runs on. (The whole buffer: no slice op; it is a few KiB.)
+        buffers.want.copy_(buffers.host_want, non_blocking=True)
         self._queued: list[tuple[int, int]] = []   # (first position, pages) per chunk
         self._read_back = False
 
     def scatter(self, drain: PoolCopier, part: torch.Tensor, first: int,
                 page_idx: list[int]) -> None:
         """Queue the verify + scatter of ``part``'s pages, the call's pages ``first`` .. on."""
-        n = len(page_idx)
-        partial = kd.page_partial_sums(part, n, self.page_bytes, self.slot_bytes)
-        drain.scatter_verified(part, page_idx, kd.Verdicts(
-            partial, self._want[first:first + n], self._ok[first:first + n], self.page_bytes))
+        n, buf = len(page_idx), self._buf
+        partial = kd.page_partial_sums(part, n, self.page_bytes, self.slot_bytes, out=buf.partial)
+        drain.scatter_verified(part, page_idx, kd.Verdicts(partial, buf.want, buf.ok,
+                                                           self.page_bytes, first))
         self._queued.append((first, n))
 
     def read_back(self) -> None:
         """Queue the flags' copy to the host (after every scatter queued so far)."""
         if self._queued:
-            self._host_flags[:self._n].copy_(self._ok[:self._n], non_blocking=True)
+            self._buf.host_flags.copy_(self._buf.ok, non_blocking=True)
             self._read_back = True
 
     def settle(self) -> list[tuple[int, bool]]:
         """After the stream has synchronized: (position, matched) for every queued page."""
-        self._buffers.clean = True
+        self._buf.clean = True
         if not self._read_back:
             return []
-        flags = self._host_flags.numpy()
+        flags = self._buf.host_flags.numpy()
         return [(k, bool(flags[k])) for first, n in self._queued for k in range(first, first + n)]

@@ -52,7 +52,8 @@ def check_token_slots(token_slots, page_size: int, *, num_pages: int | None = No
     if device is not None and token_slots.device != device:
         raise ValueError(f"token slot indices are on {token_slots.device}, the KV pool on "
                          f"{device}")
-    token_slots = token_slots.reshape(-1).contiguous()
+    if token_slots.dim() != 1 or not token_slots.is_contiguous():  # (each op costs host time)
+        token_slots = token_slots.reshape(-1).contiguous()
     n = token_slots.numel()
     if num_pages is not None and n != num_pages * page_size:
         raise ValueError(f"got {n} slot indices for {num_pages} pages; expected pages x "

@@ -24,6 +24,11 @@ new bytes; the whole journal again after the writer compacted it). A slot the wr
 while a follower still maps it to the old page fails its checksum on read and is a miss, which
 is why followers must verify.
 
+Host regions in place: on a tier staging in host memory, ``put_pages``/``get_pages`` move
+pages whose regions allow it straight between the caller's memory and the files, without the
+staging copy (:mod:`.host_pages`); the other pages of the call go through staging. Everything
+else (slots, trailers, journal, sync, commit, pins, verification, stats) is the same path.
+
 Beside the data path: the directory and its journal (recovery, compaction, follower catch-up)
 are :mod:`.persistence`; the call gate :mod:`.call_gate`; the admission filter
 :mod:`.admission`; the validated-pool cache :mod:`.pool`; the staging parts :mod:`.staging`.
@@ -51,6 +56,7 @@ from .config import ConfigError, SyncPolicy, TierConfig
 from .copiers import PageCopier, PoolCopier, RegionCopier
 from .directory import PageDirectory, PageState
 from .gpu_verdicts import GpuVerdicts, VerdictBuffers
+from .host_pages import HostPagePath, InPlacePages
 from .journal import Journal, JournalFollower, check_key
 from . import slot_trailer
 from .layout import FORMAT_VERSION, BytePageLayout, KVLayout, PageLayout
@@ -126,6 +132,7 @@ class Tier:
         backend_class(self.config, self.device)
         self._persist: PersistentDirectory | None = None
         self.backend = None
+        self._host_pages: HostPagePath | None = None
         self._worker: ThreadPoolExecutor | None = None
         self.store = SlabStore(layout, self.config)
         try:  # whatever fails from here releases all it acquired: lock, files, threads
@@ -139,6 +146,10 @@ class Tier:
             self._followed_at = time.monotonic()
             self.backend = create_backend(self.config, self.device)
             self.backend.attach(self.store.files)
+            self._host_pages = HostPagePath(
+                layout, self._in_place_why_not(),
+                any(f.direct for f in self.store.files) or bool(self._direct_io()[0]),
+                self.config.io_threads)
             self._staging = StagingParts(part_bytes, depth, self.device)
             # Gather/scatter run on the tier's own stream so the engine's stream is never
             # blocked behind our I/O; the tier stream waits only for the engine work issued
@@ -220,19 +231,24 @@ class Tier:
                   ) -> list[bool]:
         """Store pages given as page-format byte regions: ``pages[i]`` is a list of 1-D uint8
         tensors whose concatenation is page i's payload (``layout.page_bytes``). The only way
-        in for a :class:`BytePageLayout` tier."""
+        in for a :class:`BytePageLayout` tier.
+
+        On a tier staging in host memory, host regions are written in place where they allow
+        it (4 KiB aligned under O_DIRECT: see :mod:`gdskv.host_pages`), else through staging."""
         self._check_open()
         if self.read_only or self._lost:
             return self._refuse_put(keys)
-        keys, fill = self._region_copier(keys, pages, to_staging=True)
-        return self._run(self._put, keys, fill, self._engine_event())
+        keys, parts = self._region_calls(keys, pages, to_staging=True)
+        return self._run_parts(self._put, keys, parts, self._engine_event())
 
     def get_pages(self, keys: Sequence[Hashable], pages: Sequence[Sequence[torch.Tensor]]
                   ) -> list[bool]:
-        """Restore pages into page-format byte regions (see :meth:`put_pages`)."""
+        """Restore pages into page-format byte regions (see :meth:`put_pages`); per page a
+        hit (True) or a miss. The regions of a missed page hold undefined bytes afterwards
+        (a read in place may have landed part of the page there): never use them."""
         self._check_open()
-        keys, drain = self._region_copier(keys, pages, to_staging=False)
-        return self._run(self._get, keys, drain, self._engine_event())
+        keys, parts = self._region_calls(keys, pages, to_staging=False)
+        return self._run_parts(self._get, keys, parts, self._engine_event())
 
     def put_pages_async(self, keys: Sequence[Hashable],
                         pages: Sequence[Sequence[torch.Tensor]]) -> Future:
@@ -243,15 +259,15 @@ class Tier:
             fut: Future = Future()
             fut.set_result(self._refuse_put(keys))
             return fut
-        keys, fill = self._region_copier(keys, pages, to_staging=True)
-        return self._worker.submit(self._run, self._put, keys, fill, self._engine_event())
+        keys, parts = self._region_calls(keys, pages, to_staging=True)
+        return self._worker.submit(self._run_parts, self._put, keys, parts, self._engine_event())
 
     def get_pages_async(self, keys: Sequence[Hashable],
                         pages: Sequence[Sequence[torch.Tensor]]) -> Future:
         """:meth:`get_pages` on the tier's workers (see :meth:`put_pages_async`)."""
         self._check_open()
-        keys, drain = self._region_copier(keys, pages, to_staging=False)
-        return self._worker.submit(self._run, self._get, keys, drain, self._engine_event())
+        keys, parts = self._region_calls(keys, pages, to_staging=False)
+        return self._worker.submit(self._run_parts, self._get, keys, parts, self._engine_event())
 
     def pin(self, keys: Sequence[Hashable]) -> list[int | None]:
         """Hold stored pages for a later read: per key a handle (its slot) or None (not
@@ -333,6 +349,7 @@ class Tier:
                  backend_selected_because=self.backend.selected_because,
                  o_direct=o_direct, o_direct_reason=o_direct_reason,
                  device=str(self.device), fingerprint=self.layout.fingerprint,
+                 in_place=self._host_pages.describe(),
                  read_only=self.read_only, state=self._state())
         return s
 
@@ -344,6 +361,7 @@ class Tier:
         self._worker.shutdown(wait=True)
         with self._gate.alone():  # calls other threads still run end first
             try:
+                self._host_pages.close()
                 self.backend.close()
                 if not self._lost:  # never rewrite a journal that is no longer the store's
                     self._persist.compact()
@@ -355,6 +373,7 @@ class Tier:
     def _release(self) -> None:
         """Undo a constructor that failed part way: threads, backend, journal, files, lock."""
         for step in (lambda: self._worker and self._worker.shutdown(wait=True),
+                     lambda: self._host_pages and self._host_pages.close(),
                      lambda: self.backend and self.backend.close(),
                      lambda: self._persist and self._persist.close(), self.store.close):
             try:
@@ -410,7 +429,10 @@ class Tier:
         slots = pool.check_token_slots(token_slots, len(keys)).view(len(keys), self.layout.page_size)
         return keys, PoolCopier(pool, self.layout, slots, copy_fn)
 
-    def _region_copier(self, keys, pages, *, to_staging: bool) -> tuple[list, PageCopier]:
+    def _region_calls(self, keys, pages, *, to_staging: bool) -> tuple[list, list]:
+        """Check a put_pages/get_pages call; returns its keys and its parts: (positions in the
+        call, the pages' mover), one part for the pages moved in place and one for those going
+        through staging (either may be absent)."""
         keys = self._check_keys(keys)
         if len(pages) != len(keys):
             raise ValueError(f"got {len(pages)} page buffers for {len(keys)} keys")
@@ -430,7 +452,40 @@ class Tier:
             if total != self.layout.page_bytes:
                 raise ValueError(f"page {i}: regions hold {total} B, a page is "
                                  f"{self.layout.page_bytes} B")
-        return keys, RegionCopier(pages, self.layout.slot_bytes, to_staging=to_staging)
+        direct = [i for i, regions in enumerate(pages) if self._host_pages.in_place(regions)]
+        staged = sorted(set(range(len(pages))) - set(direct))
+        parts = []
+        if direct:
+            parts.append((direct, self._host_pages.call([pages[i] for i in direct])))
+        if staged or not direct:  # an empty call is one (empty) staged part
+            parts.append((staged, RegionCopier([pages[i] for i in staged], self.layout.slot_bytes,
+                                               to_staging=to_staging)))
+        return keys, parts
+
+    def _run_parts(self, fn, keys: list, parts: list, engine_event=None) -> list[bool]:
+        """Run a put_pages/get_pages call (:meth:`_region_calls`) as one tier call, its parts
+        one after the other; the per-page results in call order."""
+        def run(keys: list, parts: list) -> list[bool]:
+            results = [False] * len(keys)
+            for positions, mover in parts:
+                for pos, ok in zip(positions, fn([keys[p] for p in positions], mover)):
+                    results[pos] = ok
+            return results
+
+        return self._run(run, keys, parts, engine_event, op="put" if fn == self._put else "get")
+
+    def _in_place_why_not(self) -> str:
+        """Why host regions cannot move in place on this tier ("" when they can)."""
+        if not self.config.in_place:
+            return "off by config (in_place=false)"
+        if self.device.type != "cpu":
+            return f"the tier stages on {self.device}: host regions are copied to it"
+        if not self.backend.in_place_host_memory:
+            return (f"backend {self.backend.name} moves only buffers registered with it; "
+                    "host regions go through its registered staging buffer")
+        if self._checksums.algorithm != checksum.XXH3:
+            return f"pages are checksummed with algorithm {self._checksums.algorithm}, not xxh3"
+        return ""
 
     # -- data path ------------------------------------------------------------------------------
     def _warm_up_kernels(self) -> None:
@@ -479,7 +534,7 @@ class Tier:
         ev.record(torch.cuda.current_stream(self.device))
         return ev
 
-    def _run(self, fn, keys, copier, engine_event=None) -> list[bool]:
+    def _run(self, fn, keys, copier, engine_event=None, op: str | None = None) -> list[bool]:
         self._check_open()
         if self.read_only and self._follow_due():
             with self._gate.alone():
@@ -494,7 +549,7 @@ class Tier:
                 with torch.cuda.stream(self._stream):
                     self._stream.wait_event(engine_event)
                     results = fn(keys, copier)
-        self._metrics.call("put" if fn == self._put else "get", len(keys),
+        self._metrics.call(op or ("put" if fn == self._put else "get"), len(keys),
                            time.perf_counter() - t0, len(self.directory))
         return results
 
@@ -553,15 +608,22 @@ class Tier:
             self._finish_write(keys, *pending.popleft(), results)
             finished += 1
 
+        in_place = isinstance(fill, InPlacePages)
+        self._count_region_pages(fill, len(todo), "written")
         try:
-            fill.prepare([i for i, _ in todo])
+            if not in_place:
+                fill.prepare([i for i, _ in todo])
             for chunk in chunks:
+                if in_place:  # no part: the I/O goes straight from the caller's regions
+                    pending.append(self._write_in_place(keys, chunk, fill))
+                    continue
                 held = self._take_part(pending, finish_oldest)
                 part = self._staging[held]
                 fill(part, [i for i, _ in chunk])
                 sums = self._checksums.compute(part, len(chunk)) if self.config.verify \
                     else np.zeros(len(chunk), dtype=np.uint64)
-                seqs = self._write_trailers(part, keys, chunk, sums)
+                seqs, trailers = self._trailers(keys, chunk, sums)
+                slot_trailer.write_into(part, self.layout.slot_bytes, trailers)
                 self._copies_done()
                 extents = self.store.extents([s for _, s in chunk])
                 fut = self.backend.write(part, extents)
@@ -581,15 +643,31 @@ class Tier:
         self._stats.add(put_pages=len(keys), put_stored=sum(results))
         return results
 
-    def _write_trailers(self, part: torch.Tensor, keys, chunk, sums) -> list[int]:
-        """Each page's slot trailer into staging, beside its payload (same I/O); returns the
-        sequence numbers, which the journal's COMMITs carry too."""
+    def _trailers(self, keys, chunk, sums) -> tuple[list[int], list[bytes]]:
+        """Each page's slot trailer (written beside its payload, in the same I/O) and sequence
+        number, which the journal's COMMITs carry too."""
         seqs = self._persist.next_seqs(len(chunk))
         algo, store_id = self._checksums.algorithm, self.store.store_id
-        slot_trailer.write_into(part, self.layout.slot_bytes, [
-            slot_trailer.encode(FORMAT_VERSION, store_id, slot, keys[i], seq, int(csum), algo)
-            for (i, slot), seq, csum in zip(chunk, seqs, sums)])
-        return seqs
+        return seqs, [slot_trailer.encode(FORMAT_VERSION, store_id, slot, keys[i], seq,
+                                          int(csum), algo)
+                      for (i, slot), seq, csum in zip(chunk, seqs, sums)]
+
+    def _write_in_place(self, keys, chunk, pages: InPlacePages) -> tuple:
+        """Start writing a chunk straight from the caller's regions (checksummed there); the
+        pending entry :meth:`_finish_write` completes."""
+        idx = [i for i, _ in chunk]
+        sums = pages.checksums(idx) if self.config.verify \
+            else np.zeros(len(chunk), dtype=np.uint64)
+        seqs, trailers = self._trailers(keys, chunk, sums)
+        extents = pages.write_extents(self.store.extents([s for _, s in chunk]), idx, trailers)
+        return chunk, sums, seqs, extents, self.backend.write(None, extents), time.perf_counter()
+
+    def _count_region_pages(self, mover, n: int, direction: str) -> None:
+        """Stats: how put_pages/get_pages pages moved (in place, or staged from regions)."""
+        if isinstance(mover, InPlacePages):
+            self._stats.add(**{f"pages_{direction}_in_place": n})
+        elif isinstance(mover, RegionCopier):
+            self._stats.add(**{f"region_pages_{direction}_staged": n})
 
     def _finish_write(self, keys, chunk, sums, seqs, extents: list[Extent], fut: Future,
                       t0: float, results: list[bool]) -> None:
@@ -629,12 +707,25 @@ class Tier:
         held = None
         verdicts = self._gpu_verdicts(drain, todo)
 
+        in_place = isinstance(drain, InPlacePages)
+        self._count_region_pages(drain, len(todo), "read")
+
         def finish_oldest() -> None:
-            self._finish_read(keys, *pending.popleft(), drain, results, corrupt, verdicts)
+            if in_place:
+                self._finish_read_in_place(keys, *pending.popleft(), drain, results, corrupt)
+            else:
+                self._finish_read(keys, *pending.popleft(), drain, results, corrupt, verdicts)
 
         try:
-            drain.prepare([i for i, _, _ in todo])
+            if not in_place:
+                drain.prepare([i for i, _, _ in todo])
             for k, chunk in enumerate(chunks):
+                if in_place:  # no part: the I/O goes straight into the caller's regions
+                    extents = drain.read_extents(self.store.extents([s for _, s, _ in chunk]),
+                                                 [i for i, _, _ in chunk])
+                    pending.append((chunk, k * self._chunk_pages, None, extents,
+                                    self.backend.read(None, extents), time.perf_counter()))
+                    continue
                 held = self._take_part(pending, finish_oldest)
                 extents = self.store.extents([s for _, s, _ in chunk])
                 pending.append((chunk, k * self._chunk_pages, held, extents,
@@ -653,7 +744,8 @@ class Tier:
                 self._staging.give_back(held)
             for item in pending:  # not drained: its part is free once its read has ended
                 item[4].exception()
-                self._staging.give_back(item[2])
+                if item[2] is not None:
+                    self._staging.give_back(item[2])
             freed = self.directory.unpin([s for _, s, _ in todo])
             self._persist.journal_evictions(freed)
             if corrupt:
@@ -709,6 +801,38 @@ class Tier:
         self._stats.add(bytes_read=len(good) * self.layout.page_bytes,
                         read_seconds=time.perf_counter() - t0, read_failed=len(failed))
 
+    def _finish_read_in_place(self, keys, chunk, _first: int, _part: None, extents,
+                              fut: Future, t0: float, pages: InPlacePages, results: list[bool],
+                              corrupt: list) -> None:
+        """Complete an in-place read: the pages it did not move whole, or whose bytes (in the
+        caller's regions) fail their checksum, are misses."""
+        outcome: IOOutcome = fut.result()
+        failed = self._failed_positions(outcome, extents, "read")
+        if self.config.verify:
+            algos = self.directory.algorithms([s for _, s, _ in chunk])
+            own = [pos for pos in range(len(chunk)) if algos[pos] == checksum.XXH3]
+            sums = np.zeros(len(chunk), dtype=np.uint64)
+            sums[own] = pages.read_checksums([chunk[pos][0] for pos in own])
+            for pos in sorted(set(range(len(chunk))) - set(own)):  # written by another tier
+                algo = int(algos[pos])
+                if algo not in self._verifiers:
+                    self._verifiers[algo] = checksum.checksummer(algo, self.layout)
+                sums[pos] = self._verifiers[algo].compute(pages.as_slot(chunk[pos][0]), 1)[0]
+            bad = [keys[i] for pos, (i, _, want) in enumerate(chunk)
+                   if pos not in failed and int(sums[pos]) != want]
+            failed.update(pos for pos, (i, _, want) in enumerate(chunk)
+                          if int(sums[pos]) != want)
+            if bad:
+                corrupt.extend(bad)
+                self._log_once("corrupt", "checksum mismatch: %d pages dropped as misses "
+                               "(first key %r)", len(bad), bad[0])
+        good = [pos for pos in range(len(chunk)) if pos not in failed]
+        pages.complete([chunk[pos][0] for pos in good])
+        for pos in good:
+            results[chunk[pos][0]] = True
+        self._stats.add(bytes_read=len(good) * self.layout.page_bytes,
+                        read_seconds=time.perf_counter() - t0, read_failed=len(failed))
+
     def _gpu_verdicts(self, drain: PageCopier, todo: list) -> GpuVerdicts | None:
         """Verdicts decided on the GPU for this restore, where it can: staging on CUDA, pages
         going to a KV pool through the kernels, verification on, and every page checksummed
@@ -724,7 +848,8 @@ class Tier:
             return None
         buffers = getattr(self._verdict_buffers, "buffers", None)
         if buffers is None:
-            buffers = self._verdict_buffers.buffers = VerdictBuffers(self.device)
+            buffers = self._verdict_buffers.buffers = VerdictBuffers(
+                self.device, self._chunk_pages, self.layout.page_bytes)
         return GpuVerdicts([want for _, _, want in todo], buffers, self._stream,
                            self.layout.page_bytes, self.layout.slot_bytes)
 

@@ -108,13 +108,15 @@ def _triton_hashes(staging, num_pages: int, slot_bytes: int) -> bool:
 
 
 def page_partial_sums(staging: torch.Tensor, num_pages: int, page_bytes: int,
-                      slot_bytes: int) -> torch.Tensor:
+                      slot_bytes: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """Each page's word-hash sum in parts, int64 ``[num_pages, parts]`` (their wrapping sum is
     the algorithm's ``S``): what :class:`Verdicts` and
-    :func:`gdskv.kernels.checksum.finalize_partials_host` finish. One launch on Triton."""
+    :func:`gdskv.kernels.checksum.finalize_partials_host` finish. One launch on Triton, into
+    ``out`` when given (see :func:`.triton_checksum.page_partial_sums_triton`; the reference
+    ignores it)."""
     if _triton_hashes(staging, num_pages, slot_bytes):
         from .triton_checksum import page_partial_sums_triton
-        return page_partial_sums_triton(staging, num_pages, page_bytes, slot_bytes)
+        return page_partial_sums_triton(staging, num_pages, page_bytes, slot_bytes, out=out)
     return page_word_sums_reference(staging, num_pages, page_bytes, slot_bytes).unsqueeze(1)
 
 

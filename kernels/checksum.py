@@ -88,21 +88,23 @@ def check_checksum_args(staging: torch.Tensor, num_pages: int, page_bytes: int,
 
 
 class Verdicts:
-    """What the verifying scatter needs and gives: the pages' ``partial`` checksum sums (int64
-    ``[pages, n_chunks]``), their stored checksums ``want`` (int64 ``[pages]``), and ``ok``
-    (int8 ``[pages]``), which receives 1 per page that matched and was scattered, 0 otherwise.
-    All on the pool's device."""
+    """What the verifying scatter needs and gives, for a chunk of ``pages`` pages: their
+    ``partial`` checksum sums (int64 ``[>= pages, n_chunks]``), and, at ``first ..
+    first + pages - 1``, their stored checksums in ``want`` (int64) and their verdicts in ``ok``
+    (int8: 1 per page that matched and was scattered, 0 otherwise). All on the pool's device.
+    (Whole buffers and an offset rather than slices: a slice is a host-side tensor op per chunk.)"""
 
-    __slots__ = ("partial", "want", "ok", "page_bytes")
+    __slots__ = ("partial", "want", "ok", "page_bytes", "first")
 
     def __init__(self, partial: torch.Tensor, want: torch.Tensor, ok: torch.Tensor,
-                 page_bytes: int) -> None:
-        self.partial, self.want, self.ok, self.page_bytes = partial, want, ok, page_bytes
+                 page_bytes: int, first: int = 0) -> None:
+        self.partial, self.want, self.ok = partial, want, ok
+        self.page_bytes, self.first = page_bytes, first
 
     def reference_ok(self, num_pages: int) -> torch.Tensor:
         """The verdicts by the pure-torch definition: bool ``[num_pages]``."""
         sums = self.partial[:num_pages].sum(1)  # int64 sums wrap mod 2**64, as the kernel's
-        return finalize(sums, self.page_bytes) == self.want[:num_pages]
+        return finalize(sums, self.page_bytes) == self.want[self.first:self.first + num_pages]
 
 
 def finalize(sums: torch.Tensor, page_bytes: int) -> torch.Tensor:

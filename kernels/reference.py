@@ -78,7 +78,7 @@ def scatter_pages_verified_reference(rows: list[list[torch.Tensor]], layout: KVL
     0 per other page."""
     n = token_slots.numel() // layout.page_size
     ok = verdicts.reference_ok(n)
-    verdicts.ok[:n].copy_(ok)
+    verdicts.ok[verdicts.first:verdicts.first + n].copy_(ok)
     slots = token_slots.view(n, layout.page_size)
     sb = layout.slot_bytes
     for p in ok.nonzero().flatten().tolist():

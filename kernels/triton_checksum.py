@@ -114,13 +114,23 @@ def chunks_per_page(page_bytes: int, block: int = BLOCK, iters: int = ITERS) -> 
 
 def page_partial_sums_triton(staging: torch.Tensor, num_pages: int, page_bytes: int,
                              slot_bytes: int, block: int = BLOCK, iters: int = ITERS,
-                             num_warps: int = NUM_WARPS) -> torch.Tensor:
+                             num_warps: int = NUM_WARPS,
+                             out: torch.Tensor | None = None) -> torch.Tensor:
     """Steps 1-3 of the algorithm, per chunk: int64 ``[num_pages, chunks_per_page]`` word-hash
     sums whose wrapping sum per page is ``S``. One launch; the final mix is left to the caller
-    (:func:`page_checksums_triton`, the host, or the verifying scatter kernel)."""
+    (:func:`page_checksums_triton`, the host, or the verifying scatter kernel). ``out``: a
+    contiguous int64 ``[>= num_pages, chunks_per_page]`` tensor to fill (its first rows) and
+    return instead of a new one."""
     _check_triton_args(staging, num_pages, page_bytes, slot_bytes)
     n_chunks = chunks_per_page(page_bytes, block, iters)
-    partial = torch.empty(num_pages, n_chunks, dtype=torch.int64, device=staging.device)
+    if out is None:
+        partial = torch.empty(num_pages, n_chunks, dtype=torch.int64, device=staging.device)
+    elif out.dtype != torch.int64 or out.dim() != 2 or out.shape[0] < num_pages \
+            or out.shape[1] != n_chunks or not out.is_contiguous() or out.device != staging.device:
+        raise ValueError(f"out must be a contiguous int64 [>= {num_pages}, {n_chunks}] tensor "
+                         f"on {staging.device}, got {out.dtype} {tuple(out.shape)} on {out.device}")
+    else:
+        partial = out
     if num_pages == 0:
         return partial
     n_full, tail = divmod(page_bytes, 4)

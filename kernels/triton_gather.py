@@ -37,7 +37,7 @@ __all__ = ["gather_pages_triton", "scatter_pages_triton", "gather_pages_layer_tr
 
 
 def copy_rows_kernel(table_ptr, slots_ptr, staging_ptr, n_tokens, slot_words, entry_start,
-                     entry_step, partial_ptr, want_ptr, ok_ptr, n_chunks, length_term,
+                     entry_step, partial_ptr, want_ptr, ok_ptr, first, n_chunks, length_term,
                      ROW_WORDS: tl.constexpr, PAGE_SIZE: tl.constexpr,
                      WORD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
                      ALIGN: tl.constexpr, GATHER: tl.constexpr, VERIFY: tl.constexpr,
@@ -52,9 +52,10 @@ def copy_rows_kernel(table_ptr, slots_ptr, staging_ptr, n_tokens, slot_words, en
 
     ``VERIFY`` (scatter only): each token's page checksum is finished here from the page's
     ``n_chunks`` partial sums (``partial_ptr``, int64 ``[pages, n_chunks]``; ``CHUNKS`` is
-    ``n_chunks`` rounded up to a power of two) and compared with ``want_ptr[page]``; rows of a
-    page that does not match are not stored, so the pool never receives unverified bytes. The
-    first program of each page writes its verdict (1 ok, 0 not) to ``ok_ptr[page]``: the host
+    ``n_chunks`` rounded up to a power of two) and compared with ``want_ptr[first + page]``;
+    rows of a page that does not match are not stored, so the pool never receives unverified
+    bytes. The first program of each page writes its verdict (1 ok, 0 not) to
+    ``ok_ptr[first + page]`` (``first``: the chunk's place in the call's verdicts): the host
     reads one flag array per call instead of syncing per chunk for the sums.
     """
     pid_t = tl.program_id(0)
@@ -92,12 +93,12 @@ def copy_rows_kernel(table_ptr, slots_ptr, staging_ptr, n_tokens, slot_words, en
         z = z ^ (z >> 27)
         z = z * 0x94D049BB133111EB
         z = z ^ (z >> 31)
-        want = tl.load(want_ptr + page, mask=t_mask, other=0).to(tl.uint64, bitcast=True)
+        want = tl.load(want_ptr + first + page, mask=t_mask, other=0).to(tl.uint64, bitcast=True)
         good = z == want
         mask = mask & good[:, None]
         # one writer per page: the page's first token in the first column tile and entry
         writer = t_mask & ((tok + pid_c + tl.program_id(2)) == 0)
-        tl.store(ok_ptr + page, good.to(tl.int8), mask=writer)
+        tl.store(ok_ptr + first + page, good.to(tl.int8), mask=writer)
     if GATHER:
         tl.store(dst, tl.load(src, mask=mask), mask=mask)
     else:
@@ -106,7 +107,7 @@ def copy_rows_kernel(table_ptr, slots_ptr, staging_ptr, n_tokens, slot_words, en
 
 # Compiled for CUDA tensors; interpreted for CPU tensors. Built explicitly (not with
 # @triton.jit) so both exist in one process whatever TRITON_INTERPRET says at import time.
-_copy_rows_cuda = JITFunction(copy_rows_kernel)
+_copy_rows_cuda = JITFunction(copy_rows_kernel, do_not_specialize=["first", "length_term"])
 _copy_rows_interp = InterpretedFunction(copy_rows_kernel)
 
 _WORD_DTYPES = {4: torch.int32, 2: torch.int16, 1: torch.uint8}
@@ -171,14 +172,13 @@ def _launch(rows, layout: KVLayout, token_slots: torch.Tensor, staging: torch.Te
     if num_pages == 0:
         return
     table = pool.row_table
-    staging = staging[:num_pages * layout.slot_bytes]
     # The widest word and alignment that every address, stride and row length allows.
     align = math.gcd(table.align, staging.data_ptr(), layout.slot_bytes)
     word = min(align, 4)
     row_words = layout.row_bytes // word
     cfg = config or default_config(row_words, word)
     n_tokens = token_slots.numel()
-    first, step, count = entries
+    first_entry, step, count = entries
     grid = (triton.cdiv(n_tokens, cfg.block_t), triton.cdiv(row_words, cfg.block_c), count)
     if grid[1] > 65535 or grid[2] > 65535:
         raise ValueError(f"launch grid {grid} too large: row of {row_words} words or "
@@ -188,18 +188,19 @@ def _launch(rows, layout: KVLayout, token_slots: torch.Tensor, staging: torch.Te
     kwargs = {} if cpu else {"num_warps": cfg.num_warps}
     if verdicts is None:  # the verify arguments are unused: any tensor will do
         partial = want = ok = table.table
-        n_chunks, length_term, chunks = 1, 0, 1
+        first, n_chunks, length_term, chunks = 0, 1, 0, 1
     else:
-        partial, want, ok = verdicts.partial, verdicts.want, verdicts.ok
-        if partial.shape[0] < num_pages or want.numel() < num_pages or ok.numel() < num_pages:
-            raise ValueError(f"verdicts cover {min(partial.shape[0], want.numel(), ok.numel())}"
-                             f" pages, the call has {num_pages}")
+        partial, want, ok, first = verdicts.partial, verdicts.want, verdicts.ok, verdicts.first
+        if partial.shape[0] < num_pages or min(want.numel(), ok.numel()) < first + num_pages:
+            raise ValueError(f"verdicts cover {partial.shape[0]} pages' sums and "
+                             f"{min(want.numel(), ok.numel())} checksums; the chunk needs "
+                             f"{num_pages} sums and checksums {first}..{first + num_pages - 1}")
         n_chunks = partial.shape[1]
         length_term = as_int64(verdicts.page_bytes * GOLDEN % (1 << 64))
         chunks = triton.next_power_of_2(n_chunks)
     kernel[grid](table.table, token_slots, staging.view(_WORD_DTYPES[word]), n_tokens,
-                 layout.slot_bytes // word, first, step, partial, want, ok, n_chunks,
-                 length_term, ROW_WORDS=row_words,
+                 layout.slot_bytes // word, first_entry, step, partial, want, ok, first,
+                 n_chunks, length_term, ROW_WORDS=row_words,
                  PAGE_SIZE=layout.page_size, WORD=word, BLOCK_T=cfg.block_t,
                  BLOCK_C=cfg.block_c, ALIGN=align, GATHER=gather,
                  VERIFY=verdicts is not None, CHUNKS=chunks, **kwargs)

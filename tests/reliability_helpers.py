@@ -17,6 +17,7 @@ import torch
 
 from gdskv.config import TierConfig
 from gdskv.layout import KVLayout
+from gdskv.memory import alloc_host
 
 #: 4 layers x 4 tokens x 48-wide rows: 3072 B pages in 4096 B slots, so every slot has padding
 LAYOUT = KVLayout(num_layers=4, page_size=4, head_dim=48)
@@ -43,12 +44,25 @@ def page_content(key) -> torch.Tensor:
     return torch.randint(0, 256, (PAGE,), dtype=torch.uint8, generator=gen)
 
 
-def put(tier, keys) -> list[bool]:
-    return tier.put_pages(list(keys), [[page_content(k)] for k in keys])
+def host_page(aligned: bool) -> torch.Tensor:
+    """A zeroed PAGE-byte host buffer: 4 KiB aligned (a CPU tier moves it in place), or one
+    byte past a 4 KiB boundary (under O_DIRECT it goes through staging). Every page of a call
+    gets the same kind, so the call takes one path whatever the allocator returns."""
+    raw = alloc_host(PAGE + 4096, pin=False)
+    raw.zero_()
+    return raw[:PAGE] if aligned else raw[1:1 + PAGE]
 
 
-def read_back(tier, keys) -> tuple[list[bool], list[torch.Tensor]]:
-    out = [torch.zeros(PAGE, dtype=torch.uint8) for _ in keys]
+def put(tier, keys, *, aligned: bool = False) -> list[bool]:
+    pages = []
+    for k in keys:
+        pages.append([host_page(aligned)])
+        pages[-1][0].copy_(page_content(k))
+    return tier.put_pages(list(keys), pages)
+
+
+def read_back(tier, keys, *, aligned: bool = False) -> tuple[list[bool], list[torch.Tensor]]:
+    out = [host_page(aligned) for _ in keys]
     hits = tier.get_pages(list(keys), [[o] for o in out])
     return hits, out
 

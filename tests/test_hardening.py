@@ -149,22 +149,26 @@ def test_every_field_type_is_checked_in_one_place(kwargs, match):
 
 # -- defect 5: a short read fails only the pages it did not read ----------------------------------
 @pytest.mark.parametrize("verify", [True, False])
-def test_short_read_keeps_the_pages_read_whole(tmp_path, verify):
+@pytest.mark.parametrize("aligned", [False, True], ids=["staged", "in-place"])
+def test_short_read_keeps_the_pages_read_whole(tmp_path, verify, aligned):
     # one file, 16-slot stripes, 8-page staging parts: the 8 pages are one extent, one read
     cfg = small_config(tmp_path, files_per_dir=1, io_chunk_size=16 * SLOT,
                        staging_size=32 * SLOT, verify=verify)
     keys = [f"s{i}" for i in range(8)]
     with Tier(LAYOUT, cfg, device="cpu") as tier:
-        assert all(put(tier, keys))
+        assert all(put(tier, keys, aligned=aligned))
         path, off = slot_location(tier, keys[6])
         assert [slot_location(tier, k) for k in keys] == [(path, i * SLOT) for i in range(8)]
         os.truncate(path, off + 100)  # the slab ends in the middle of page 6
-        hits, out = read_back(tier, keys)
+        hits, out = read_back(tier, keys, aligned=aligned)
         assert hits == [True] * 6 + [False] * 2
         for k, h, o in zip(keys, hits, out):
             assert not h or torch.equal(o, page_content(k))
-        one_by_one = [read_back(tier, [k])[0][0] for k in keys]
+        one_by_one = [read_back(tier, [k], aligned=aligned)[0][0] for k in keys]
         assert one_by_one == hits
+        # unaligned regions go in place too where no slab file has O_DIRECT
+        in_place = aligned or not any(f.direct for f in tier.store.files)
+        assert tier.stats().get("pages_read_in_place", 0) == (16 if in_place else 0)
 
 
 # -- files removed under a running writer ---------------------------------------------------------

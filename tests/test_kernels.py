@@ -390,12 +390,15 @@ def test_verified_scatter_stores_only_matching_pages(case, device):
     def scatter_triton(*args):
         scatter_pages_triton(*args[:4], verdicts=args[4])
 
+    # the chunk's checksums and verdicts sit at positions 2.. of the call's buffers
+    wants = torch.cat([torch.zeros(2, dtype=torch.int64, device=device), want,
+                       torch.zeros(1, dtype=torch.int64, device=device)])
     for scatter in (scatter_triton, scatter_pages_verified_reference):
         target = clone_rows(rows)
-        ok = torch.full((num_pages,), 7, dtype=torch.int8, device=device)
+        ok = torch.full((num_pages + 3,), 7, dtype=torch.int8, device=device)
         scatter(target, layout, slots, staging,
-                Verdicts(partial, want, ok, layout.page_bytes))
-        assert ok.tolist() == [0, 1, 0, 1], scatter.__name__
+                Verdicts(partial, wants, ok, layout.page_bytes, first=2))
+        assert ok.tolist() == [7, 7, 0, 1, 0, 1, 7], scatter.__name__
         assert rows_equal(target, expected), scatter.__name__
 
 

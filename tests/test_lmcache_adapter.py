@@ -31,6 +31,7 @@ from lmcache.v1.platform import consume_fd  # noqa: E402
 from gdskv.adapters.lmcache import GdskvL2Adapter, object_key_string  # noqa: E402
 from gdskv.backends.base import IOOutcome  # noqa: E402
 from gdskv.config import ConfigError  # noqa: E402
+from gdskv.memory import alloc_host  # noqa: E402
 from reliability_helpers import flip_byte  # noqa: E402
 
 OBJ = 20_000          # one full chunk; not a 4 KiB multiple, so every slot has padding
@@ -60,11 +61,15 @@ def key(i: int, salt: str = "") -> ObjectKey:
                      kv_rank=0x01000100 + (i % 3), object_group_id=i % 2, cache_salt=salt)
 
 
-def obj(data: torch.Tensor, physical: int | None = None) -> TensorMemoryObj:
+def obj(data: torch.Tensor, physical: int | None = None, *, aligned: bool = False
+        ) -> TensorMemoryObj:
     """An L1 object of data.numel() logical bytes in a buffer of ``physical`` bytes (a short
-    last chunk: logical below physical)."""
+    last chunk: logical below physical); ``aligned``: the buffer starts on a 4 KiB boundary
+    (as LMCache's L1 allocator gives with --l1-align-bytes), so the tier moves it in place;
+    else one byte past one (through staging where the store has O_DIRECT)."""
     physical = physical or data.numel()
-    raw = torch.full((physical,), 0xEE, dtype=torch.uint8)
+    raw = alloc_host(physical + 4096, pin=False)[0 if aligned else 1:][:physical]
+    raw.fill_(0xEE)
     raw[:data.numel()] = data
     meta = MemoryObjMetadata(shape=torch.Size([data.numel()]), dtype=torch.uint8, address=0,
                              phy_size=physical, fmt=MemoryFormat.KV_2LTD, ref_count=1)
@@ -127,15 +132,19 @@ def adapter(tmp_path):
     a.close()
 
 
-def test_round_trip_bit_exact(adapter):
+@pytest.mark.parametrize("aligned", [False, True], ids=["unaligned-l1", "aligned-l1"])
+def test_round_trip_bit_exact(adapter, aligned):
     keys = [key(i, salt="u1" if i % 4 == 0 else "") for i in range(6)]
     data = [random_bytes(OBJ, i) for i in range(6)]
-    assert store(adapter, keys, [obj(d) for d in data])
+    assert store(adapter, keys, [obj(d, aligned=aligned) for d in data])
     assert lookup(adapter, keys + [key(99)]) == [True] * 6 + [False]
-    out = [obj(torch.zeros(OBJ, dtype=torch.uint8)) for _ in keys]
+    out = [obj(torch.zeros(OBJ, dtype=torch.uint8), aligned=aligned) for _ in keys]
     assert load(adapter, keys, out) == [True] * 6
     for d, o in zip(data, out):
         assert torch.equal(o.raw_data, d)
+    stats = adapter.tier.stats()
+    if aligned:  # LMCache's aligned L1 objects move in place: no staging copy
+        assert stats["pages_written_in_place"] == 6 and stats["pages_read_in_place"] == 6
     adapter.submit_unlock(keys)
     assert listed(adapter) == set(keys)
     usage = adapter.get_usage()
@@ -222,15 +231,19 @@ def test_restart_keeps_objects_keys_and_usage(tmp_path):
         b.close()
 
 
-def test_read_error_is_a_miss_never_wrong_bytes(adapter, monkeypatch):
-    assert store(adapter, [key(1)], [obj(random_bytes(OBJ, 1))])
+@pytest.mark.parametrize("aligned", [False, True], ids=["unaligned-l1", "aligned-l1"])
+def test_read_error_is_a_miss_never_wrong_bytes(adapter, monkeypatch, aligned):
+    assert store(adapter, [key(1)], [obj(random_bytes(OBJ, 1), aligned=aligned)])
     backend = adapter.tier.backend
     real_read = backend.read
 
     def failing_read(buf, extents):
         fut = real_read(buf, extents)
         fut.result()
-        buf.fill_(0x77)  # whatever the failed read left there must not reach LMCache
+        # whatever the failed read left in staging must not reach LMCache; read in place it
+        # is in LMCache's buffer, which LMCache drops for a missed object
+        for m in ([buf.numpy()] if buf is not None else [m for e in extents for m in e.memory]):
+            m[:] = 0x77
         from concurrent.futures import Future
         bad: Future = Future()
         bad.set_result(IOOutcome(errors={i: OSError(5, "injected EIO")
@@ -238,9 +251,12 @@ def test_read_error_is_a_miss_never_wrong_bytes(adapter, monkeypatch):
         return bad
 
     monkeypatch.setattr(backend, "read", failing_read)
-    out = obj(torch.zeros(OBJ, dtype=torch.uint8))
+    out = obj(torch.zeros(OBJ, dtype=torch.uint8), aligned=aligned)
     assert load(adapter, [key(1)], [out]) == [False]
-    assert (out.raw_data == 0).all()
+    in_place = adapter.tier.stats().get("pages_read_in_place", 0) == 1
+    assert in_place == (aligned or not any(f.direct for f in adapter.tier.store.files))
+    if not in_place:  # through staging a missed object's buffer is left as it was
+        assert (out.raw_data == 0).all()
 
 
 def test_write_error_fails_the_store_task(adapter, monkeypatch):

@@ -10,6 +10,8 @@ journal). Run in .venv-lmcache (tests/run_lmcache.sh builds it):
         --out bench/results/cpu-2026-11-23/lmcache
 
 Writes one JSON per bench run and results.md (MB/s as the bench reports, MB = 1e6 B).
+``gdskv staged sync=none`` is gdskv with ``in_place=false`` (objects through the staging buffer,
+the path before in-place host I/O), for a before/after in one run.
 
 Result it produced: ``cpu-2026-11-23/lmcache/results.md`` (bench/RESULTS.md, LMCache L2)."""
 
@@ -36,7 +38,10 @@ def adapters(directory: str, object_bytes: int, keys: int, in_flight: int) -> di
                                 "object_bytes": object_bytes}}
     none = json.loads(json.dumps(gdskv))
     none["adapter_params"]["sync"] = "none"
-    return {"gdskv": gdskv, "gdskv sync=none": none,
+    # the path before objects moved in place: every object through the staging buffer
+    staged = json.loads(json.dumps(none))
+    staged["adapter_params"]["in_place"] = False
+    return {"gdskv": gdskv, "gdskv sync=none": none, "gdskv staged sync=none": staged,
             "fs_native": {"type": "fs_native", "base_path": directory},
             "fs_native odirect": {"type": "fs_native", "base_path": directory,
                                   "use_odirect": True}}

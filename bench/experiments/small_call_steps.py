@@ -82,7 +82,7 @@ def steps(directory: str, pages: int, reps: int) -> dict:
             lambda: kd.page_partial_sums(staging, pages, lay.page_bytes, lay.slot_bytes), reps)
         out["verified_scatter_launch_us"] = _median_us(
             lambda: kd.scatter_pages_verified(pool, lay, slots_gpu, staging, verdicts), reps)
-        buffers = VerdictBuffers(dev)
+        buffers = VerdictBuffers(dev, pages, lay.page_bytes)
         wants = [int(w) for w in want.cpu().numpy().view("uint64")]
 
         def verdicts_round_trip():

@@ -13,7 +13,13 @@ of 16 tokens: 2 MiB per block and worker (TP 1).
 
 A third line, ``raw-rows``, is no tier: the rows go straight to and from one preallocated file
 with an xxh3 pass each, on the same threads. It is the ceiling for a checksumming tier on that
-storage and machine.
+storage and machine. A fourth, ``memcpy``, copies the rows from one half of the primary to the
+other on the same threads: one pass over the bytes, what any tier on memory-speed storage
+(/dev/shm: a read there *is* a copy out of the page cache) can at best do.
+
+gdskv moves the primary's rows in place (``put_pages``/``get_pages`` straight between the row
+and the slab file, checksum on the row). ``gdskv-staged`` is the same tier with ``in_place=false``:
+every row through the staging buffer (the path before the in-place one).
 
 Durability, side by side: vLLM's fs tier writes a temp file and renames it, with no fsync;
 gdskv runs twice, ``sync=data`` (fdatasync before a page is READY, the default) and
@@ -129,6 +135,21 @@ def raw_rows(root: str, rows: np.ndarray, view: memoryview, n: int, threads: int
     return wt, rt, direct
 
 
+def copy_rows(rows: np.ndarray, n: int, threads: int) -> float:
+    """Seconds to copy rows 0..n-1 onto rows n..2n-1 on ``threads`` threads (numpy releases
+    the GIL while it copies)."""
+    from concurrent.futures import ThreadPoolExecutor
+    rows[n:] = 0
+
+    def copy(i):
+        np.copyto(rows[n + i], rows[i])
+
+    with ThreadPoolExecutor(threads) as pool:
+        t0 = time.perf_counter()
+        list(pool.map(copy, range(n)))
+        return time.perf_counter() - t0
+
+
 def run_jobs(tier, TransferJob, keys, chunks, job_blocks: int, *, load: bool, first_id: int):
     jobs = {}
     t0 = time.perf_counter()
@@ -164,7 +185,12 @@ def bench(args) -> dict:
         "gdskv-sync-none": {"type": "GdskvSecondaryTier",
                             "module_path": "gdskv.adapters.vllm.secondary", "sync": "none",
                             "capacity": str(2 * args.size), "io_threads": args.threads},
+        "gdskv-staged": {"type": "GdskvSecondaryTier",
+                         "module_path": "gdskv.adapters.vllm.secondary", "sync": "data",
+                         "capacity": str(2 * args.size), "io_threads": args.threads,
+                         "in_place": "false"},
         "raw-rows": {"type": "raw"},
+        "memcpy": {"type": "memcpy"},
     }
     out = {"date": str(date.today()), "host": platform.node(), "cpus": os.cpu_count(),
            "python": sys.version.split()[0], "directory": args.directory,
@@ -174,7 +200,9 @@ def bench(args) -> dict:
            "durability": {"vllm-fs": "tmp file + rename, no fsync",
                           "gdskv-sync-data": "fdatasync slab files + journal before READY",
                           "gdskv-sync-none": "no fsync (like vllm-fs)",
-                          "raw-rows": "no fsync; one file, no metadata (a ceiling, not a tier)"},
+                          "gdskv-staged": "as gdskv-sync-data, through the staging buffer",
+                          "raw-rows": "no fsync; one file, no metadata (a ceiling, not a tier)",
+                          "memcpy": "no storage: one copy of the rows (the memory ceiling)"},
            "runs": {}}
     extra = {k: json.loads(v) if v.isdigit() or v in ("true", "false") else v
              for k, v in (opt.split("=", 1) for opt in args.gdskv)}
@@ -186,8 +214,12 @@ def bench(args) -> dict:
             root = os.path.join(args.directory, name)
             shutil.rmtree(root, ignore_errors=True)
             os.makedirs(root)
-            if name == "raw-rows":
-                wt, rt, direct = raw_rows(root, rows, view, n, args.threads)
+            if cfg["type"] in ("raw", "memcpy"):
+                if cfg["type"] == "raw":
+                    wt, rt, direct = raw_rows(root, rows, view, n, args.threads)
+                else:
+                    wt = rt = copy_rows(rows, n, args.threads)
+                    direct = None
                 ok = bool(np.array_equal(rows[:n], rows[n:]))
                 run = {"write_GBps": n * LLAMA3_8B_BLOCK / wt / 1e9,
                        "read_GBps": n * LLAMA3_8B_BLOCK / rt / 1e9, "write_s": wt, "read_s": rt,
@@ -214,7 +246,11 @@ def bench(args) -> dict:
             if name.startswith("gdskv"):
                 st = tier.stats()
                 run.update(o_direct=st["o_direct"], o_direct_reason=st["o_direct_reason"],
-                           backend=st["backend"])
+                           backend=st["backend"], in_place=st["in_place"],
+                           **{k: st.get(k, 0) for k in ("pages_written_in_place",
+                                                        "pages_read_in_place",
+                                                        "region_pages_written_staged",
+                                                        "region_pages_read_staged")})
             else:
                 run.update(o_direct=bool(tier._use_o_direct))
             out["runs"].setdefault(name, []).append(run)
@@ -241,7 +277,8 @@ def main(argv=None) -> int:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--gdskv", action="append", default=[], metavar="FIELD=VALUE",
                    help="a TierConfig option for both gdskv runs (repeatable)")
-    p.add_argument("--engines", default="vllm-fs,gdskv-sync-data,gdskv-sync-none,raw-rows")
+    p.add_argument("--engines", default="vllm-fs,gdskv-sync-data,gdskv-sync-none,gdskv-staged,"
+                   "raw-rows,memcpy")
     p.add_argument("--output")
     args = p.parse_args(argv)
     out = bench(args)

@@ -37,8 +37,13 @@ its store commits and ``_notify_keys_deleted`` when ``delete`` drops it, and onc
 LMCache's usage is exactly the tier's ``pages_stored x object_bytes``. Without an ``eviction``
 block a full store fails further stores (LMCache then keeps them in L1 only).
 
+Objects whose L1 buffer allows it (4 KiB aligned under O_DIRECT) move in place, straight
+between LMCache's buffer and the slab files (:mod:`gdskv.host_pages`); others through staging.
+
 Failures never raise into LMCache's controllers: a bad call, an I/O error or a failed checksum
-is a failed store task or a miss in the load bitmap, and is logged once.
+is a failed store task or a miss in the load bitmap, and is logged once. A missed object's
+buffer holds undefined bytes (a read in place may have landed there); LMCache deletes the L1
+object of every key whose bit is 0.
 """
 
 from __future__ import annotations
@@ -353,9 +358,13 @@ class GdskvL2Adapter(L2AdapterInterface):
                 "capacity_objects": stats["capacity_pages"], "backend": stats["backend"],
                 "o_direct": stats["o_direct"], "sync": self.tier.config.sync.value,
                 "locked_objects": sum(len(v) for v in self._pins.values()),
+                "in_place": stats["in_place"],
                 **{k: stats.get(k, 0) for k in ("hits", "misses", "corrupt_pages",
                                                 "read_failed", "write_failed",
-                                                "read_gbps", "write_gbps")}}
+                                                "read_gbps", "write_gbps",
+                                                "pages_written_in_place", "pages_read_in_place",
+                                                "region_pages_written_staged",
+                                                "region_pages_read_staged")}}
 
     def close(self) -> None:
         if self._closed:

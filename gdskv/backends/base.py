@@ -5,6 +5,11 @@ backend the store's open slab files once (:meth:`Backend.attach`), then calls :m
 :meth:`read` with a 1-D uint8 buffer (host or GPU) and a list of :class:`Extent`. Both return a
 ``concurrent.futures.Future`` resolving to an :class:`IOOutcome`; a failed extent is reported in
 ``IOOutcome.errors`` (so the tier can fail just the pages it covers), never raised.
+
+An extent may carry its own host memory (``Extent.memory``, an I/O vector): its bytes are then
+there, not in the call's buffer, which may be None when every extent carries memory. That is how
+a CPU tier moves the caller's page regions in place (:mod:`gdskv.host_pages`); backends that
+can do it say so with ``in_place_host_memory``.
 """
 
 from __future__ import annotations
@@ -30,11 +35,16 @@ class SlabFile:
 
 @dataclass(frozen=True)
 class Extent:
-    """``length`` bytes at ``buffer_offset`` in the buffer <-> ``file_offset`` in file ``file``."""
+    """``length`` bytes at ``buffer_offset`` in the buffer <-> ``file_offset`` in file ``file``.
+
+    ``memory``: when not empty, the host buffers (1-D uint8 numpy arrays) that hold the extent's
+    bytes, in file order (an I/O vector of total ``length``); ``buffer_offset`` then only places
+    the extent in the call's frame, so failures still name buffer ranges (pages)."""
     file: int
     file_offset: int
     length: int
     buffer_offset: int
+    memory: tuple = field(default=(), compare=False)
 
 
 class ShortIOError(OSError):
@@ -111,6 +121,9 @@ class Backend(abc.ABC):
     name: str = "?"
     #: why :func:`gdskv.backends.create_backend` picked this backend ("" when built directly)
     selected_because: str = ""
+    #: whether extents carrying their own host memory (``Extent.memory``) are supported; a
+    #: backend without it is only ever given the call's buffer
+    in_place_host_memory: bool = False
 
     @classmethod
     def unavailable_reason(cls, device: torch.device) -> str | None:
@@ -129,12 +142,14 @@ class Backend(abc.ABC):
         """Take the store's open slab files (register them, open handles...)."""
 
     @abc.abstractmethod
-    def write(self, buffer: torch.Tensor, extents: Sequence[Extent]) -> Future:
-        """Write ``buffer`` ranges to file extents; returns Future[IOOutcome]."""
+    def write(self, buffer: torch.Tensor | None, extents: Sequence[Extent]) -> Future:
+        """Write ``buffer`` ranges (or the extents' own memory) to file extents; returns
+        Future[IOOutcome]."""
 
     @abc.abstractmethod
-    def read(self, buffer: torch.Tensor, extents: Sequence[Extent]) -> Future:
-        """Read file extents into ``buffer`` ranges; returns Future[IOOutcome]."""
+    def read(self, buffer: torch.Tensor | None, extents: Sequence[Extent]) -> Future:
+        """Read file extents into ``buffer`` ranges (or the extents' own memory); returns
+        Future[IOOutcome]."""
 
     def describe(self) -> dict:
         """What runs and why, for stats and logs: name, gpu_direct, ``selected`` (why it was
@@ -166,9 +181,28 @@ def split_extents(extents: Sequence[Extent], max_bytes: int) -> list[tuple[int, 
         done = 0
         while done < e.length:
             n = min(max_bytes, e.length - done)
-            pieces.append((i, Extent(e.file, e.file_offset + done, n, e.buffer_offset + done)))
+            pieces.append((i, Extent(e.file, e.file_offset + done, n, e.buffer_offset + done,
+                                     slice_memory(e.memory, done, n) if e.memory else ())))
             done += n
     return pieces
+
+
+def slice_memory(memory: Sequence, start: int, n: int) -> tuple:
+    """Bytes ``[start, start + n)`` of an I/O vector, as an I/O vector (views, no copy)."""
+    out: list = []
+    if n <= 0:
+        return ()
+    for m in memory:
+        if start >= len(m):
+            start -= len(m)
+            continue
+        take = min(len(m) - start, n)
+        out.append(m[start:start + take])
+        n -= take
+        start = 0
+        if not n:
+            break
+    return tuple(out)
 
 
 #: smallest piece :func:`io_pieces` cuts an extent into (below this, per-call costs dominate)

@@ -102,6 +102,8 @@ def claim_settings(wanted: Mapping[str, object], environ: Mapping[str, str] = os
 
 class KvikioBackend(Backend):
     name = "kvikio"
+    #: kvikio reads and writes host memory too (numpy arrays: POSIX in its thread pool)
+    in_place_host_memory = True
 
     @classmethod
     def unavailable_reason(cls, device: torch.device) -> str | None:
@@ -199,34 +201,38 @@ class KvikioBackend(Backend):
             kvikio.buffer.memory_register(buffer)
             self._registered[key] = buffer
 
-    def write(self, buffer: torch.Tensor, extents: Sequence[Extent]) -> Future:
+    def write(self, buffer: torch.Tensor | None, extents: Sequence[Extent]) -> Future:
         return self._submit("pwrite", buffer, extents)
 
-    def read(self, buffer: torch.Tensor, extents: Sequence[Extent]) -> Future:
+    def read(self, buffer: torch.Tensor | None, extents: Sequence[Extent]) -> Future:
         return self._submit("pread", buffer, extents)
 
-    def _submit(self, op: str, buffer: torch.Tensor, extents: Sequence[Extent]) -> Future:
+    def _submit(self, op: str, buffer: torch.Tensor | None, extents: Sequence[Extent]) -> Future:
         if self._closed:
             raise RuntimeError("kvikio backend is closed")
-        self._register(buffer)
-        target = buffer if buffer.device.type == "cuda" else buffer.numpy()
+        target = None
+        if buffer is not None:
+            self._register(buffer)
+            target = buffer if buffer.device.type == "cuda" else buffer.numpy()
         started = []
         outcome = IOOutcome()
-        # One kvikio call per extent (at most a stripe unit: io_chunk_size); kvikio cuts it
-        # into task_size tasks over its threads.
+        # One kvikio call per extent (at most a stripe unit: io_chunk_size), or per buffer of
+        # an extent's own host memory; kvikio cuts it into task_size tasks over its threads.
         for i, piece in split_extents(extents, self._chunk):
-            try:
-                view = target[piece.buffer_offset:piece.buffer_offset + piece.length]
-                started.append((i, piece, getattr(self._files[piece.file], op)(
-                    view, piece.length, piece.file_offset, self._task)))
-            except Exception as exc:  # noqa: BLE001 - recorded against this extent
-                outcome.fail(i, exc, piece)
+            for part, view in _views(piece, target):
+                try:
+                    started.append((i, part, getattr(self._files[part.file], op)(
+                        view, part.length, part.file_offset, self._task)))
+                except Exception as exc:  # noqa: BLE001 - recorded against this extent
+                    outcome.fail(i, exc, part)
         # kvikio's own threads do the I/O; the caller's thread waits on kvikio's futures when it
         # asks for the outcome (IOFuture.get releases the GIL): no waiter thread in between.
-        return WaitingFuture(functools.partial(self._wait, started, outcome, buffer, op))
+        return WaitingFuture(functools.partial(self._wait, started, outcome, (buffer, extents),
+                                               op))
 
-    def _wait(self, started, outcome: IOOutcome, buffer: torch.Tensor, op: str) -> IOOutcome:
-        # ``buffer`` is an argument so it stays alive until every future has completed.
+    def _wait(self, started, outcome: IOOutcome, memory, op: str) -> IOOutcome:
+        # ``memory`` (the buffer and the extents' own) is an argument so it stays alive until
+        # every future has completed.
         for i, piece, fut in started:
             try:
                 n = fut.get()
@@ -251,3 +257,16 @@ class KvikioBackend(Backend):
         for f in self._files:
             f.close()
         self._files = []
+
+
+def _views(piece: Extent, target) -> list[tuple[Extent, object]]:
+    """The (extent, buffer view) pairs one piece is moved as: its range of the call's buffer,
+    or each buffer of its own memory at its place in the file."""
+    if not piece.memory:
+        return [(piece, target[piece.buffer_offset:piece.buffer_offset + piece.length])]
+    out, done = [], 0
+    for m in piece.memory:
+        out.append((Extent(piece.file, piece.file_offset + done, len(m),
+                           piece.buffer_offset + done), m))
+        done += len(m)
+    return out

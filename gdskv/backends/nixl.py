@@ -26,6 +26,13 @@ Why ``initialize_xfer`` and not ``prep_xfer_dlist`` + ``make_prepped_xfer``: the
 with every call, so a prepped list would have to be built per call too. Measured on CPU (NIXL
 1.5.1, POSIX/aio, 1024 descriptors of 16 KiB): ``initialize_xfer`` ~90 us against a ~11-15 ms
 transfer, i.e. < 1 %; not worth a per-slot prepped table and its memory.
+
+No in-place host path (``in_place_host_memory`` is False): NIXL moves only memory registered
+with its agent, and a CPU tier's callers hand new regions every call (vLLM's primary rows,
+LMCache's L1 objects), so each call would register and deregister them (the registration cache
+holds ``_MAX_REGISTRATIONS`` buffers, not thousands of rows). For host memory NIXL's POSIX plugin
+does the same kernel I/O as the posix backend, which moves those regions in place with nothing
+to register; a CPU tier on NIXL keeps its registered staging buffer.
 """
 
 from __future__ import annotations
@@ -350,6 +357,9 @@ class NixlBackend(Backend):
         for i, e in enumerate(extents):
             if e.length < 0 or e.buffer_offset < 0 or e.buffer_offset + e.length > size:
                 raise ValueError(f"extents[{i}]: {e} does not fit a buffer of {size} bytes")
+            if e.memory:  # in_place_host_memory is False: the tier never sends these
+                raise ValueError(f"extents[{i}] carries its own memory; the nixl backend moves "
+                                 "only registered buffers (the call's buffer)")
         pieces = io_pieces(extents, self._config.io_threads, self._config.io_chunk_size)
         event = None
         if buffer.device.type == "cuda":

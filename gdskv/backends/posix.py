@@ -1,8 +1,10 @@
-"""POSIX backend: ``os.pwrite/preadv`` from aligned host memory in a thread pool.
+"""POSIX backend: ``os.pwritev/preadv`` from aligned host memory in a thread pool.
 
 The backend that runs anywhere (CI has no GPU). GPU buffers go through a pinned host mirror.
 Each call's extents are cut into pieces (at most ``io_chunk_size``, smaller for small calls) so
-all threads keep the drive's queue full; O_DIRECT (when the store got it) needs the 4 KiB-aligned buffers the tier allocates.
+all threads keep the drive's queue full; O_DIRECT (when the store got it) needs the 4 KiB-aligned
+buffers the tier allocates. An extent carrying its own host memory (the caller's page regions,
+moved in place) is one ``pwritev``/``preadv`` of its I/O vector per piece.
 """
 
 from __future__ import annotations
@@ -19,8 +21,13 @@ from .base import Backend, Extent, ShortIOError, SlabFile, combine, io_pieces
 from .bounce import HostMirrors
 
 
+#: most buffers one pwritev/preadv takes (Linux: 1024)
+IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+
+
 class PosixBackend(Backend):
     name = "posix"
+    in_place_host_memory = True
 
     def __init__(self, config: TierConfig, device: torch.device | str = "cpu") -> None:
         self._threads = config.io_threads
@@ -41,24 +48,26 @@ class PosixBackend(Backend):
         return {**super().describe(), "threads": self._threads, "io_chunk_size": self._chunk,
                 "gpu_buffers": "staged through a pinned host mirror"}
 
-    def write(self, buffer: torch.Tensor, extents: Sequence[Extent]) -> Future:
-        host = self._mirrors.to_host(buffer, extents)
-        return self._submit(_pwrite_all, host, extents)
+    def write(self, buffer: torch.Tensor | None, extents: Sequence[Extent]) -> Future:
+        host = None if buffer is None else self._mirrors.to_host(buffer, extents)
+        return self._submit(os.pwritev, "write", host, extents)
 
-    def read(self, buffer: torch.Tensor, extents: Sequence[Extent]) -> Future:
-        host = self._mirrors.host_buffer(buffer)
+    def read(self, buffer: torch.Tensor | None, extents: Sequence[Extent]) -> Future:
+        host = None if buffer is None else self._mirrors.host_buffer(buffer)
         after = None if host is buffer else (lambda: self._mirrors.from_host(host, buffer, extents))
-        return self._submit(_pread_all, host, extents, after)
+        return self._submit(os.preadv, "read", host, extents, after)
 
-    def _submit(self, fn, host: torch.Tensor, extents: Sequence[Extent], after=None) -> Future:
+    def _submit(self, call, op: str, host: torch.Tensor | None, extents: Sequence[Extent],
+                after=None) -> Future:
         if self._pool is None:
             raise RuntimeError("posix backend is closed")
-        view = host_numpy(host)
+        view = None if host is None else host_numpy(host)
         futures = []
         for idx, piece in io_pieces(extents, self._threads, self._chunk):
             f = self._files[piece.file]
-            mv = view[piece.buffer_offset:piece.buffer_offset + piece.length]
-            futures.append((idx, piece, self._pool.submit(fn, f, mv, piece.file_offset)))
+            iov = piece.memory or (view[piece.buffer_offset:piece.buffer_offset + piece.length],)
+            futures.append((idx, piece, self._pool.submit(_vector_io, call, op, f, iov,
+                                                          piece.file_offset)))
         return combine(futures, after=after)
 
     def close(self) -> None:
@@ -68,21 +77,20 @@ class PosixBackend(Backend):
         self._mirrors.clear()
 
 
-def _pwrite_all(f: SlabFile, view, offset: int) -> int:
-    mv, done = memoryview(view), 0
-    while done < len(mv):
-        n = os.pwrite(f.fd, mv[done:], offset + done)
+def _vector_io(call, op: str, f: SlabFile, iov: Sequence, offset: int) -> int:
+    """All of ``iov`` to or from ``f`` at ``offset`` with ``call`` (os.pwritev/preadv), going
+    on after partial transfers; ShortIOError when the file gives no more."""
+    bufs = [mv for mv in (memoryview(b).cast("B") for b in iov) if len(mv)]
+    total = sum(len(b) for b in bufs)
+    done = first = 0
+    while first < len(bufs):
+        n = call(f.fd, bufs[first:first + IOV_MAX], offset + done)
         if n <= 0:
-            raise ShortIOError("write", f.path, offset, len(mv), done)
+            raise ShortIOError(op, f.path, offset, total, done)
         done += n
-    return done
-
-
-def _pread_all(f: SlabFile, view, offset: int) -> int:
-    mv, done = memoryview(view), 0
-    while done < len(mv):
-        n = os.preadv(f.fd, [mv[done:]], offset + done)
-        if n <= 0:
-            raise ShortIOError("read", f.path, offset, len(mv), done)
-        done += n
+        while first < len(bufs) and n >= len(bufs[first]):  # drop the buffers moved whole
+            n -= len(bufs[first])
+            first += 1
+        if n:
+            bufs[first] = bufs[first][n:]
     return done

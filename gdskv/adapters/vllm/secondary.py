@@ -11,9 +11,11 @@ Loaded by vLLM's ``SecondaryTierFactory`` from a tier config, no registration ne
 vLLM's tiering manager keeps blocks in a CPU primary tier (an mmap in /dev/shm) and cascades
 stores down to this tier and promotes loads up from it. A block here is one row of the primary
 (``primary_kv_view`` is ``(num_chunks, row_bytes)``; with TP > 1 a row holds every worker's
-share), stored as one gdskv page: ``put_pages``/``get_pages`` copy the row into the tier's
-staging buffer and the slab files are written with coalesced I/O, fdatasync and checksums,
-instead of vLLM's fs tier's one file per block. Every other key of the tier config is a
+share), stored as one gdskv page: ``put_pages``/``get_pages`` move the row in place (the primary
+is a page-aligned mmap: one ``pwritev``/``preadv`` straight between the row and the slab file,
+checksum on the row, :mod:`gdskv.host_pages`) with coalesced I/O, fdatasync and checksums,
+instead of vLLM's fs tier's one file per block. A failed load may leave part of a block in its
+row; its key is not in ``successful_keys``, so vLLM drops that row. Every other key of the tier config is a
 :class:`~gdskv.config.TierConfig` field; ``GDSKV_*`` variables fill in the rest.
 
 This runs in vLLM's scheduler process and must never block it: submits hand the job to a

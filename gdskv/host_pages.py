@@ -1,0 +1,196 @@
+"""Host pages in place: ``put_pages`` / ``get_pages`` on a CPU tier without the staging copy.
+
+A page given as host regions is written straight from the caller's memory and read straight
+into it. The payload moves between the regions and the slab file; what is not the caller's --
+the slot trailer and the padding before it, and with O_DIRECT the payload's last partial 4 KiB
+block -- goes through a small aligned scratch row per page, in the same ``pwritev``/``preadv``
+(the backend gets extents carrying their own memory, ``Extent.memory``). The checksum is
+computed on the caller's bytes before a write and verified on them after a read (xxh3, streamed
+over the regions: the same value the staging path computes over staging, so pages written
+either way read back either way). Slot reservation, trailers, journal, sync policy, commit or
+abort, pins and stats are the tier's own (``Tier._put`` / ``Tier._get``).
+
+When it applies (:meth:`HostPagePath.in_place`): the tier stages in host memory, its backend
+moves host memory itself (posix, kvikio; NIXL would have to register every call's regions with
+its agent, so it keeps staging), ``config.in_place`` is on, and -- where the slab files are
+opened with O_DIRECT -- every region starts on a 4 KiB boundary and all but the last are whole
+4 KiB blocks. Other pages go through staging as before, in the same call. ``Tier.stats()``
+counts both (``pages_written_in_place``, ``pages_read_in_place``, ``region_pages_staged``) and
+says why in-place is off where it is (``in_place``).
+
+A read that fails (an I/O error, a checksum mismatch) is a miss as ever, but the caller's
+regions of a missed page then hold undefined bytes (part of the read may have landed there):
+never use a missed page's buffer.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+import xxhash
+
+from .backends.base import Extent, slice_memory
+from .layout import ALIGNMENT, PageLayout
+from .memory import alloc_host, host_numpy
+from .slot_trailer import TRAILER_BYTES
+
+#: below this many bytes a call's pages are hashed on the calling thread (a task hand-off
+#: costs more than it saves)
+PARALLEL_HASH_BYTES = 4 << 20
+
+
+def page_xxh3(iov: Sequence) -> int:
+    """xxh3_64 of the concatenation of ``iov`` (the staging path's algorithm 1 over one page).
+    The streaming form releases the GIL for buffers over 64 KiB (xxhash 3.x), so pages hash in
+    parallel on several threads."""
+    h = xxhash.xxh3_64()
+    for b in iov:
+        h.update(b)
+    return h.intdigest()
+
+
+class HostPagePath:
+    """A tier's in-place path for host regions: whether it runs, and for which pages.
+
+    Args:
+        layout: the tier's page layout.
+        enabled: "" when the tier and backend allow it, else why not (shown in stats).
+        direct: whether any slab file is opened with O_DIRECT (then regions must be aligned).
+        threads: threads hashing a call's pages (at most the host's cores).
+    """
+
+    def __init__(self, layout: PageLayout, why_not: str, direct: bool, threads: int) -> None:
+        self.layout = layout
+        self.why_not = why_not
+        self.direct = direct
+        self._threads = max(1, min(threads, os.cpu_count() or 1))
+        self._pool: ThreadPoolExecutor | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return not self.why_not
+
+    def describe(self) -> dict:
+        rule = ("regions 4 KiB aligned, all but the last whole 4 KiB blocks (O_DIRECT)"
+                if self.direct else "any host regions (buffered I/O)")
+        return {"enabled": self.enabled, "reason": self.why_not or rule}
+
+    def in_place(self, regions: Sequence[torch.Tensor]) -> bool:
+        """Whether a page of these host regions can move in place."""
+        if not self.enabled or any(r.device.type != "cpu" for r in regions):
+            return False
+        if not self.direct:
+            return True
+        regions = [r for r in regions if r.numel()]
+        return all(r.data_ptr() % ALIGNMENT == 0 for r in regions) and \
+            all(r.numel() % ALIGNMENT == 0 for r in regions[:-1])
+
+    def call(self, pages: Sequence[Sequence[torch.Tensor]]) -> "InPlacePages":
+        """The per-call object moving these pages (each one passed :meth:`in_place`)."""
+        return InPlacePages(self, pages)
+
+    def hash_pages(self, iovs: list[Sequence]) -> np.ndarray:
+        """xxh3 of each page's I/O vector, on several threads when the call is large."""
+        out = np.empty(len(iovs), dtype=np.uint64)
+        nbytes = sum(len(b) for iov in iovs for b in iov)
+        if self._threads == 1 or len(iovs) < 2 or nbytes < PARALLEL_HASH_BYTES:
+            for k, iov in enumerate(iovs):
+                out[k] = page_xxh3(iov)
+            return out
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="gdskv-hash")
+        step = -(-len(iovs) // self._threads)  # one task per thread: small pages batch up
+        groups = [range(k, min(k + step, len(iovs))) for k in range(0, len(iovs), step)]
+        for group, sums in zip(groups, self._pool.map(
+                lambda g: [page_xxh3(iovs[k]) for k in g], groups)):
+            out[group.start:group.stop] = sums
+        return out
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
+class InPlacePages:
+    """One call's pages moved in place. ``page_idx`` lists positions in the call's pages; the
+    chunk's page ``j`` is at ``j * slot_bytes`` of the extents' frame (as in staging)."""
+
+    def __init__(self, path: HostPagePath, pages: Sequence[Sequence[torch.Tensor]]) -> None:
+        lay = path.layout
+        self.path = path
+        self.slot_bytes = lay.slot_bytes
+        self.pages = [[host_numpy(r) for r in regions if r.numel()] for regions in pages]
+        # payload bytes moved in place; the rest of the slot is the page's scratch row
+        self.direct_bytes = lay.page_bytes - lay.page_bytes % ALIGNMENT if path.direct \
+            else lay.page_bytes
+        self.rest = lay.page_bytes - self.direct_bytes   # payload bytes in the scratch row
+        tail = lay.slot_bytes - self.direct_bytes
+        self._scratch = host_numpy(alloc_host(len(pages) * tail, pin=False))[
+            :len(pages) * tail].reshape(len(pages), tail)
+
+    def _direct(self, i: int) -> tuple:
+        return slice_memory(self.pages[i], 0, self.direct_bytes)
+
+    def _rest(self, i: int) -> tuple:
+        return slice_memory(self.pages[i], self.direct_bytes, self.rest)
+
+    def _extents(self, extents: list[Extent], page_idx: list[int]) -> list[Extent]:
+        out = []
+        for e in extents:
+            first = e.buffer_offset // self.slot_bytes
+            memory = []
+            for pos in range(first, first + e.length // self.slot_bytes):
+                i = page_idx[pos]
+                memory.extend(self._direct(i))
+                memory.append(self._scratch[i])
+            out.append(Extent(e.file, e.file_offset, e.length, e.buffer_offset, tuple(memory)))
+        return out
+
+    # -- spill --------------------------------------------------------------------------------
+    def checksums(self, page_idx: list[int]) -> np.ndarray:
+        """xxh3 of each page's payload, on the caller's bytes."""
+        return self.path.hash_pages([self.pages[i] for i in page_idx])
+
+    def write_extents(self, extents: list[Extent], page_idx: list[int],
+                      trailers: list[bytes]) -> list[Extent]:
+        """The store's ``extents`` for these pages, carrying the regions and each page's scratch
+        row (the payload's unaligned end, then the trailer in the slot's last bytes)."""
+        for i, trailer in zip(page_idx, trailers):
+            row = self._scratch[i]
+            if self.rest:
+                np.concatenate(self._rest(i), out=row[:self.rest])
+            row[-TRAILER_BYTES:] = np.frombuffer(trailer, dtype=np.uint8)
+        return self._extents(extents, page_idx)
+
+    # -- restore ------------------------------------------------------------------------------
+    def read_extents(self, extents: list[Extent], page_idx: list[int]) -> list[Extent]:
+        """The store's ``extents`` for these pages, reading into the regions and scratch rows."""
+        return self._extents(extents, page_idx)
+
+    def read_checksums(self, page_idx: list[int]) -> np.ndarray:
+        """xxh3 of each page's payload as read: the regions, then its end in the scratch row."""
+        return self.path.hash_pages([self._direct(i) + (self._scratch[i][:self.rest],)
+                                     for i in page_idx])
+
+    def as_slot(self, i: int) -> torch.Tensor:
+        """Page ``i`` as read, copied into one slot-sized tensor (to verify it with another
+        checksum algorithm, which works on staging-format buffers)."""
+        slot = np.zeros(self.slot_bytes, dtype=np.uint8)
+        np.concatenate(self._direct(i) + (self._scratch[i][:self.rest],),
+                       out=slot[:self.direct_bytes + self.rest])
+        return torch.from_numpy(slot)
+
+    def complete(self, page_idx: list[int]) -> None:
+        """Copy the verified pages' payload ends from their scratch rows into their regions."""
+        if not self.rest:
+            return
+        for i in page_idx:
+            done = 0
+            for dst in self._rest(i):
+                dst[:] = self._scratch[i][done:done + len(dst)]
+                done += len(dst)
