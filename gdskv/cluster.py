@@ -315,8 +315,11 @@ class ClusterStore:
         """Check the call, find each key's holders and start the first round of reads here, in
         the caller (a bad argument raises here, as :meth:`Tier.get_async` does). Keys held
         nowhere go to this node's tier too: it counts them as misses."""
-        tiers = self._tiers()
-        holders = [[t for t in tiers if _holds(t, k)] for k in keys]
+        holders: list[list[Tier]] = [[] for _ in keys]
+        for tier in self._tiers():
+            for h, held in zip(holders, _held_by(tier, keys)):
+                if held:
+                    h.append(tier)
         if self.own is not None:
             for h in holders:
                 if not h:
@@ -383,9 +386,9 @@ class ClusterStore:
         results = [False] * len(keys)
         todo = list(range(len(keys)))
         if self.config.cluster_dedup:
-            peers = self._tiers()[1:]
-            held = {i for i in todo if not _holds(self.own, keys[i]) and
-                    any(_holds(p, keys[i]) for p in peers)}
+            elsewhere = [any(h) for h in zip(*(_held_by(p, keys) for p in self._tiers()[1:]))]
+            here = _held_by(self.own, keys)
+            held = {i for i, (e, o) in enumerate(zip(elsewhere, here)) if e and not o}
             for i in held:
                 results[i] = True
             todo = [i for i in todo if i not in held]
@@ -444,7 +447,8 @@ class ClusterStore:
             sorted((n, p.tier) for n, p in self._peers.copy().items())
         handles: list[tuple[str, int] | None] = [None] * len(keys)
         for name, tier in named:
-            idx = [i for i, h in enumerate(handles) if h is None and _holds(tier, keys[i])]
+            held = _held_by(tier, keys)
+            idx = [i for i, h in enumerate(handles) if h is None and held[i]]
             if idx:
                 got = _safe(tier.pin, [None] * len(idx), [keys[i] for i in idx])
                 for i, slot in zip(idx, got):
@@ -547,6 +551,19 @@ class ClusterStore:
 
 def _holds(tier: Tier, key: Hashable) -> bool:
     return _safe(tier.contains, False, key)
+
+
+def _held_by(tier: Tier, keys: list) -> list[bool]:
+    """Which of ``keys`` a tier holds: its ``contains`` once (where a follower catches up
+    with its writer's journal), then its directory for the rest (a dict lookup each)."""
+    if not keys:
+        return []
+    try:
+        first = tier.contains(keys[0])
+        directory = tier.directory
+    except TierClosedError:  # its namespace vanished meanwhile
+        return [False] * len(keys)
+    return [first] + [directory.contains(k) for k in keys[1:]]
 
 
 def _safe(fn, default, *args):
