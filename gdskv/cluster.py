@@ -5,8 +5,8 @@ Each node (an engine process: a host's GPU, a DP rank) writes only its own **nam
 with its own lock, journal, capacity and eviction, recovered by that node after a restart as
 any store is. Every other namespace there is opened as a read-only follower tier: it follows
 that node's journal and verifies every page it reads, so a slot its writer reuses under it is a
-miss, never wrong bytes. The first directory is listed every ``cluster_discovery_ms``: a new
-namespace is opened, one whose manifest changed (its writer made the store again or cleared it)
+miss, never wrong bytes. The first directory is listed every ``cluster_discovery_ms`` (in the
+background, started by the calls): a new namespace is opened, one whose manifest changed (its writer made the store again or cleared it)
 is reopened, one that vanished (reclaimed: ``gdskv cluster reclaim``) is closed. A namespace
 of another model or sharding (its layout fingerprint differs) is skipped.
 
