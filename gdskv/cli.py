@@ -344,15 +344,15 @@ def cmd_cluster_reclaim(args) -> tuple[dict, int]:
     if foreign:
         raise UsageError(f"namespace {node!r} holds files gdskv did not make: "
                          f"{', '.join(foreign)}; move them away first (nothing removed)")
-    _confirm(args, "reclaim", "removes a node's pages", f"remove node {node!r}'s namespace and "
-             f"its pages ({', '.join(dirs)})")
     locks = _take_writer_locks(dirs)
     if locks is None:
         raise UsageError(f"node {node!r}'s namespace is in use: its writer lock is held (pid "
                          f"{_lock_holder(dirs[0]) or 'on another host'}); stop that engine "
                          "process first (nothing removed)")
     freed, removed = 0, 0
-    try:  # the locks are held while the files go: a writer starting now waits for none
+    try:  # the locks are held from the question on: no writer starts under the removal
+        _confirm(args, "reclaim", "removes a node's pages", f"remove node {node!r}'s namespace "
+                 f"and its pages ({', '.join(dirs)})")
         for d in dirs:
             for n in sorted(os.listdir(d)):
                 path = os.path.join(d, n)
