@@ -314,3 +314,20 @@ def test_default_node_id_is_the_host_and_the_engine_ranks():
     host = socket.gethostname().split(".")[0]
     node = default_node_id("dp1", device="cpu")
     assert node.startswith(host[:8]) and node.endswith("-dp1")
+
+
+def test_reclaim_refuses_foreign_files_and_unknown_nodes(shared, capsys):
+    with ClusterStore(LAYOUT, ch.cluster_config(shared, "old")) as old:
+        assert all(put(old, ["o0"]))
+    assert gdskv_main(["cluster", "list", shared, "--json"]) == 0
+    assert '"writer_running": false' in capsys.readouterr().out
+    keep = os.path.join(shared, "old", "notes.txt")
+    with open(keep, "w") as f:
+        f.write("an operator's file")
+    for argv, says in ((["cluster", "reclaim", "old", shared, "--yes"], "did not make"),
+                       (["cluster", "reclaim", "nobody", shared, "--yes"], "no namespace"),
+                       (["cluster", "reclaim", "../old", shared, "--yes"], "node_id")):
+        with pytest.raises(SystemExit) as refused:
+            gdskv_main(argv)
+        assert refused.value.code == 2 and says in capsys.readouterr().err
+    assert os.path.exists(keep) and len(os.listdir(os.path.join(shared, "old"))) > 1
