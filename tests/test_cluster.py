@@ -30,16 +30,20 @@ NODES = ["node0", "node1", "node2", "node3"]
 
 
 @pytest.fixture
-def shared(request, tmp_path) -> str:
-    """The directory the nodes share: under --shared-dir when given (a real network mount),
-    else a temporary directory."""
+def shared(request, tmp_path):
+    """The directory the nodes share: a new one under --shared-dir when given (a real network
+    mount; removed afterwards), else a temporary directory."""
     base = request.config.getoption("--shared-dir")
     if base is None:
         root = tmp_path / "shared"
         root.mkdir()
-        return str(root)
+        yield str(root)
+        return
+    import shutil
     import tempfile
-    return tempfile.mkdtemp(prefix="gdskv-cluster-", dir=base)
+    root = tempfile.mkdtemp(prefix="gdskv-cluster-", dir=base)
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
 
 
 def _json(path):
