@@ -368,3 +368,46 @@ def test_cluster_store_replicas_share_blocks(tmp_path):
     assert len(tiers[1].own.directory) == 0
     for w in workers:
         w.shutdown()
+
+
+def test_cluster_index_completes_a_block_across_replicas_and_forgets_a_reclaimed_one(tmp_path):
+    """TP 2 x 2 replicas in a cluster: a block whose rank-0 share one replica stored and whose
+    rank-1 share the other stored is a hit for both schedulers, and each worker rank loads its
+    share from wherever it is. Once the replica holding a share is reclaimed, it is a miss."""
+    import shutil
+
+    from vllm_helpers import with_dp_index
+    opts = extra(tmp_path, cluster=True, cluster_follow_ms=1, cluster_discovery_ms=1)
+    cfgs = {(dp, r): with_dp_index(offloading_config(opts, rank=r, world_size=2), dp)
+            for dp in (0, 1) for r in (0, 1)}
+    specs = {k: make_spec(c) for k, c in cfgs.items()}
+    caches = {k: kv_caches(8, [2], seed=40 + 2 * k[0] + k[1]) for k in cfgs}
+    workers = {k: connector_worker(specs[k], caches[k]) for k in cfgs}
+    managers = {dp: specs[(dp, 0)].get_manager() for dp in (0, 1)}
+    ks = keys(2)
+    with managers[0].lock:
+        out = managers[0].prepare_store(ks, CTX)
+    job = TransferJob("r", GPULoadStoreSpec([1, 2], [2], [0]), out.store_spec)
+    for k in ((0, 0), (1, 1)):  # rank 0's share from replica 0, rank 1's from replica 1
+        workers[k].prepare_store_kv(OffloadingConnectorMetadata({}, {1: job}))
+        workers[k].start_kv_transfers(OffloadingConnectorMetadata({}, {}))
+        run_until_done(workers[k], {1})
+    for dp in (0, 1):
+        with managers[dp].lock:
+            managers[dp].refresh(force=True)
+            assert [managers[dp].lookup(k, CTX) for k in ks] == [LookupResult.HIT] * 2
+    for k in ((0, 1), (1, 0)):  # each loads the share it did not store, from the other
+        specs[k]._worker.transfers.tiers[0].refresh()  # found the other's namespace by now
+        load(managers[k[0]], workers[k], 2, ks, [5, 6])
+        src = caches[(1 - k[0], k[1])]
+        for a, b in ((1, 5), (2, 6)):
+            assert all(torch.equal(x, y) for x, y in zip(block_bytes(src, 0, a),
+                                                         block_bytes(caches[k], 0, b)))
+    rank1_dir = specs[(1, 1)].store_dirs(specs[(1, 1)].config.groups[0])[1]
+    replica1 = specs[(1, 1)]._worker.transfers.tiers[0].node_id
+    for w in workers.values():
+        w.shutdown()
+    shutil.rmtree(f"{rank1_dir}/{replica1}")  # gdskv cluster reclaim, by hand
+    with managers[0].lock:
+        managers[0].refresh(force=True)
+        assert [managers[0].lookup(k, CTX) for k in ks] == [LookupResult.MISS] * 2
