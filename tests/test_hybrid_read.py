@@ -27,3 +27,22 @@ def test_hybrid_read_runs_and_reports(tmp_path):
     assert r["kv_GBps"] > 0 and r["kv+sidecar_GBps"] > 0
     assert "KV + indexer" in proc.stdout
     assert os.listdir(tmp_path) == ["hybrid.json"]  # its store directories are gone
+
+
+def test_sidecar_pages_off_the_4k_grid_use_buffered_io_unless_asked():
+    """A sidecar page that is not whole 4 KiB blocks sits at unaligned addresses of SGLang's
+    page-first host buffer: with the KV tier's ``auto`` its store is buffered (in place),
+    an explicit choice is kept, and a 4 KiB-multiple page keeps the KV tier's setting."""
+    from gdskv.adapters.sglang.sidecar import store_config
+    from gdskv.config import DirectIO, TierConfig
+    from gdskv.layout import BytePageLayout
+
+    def cfg(page_bytes, direct_io):
+        base = TierConfig(directories=("/kv",), capacity=1 << 30, direct_io=direct_io)
+        return store_config(base, BytePageLayout(page_bytes=page_bytes, kind="sglang/test"), directories=("/side",),
+                            kv_capacity=base.capacity, pool_host_bytes=1, kv_host_bytes=8)
+
+    assert cfg(61 * 132 * 64, DirectIO.AUTO).direct_io == DirectIO.OFF
+    assert cfg(61 * 132 * 64, DirectIO.ON).direct_io == DirectIO.ON
+    assert cfg(8 << 10, DirectIO.AUTO).direct_io == DirectIO.AUTO
+    assert cfg(8 << 10, DirectIO.OFF).direct_io == DirectIO.OFF

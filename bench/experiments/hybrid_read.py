@@ -118,6 +118,7 @@ def main(args) -> dict:
             result["backend"] = kv.backend.name
             result["backend_detail"] = kv.backend.describe()
             result["o_direct"] = kv.store.direct
+            result["sidecar_o_direct"] = side.store.direct
             for b in batches:  # write once (untimed)
                 ks = [keys[i] for i in b]
                 if not (all(kv.put_pages(ks, [[kv_src[i]] for i in b])) and
@@ -162,6 +163,10 @@ def main(args) -> dict:
                     {"kind": "kv+sidecar" if h else "kv", "pages": m, "ms": dt * 1e3,
                      **({"sidecar_ms": ds * 1e3} if h else {})}
                     for h, m, dt, ds in times], "cache": dropped.get("summary", "")})
+            for name, tier in (("kv", kv), ("sidecar", side)):  # which path the reads took
+                st = tier.stats()
+                result[f"{name}_pages_read_in_place"] = st.get("pages_read_in_place", 0)
+                result[f"{name}_pages_read_staged"] = st.get("region_pages_read_staged", 0)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     if not pairs:

@@ -27,8 +27,8 @@ from typing import Optional
 
 import torch
 
-from ...config import TierConfig
-from ...layout import BytePageLayout
+from ...config import DirectIO, TierConfig
+from ...layout import ALIGNMENT, BytePageLayout
 
 REGIONS = "regions"
 FLAT = "flat"
@@ -46,14 +46,23 @@ def store_config(base: TierConfig, layout: BytePageLayout, *, directories: Seque
     - ``capacity`` if given, else the KV capacity scaled by the pool's host memory over the KV
       host pool's (SGLang sizes its host pools that way), at least ``MIN_STORE_PAGES`` slots;
     - staging for one controller batch of this pool rather than the KV tier's whole buffer (a
-      model can have a dozen sidecar pools), and at least one slot per pipeline stage.
+      model can have a dozen sidecar pools), and at least one slot per pipeline stage;
+    - buffered I/O where the KV tier's is ``auto`` and the pool's page is not a whole number of
+      4 KiB blocks (e.g. DSA's indexer: 515,328 B at 64 tokens): its pages then start at
+      unaligned addresses of SGLang's page-first host buffer, which O_DIRECT cannot read into
+      or write from, so they would all go through staging (two copies); buffered, they move in
+      place (one copy). Measured in bench/RESULTS.md, "Hybrid models".
     """
     if capacity is None:
         capacity = max(int(kv_capacity * pool_host_bytes / max(1, kv_host_bytes)),
                        MIN_STORE_PAGES * layout.slot_bytes)
     staging = max(base.pipeline_depth * layout.slot_bytes,
                   min(base.staging_size, CONTROLLER_BATCH_PAGES * layout.slot_bytes))
-    return base.replace(directories=tuple(directories), capacity=capacity, staging_size=staging)
+    direct_io = base.direct_io
+    if direct_io == DirectIO.AUTO and layout.page_bytes % ALIGNMENT:
+        direct_io = DirectIO.OFF
+    return base.replace(directories=tuple(directories), capacity=capacity, staging_size=staging,
+                        direct_io=direct_io)
 
 
 def page_starts(host_indices: torch.Tensor, num_pages: int, page_size: int, *,
