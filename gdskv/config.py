@@ -323,7 +323,8 @@ def _parse_enum(enum_cls: type[enum.Enum], value, what: str):
 #: what each ``TierConfig`` field (``GDSKV_<FIELD>``) means, for ``gdskv-bench --help-env``
 FIELD_DOCS: dict[str, str] = {
     "directories": "store directories, ':' or ',' separated (one per drive; slots are striped)",
-    "capacity": "disk capacity of the store (64GiB, 512M...; reserved at creation if preallocate)",
+    "capacity": "disk capacity of the store (64GiB, 512M...; reserved at creation if preallocate;"
+                " used in whole io_chunk_size stripes, the same number per slab file)",
     "backend": "auto (kvikio on a CUDA device, posix otherwise), posix, kvikio or nixl",
     "staging_size": "staging buffer on the pool's device (the tier's only GPU memory)",
     "pipeline_depth": "staging parts shared by concurrent calls, also the async workers (2..64)",

@@ -31,7 +31,11 @@ BENCH = [sys.executable, "-m", "lmcache.cli.main"]
 
 
 def adapters(directory: str, object_bytes: int, keys: int, in_flight: int) -> dict[str, dict]:
-    capacity = object_bytes * keys * in_flight * 6  # warm-up + 3 measured rounds, and room
+    # warm-up + 3 measured rounds, and room: each object takes a slot (object + its 4 KiB
+    # trailer) and the store uses its capacity in whole stripes, as many per slab file, so a
+    # tight capacity holds fewer objects than capacity / object (then stores fail: the bench
+    # runs without LMCache's eviction). Two stripes per file to spare.
+    capacity = (object_bytes + 4096) * keys * in_flight * 6 + 2 * 4 * (16 << 20)
     gdskv = {"type": "plugin", "module_path": "gdskv.adapters.lmcache",
              "class_name": "GdskvL2Adapter",
              "adapter_params": {"directories": [directory], "capacity": capacity,
