@@ -512,9 +512,20 @@ class Tier:
                 self._checksums.compute(self._staging[0], pages)
                 if pool is not None:
                     kd.scatter_pages(pool, lay, slots, self._staging[0])
+                if pool is not None and self.config.verify:  # restores' kernel variant
+                    self._warm_up_verified_scatter(pool, slots, pages)
             self._scatter_event()
             self._copies_done()
         self._stream.synchronize()
+
+    def _warm_up_verified_scatter(self, pool: KVPool, slots: torch.Tensor, pages: int) -> None:
+        """The verifying scatter restores use (:mod:`.gpu_verdicts`) is a kernel variant of its
+        own: compile it here too, into the throwaway warm-up pool."""
+        lay, part = self.layout, self._staging[0]
+        kd.scatter_pages_verified(pool, lay, slots, part, kd.Verdicts(
+            kd.page_partial_sums(part, pages, lay.page_bytes, lay.slot_bytes),
+            torch.zeros(pages, dtype=torch.int64, device=self.device),
+            torch.empty(pages, dtype=torch.int8, device=self.device), lay.page_bytes))
 
     def _warm_up_backend(self) -> None:
         """Read into every staging part once, now: from GPU memory the backends bounce through
