@@ -187,8 +187,10 @@ def test_pool_calls_route_each_page_to_the_node_holding_it(shared):
     scatters each stored page into its own token slots."""
     pool = random_pool(LAYOUT, 64, seed=1)
     ps = LAYOUT.page_size
-    with ClusterStore(LAYOUT, ch.cluster_config(shared, "a")) as a, \
-            ClusterStore(LAYOUT, ch.cluster_config(shared, "b")) as b:
+    # a CPU pool, so staging stays on the CPU where a GPU exists too (the kvikio variant below
+    # covers CUDA pools)
+    with ClusterStore(LAYOUT, ch.cluster_config(shared, "a"), device="cpu") as a, \
+            ClusterStore(LAYOUT, ch.cluster_config(shared, "b"), device="cpu") as b:
         assert a.put(["p0", "p2"], pool, torch.arange(0, 2 * ps)) == [True, True]
         assert b.put(["p1"], pool, torch.arange(2 * ps, 3 * ps)) == [True]
         a.refresh()

@@ -41,7 +41,8 @@ import torch
 import experiment_helpers
 from gdskv.adapters.sglang.sidecar import CONTROLLER_BATCH_PAGES, store_config
 from gdskv.bench.cache import drop_page_cache
-from gdskv.config import TierConfig
+from gdskv.backends import posix
+from gdskv.config import DirectIO, TierConfig
 from gdskv.layout import BytePageLayout, KVLayout
 from gdskv.tier import Tier
 
@@ -67,6 +68,11 @@ def _args(argv=None):
                     "tier stages on CUDA, posix otherwise)")
     ap.add_argument("--device", default="cpu", help="where the tiers stage pages: cpu (the "
                     "adapter's default) or cuda")
+    ap.add_argument("--sidecar-direct-io", choices=["adapter", "on", "off"], default="adapter",
+                    help="the sidecar store's O_DIRECT: as the SGLang adapter sets it (default), "
+                    "or forced (to compare)")
+    ap.add_argument("--no-readahead-hint", action="store_true", help="posix buffered reads "
+                    "without their POSIX_FADV_WILLNEED hint (to compare)")
     ap.add_argument("--staging-size", default="256MiB", help="KV tier staging (GDSKV_STAGING_SIZE)")
     return ap.parse_args(argv)
 
@@ -98,6 +104,10 @@ def main(args) -> dict:
                                kv_capacity=base.capacity, pool_host_bytes=side_layout.page_bytes,
                                kv_host_bytes=kv_layout.page_bytes,
                                capacity=(n + 256) * side_layout.slot_bytes)
+    if args.no_readahead_hint:
+        posix.READAHEAD_HINT_BYTES = 1 << 62
+    if args.sidecar_direct_io != "adapter":
+        side_config = side_config.replace(direct_io=DirectIO(args.sidecar_direct_io))
     # host pools: what SGLang's page_first_direct pools hold, written from `src`, read to `dst`
     kv_src, kv_dst = _host_pool(n, kv_layout.page_bytes, 1), _host_pool(n, kv_layout.page_bytes, 2)
     sd_src = _host_pool(n, side_layout.page_bytes, 3)
@@ -119,6 +129,7 @@ def main(args) -> dict:
             result["backend_detail"] = kv.backend.describe()
             result["o_direct"] = kv.store.direct
             result["sidecar_o_direct"] = side.store.direct
+            result["readahead_hint"] = not args.no_readahead_hint
             for b in batches:  # write once (untimed)
                 ks = [keys[i] for i in b]
                 if not (all(kv.put_pages(ks, [[kv_src[i]] for i in b])) and

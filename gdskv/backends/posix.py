@@ -21,6 +21,8 @@ from .base import Backend, Extent, ShortIOError, SlabFile, combine, io_pieces
 from .bounce import HostMirrors
 
 
+#: buffered reads larger than this announce their range first (POSIX_FADV_WILLNEED)
+READAHEAD_HINT_BYTES = 256 * 1024
 #: most buffers one pwritev/preadv takes (Linux: 1024)
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 
@@ -82,6 +84,11 @@ def _vector_io(call, op: str, f: SlabFile, iov: Sequence, offset: int) -> int:
     on after partial transfers; ShortIOError when the file gives no more."""
     bufs = [mv for mv in (memoryview(b).cast("B") for b in iov) if len(mv)]
     total = sum(len(b) for b in bufs)
+    if call is os.preadv and not f.direct and total > READAHEAD_HINT_BYTES:
+        # A buffered read after the page cache is cold reaches the drive only a readahead
+        # window (128 KiB by default) at a time; announcing the whole piece queues it at once,
+        # as an O_DIRECT read of the same size would be.
+        os.posix_fadvise(f.fd, offset, total, os.POSIX_FADV_WILLNEED)
     done = first = 0
     while first < len(bufs):
         n = call(f.fd, bufs[first:first + IOV_MAX], offset + done)
