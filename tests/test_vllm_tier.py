@@ -129,6 +129,12 @@ def test_bad_tier_options_are_refused_at_start(tmp_path):
     with pytest.raises(ConfigError, match="io_threads"):
         SecondaryTierFactory.create_secondary_tier(
             gdskv_tier_config(tmp_path, io_threads=0), view, spec)
+    with pytest.raises(ConfigError, match="jobs must be a positive integer, got 0"):
+        SecondaryTierFactory.create_secondary_tier(
+            gdskv_tier_config(tmp_path, jobs=0), view, spec)
+    # a refused tier leaves nothing locked: a good config over the same directory opens
+    SecondaryTierFactory.create_secondary_tier(
+        gdskv_tier_config(tmp_path, jobs=3), view, spec).shutdown()
 
 
 def drive(manager, ctx, until, timeout=30.0):

@@ -39,7 +39,7 @@ from vllm.v1.kv_offload.base import (Locality, LookupResult, Medium, OffloadingE
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from ...cluster import open_tier
-from .mapping import Shard, tier_config
+from .mapping import ConfigError, Shard, tier_config
 
 log = logging.getLogger("gdskv.vllm")
 
@@ -51,6 +51,7 @@ class GdskvSecondaryTier(SecondaryTierManager):
     ``tier_type`` and ``backpressure_detector`` itself):
         enable_kv_events: emit KV events for blocks stored here (when vLLM's KV events are on).
         locality: ``"LOCAL"`` or ``"REMOTE"``, as for vLLM's fs tier.
+        jobs: transfer jobs run at once (default: ``io_threads``).
         **options: :class:`~gdskv.config.TierConfig` fields (``directories``, ``capacity``...).
     """
 
@@ -58,11 +59,14 @@ class GdskvSecondaryTier(SecondaryTierManager):
 
     def __init__(self, offloading_spec, primary_kv_view: memoryview, tier_type: str,
                  backpressure_detector=None, enable_kv_events: bool = False,
-                 locality: str | None = None, **options) -> None:
+                 locality: str | None = None, jobs: int | None = None, **options) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         where = f"secondary tier {tier_type!r}"
         self.config = tier_config(options, where=where)
         self.locality = Locality(locality) if locality is not None else None
+        jobs = self.config.io_threads if jobs is None else jobs
+        if not isinstance(jobs, int) or isinstance(jobs, bool) or jobs < 1:
+            raise ConfigError(f"{where}: jobs must be a positive integer, got {jobs!r}")
         view = primary_kv_view.cast("B") if primary_kv_view.ndim != 1 else primary_kv_view
         row = self.block_size_bytes
         if row <= 0 or len(view) % row:
@@ -81,8 +85,11 @@ class GdskvSecondaryTier(SecondaryTierManager):
                               self.config.replace(directories=shard.directories(
                                   self.config, what, create=True)),
                               device="cpu", node_ranks=shard.node_ranks)
-        self._pool = ThreadPoolExecutor(self.config.pipeline_depth,
-                                        thread_name_prefix="gdskv-vllm-tier")
+        # vLLM hands over many small jobs (a few blocks each) and runs its own fs tier's on one
+        # thread per job; each job here is one tier call, and calls from many threads overlap,
+        # so as many run at once as the tier has I/O threads (with pipeline_depth, 4, jobs at
+        # once, reads from the H100's /dev/shm stayed near 4 GB/s).
+        self._pool = ThreadPoolExecutor(jobs, thread_name_prefix="gdskv-vllm-tier")
         self._jobs: dict[int, tuple[Future, list, bool, float]] = {}
         self._events: list[OffloadingEvent] | None = None
         if enable_kv_events and offloading_spec.kv_events_config.enable_kv_cache_events:
