@@ -132,9 +132,16 @@ class InPlacePages:
         tail = lay.slot_bytes - self.direct_bytes
         self._scratch = host_numpy(alloc_host(len(pages) * tail, pin=False))[
             :len(pages) * tail].reshape(len(pages), tail)
+        self._direct_iovs: list = [None] * len(self.pages)   # each page's, made once
 
     def _direct(self, i: int) -> tuple:
-        return slice_memory(self.pages[i], 0, self.direct_bytes)
+        iov = self._direct_iovs[i]
+        if iov is None:
+            regions = self.pages[i]
+            iov = tuple(regions) if not self.rest else \
+                slice_memory(regions, 0, self.direct_bytes)
+            self._direct_iovs[i] = iov
+        return iov
 
     def _rest(self, i: int) -> tuple:
         return slice_memory(self.pages[i], self.direct_bytes, self.rest)
