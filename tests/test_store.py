@@ -6,7 +6,10 @@ import errno
 import os
 import stat
 
+import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gdskv import store as store_mod
 from gdskv.backends.base import Extent
@@ -115,3 +118,25 @@ def test_io_pieces_spread_a_small_call_over_the_threads():
     odd = io_pieces([Extent(0, 0, 10 * mib + 4096, 0)], threads=3, max_bytes=16 * mib)
     assert all(p.length % 4096 == 0 for _, p in odd)
     assert sum(p.length for _, p in odd) == 10 * mib + 4096
+
+
+@settings(max_examples=200, deadline=None)
+@given(sizes=st.lists(st.integers(0, 9000), min_size=1, max_size=12),
+       piece=st.integers(1, 20000))
+def test_split_extents_cuts_an_extents_io_vector_into_its_consecutive_bytes(sizes, piece):
+    """Each piece carries exactly its bytes of the extent's I/O vector, in order (the vector's
+    buffers are of any size, empty ones included, as pages and scratch rows make them)."""
+    from gdskv.backends.base import slice_memory, split_extents
+
+    data = np.arange(sum(sizes), dtype=np.int64).astype(np.uint8)
+    bounds = np.cumsum([0] + sizes)
+    memory = tuple(data[a:b] for a, b in zip(bounds[:-1], bounds[1:]))
+    extent = Extent(0, 4096, len(data), 0, memory)
+    pieces = split_extents([extent], piece)
+    assert sum(p.length for _, p in pieces) == len(data)
+    for _, p in pieces:
+        got = np.concatenate([np.asarray(b) for b in p.memory]) if p.memory else data[:0]
+        want = np.concatenate(slice_memory(memory, p.buffer_offset, p.length) or (data[:0],))
+        assert p.file_offset - 4096 == p.buffer_offset and len(got) == p.length
+        assert np.array_equal(got, want)
+        assert all(np.shares_memory(b, data) for b in p.memory if len(b))  # views, no copies

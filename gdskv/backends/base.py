@@ -178,13 +178,38 @@ def split_extents(extents: Sequence[Extent], max_bytes: int) -> list[tuple[int, 
     index of the extent they came from, so one large extent can run on several threads."""
     pieces = []
     for i, e in enumerate(extents):
+        if e.length <= max_bytes:
+            pieces.append((i, e))
+            continue
+        memory = _MemoryCursor(e.memory) if e.memory else None
         done = 0
         while done < e.length:
             n = min(max_bytes, e.length - done)
             pieces.append((i, Extent(e.file, e.file_offset + done, n, e.buffer_offset + done,
-                                     slice_memory(e.memory, done, n) if e.memory else ())))
+                                     memory.take(n) if memory else ())))
             done += n
     return pieces
+
+
+class _MemoryCursor:
+    """Consecutive byte ranges of one I/O vector, taken in order: one pass over its buffers
+    however many pieces an extent is cut into (slicing from the start each time is quadratic
+    in the buffers of an extent of many small pages)."""
+
+    def __init__(self, memory: Sequence) -> None:
+        self._memory, self._k, self._at = memory, 0, 0
+
+    def take(self, n: int) -> tuple:
+        out = []
+        while n:
+            m = self._memory[self._k]
+            take = min(len(m) - self._at, n)
+            out.append(m if take == len(m) else m[self._at:self._at + take])
+            n -= take
+            self._at += take
+            if self._at == len(m):
+                self._k, self._at = self._k + 1, 0
+        return tuple(out)
 
 
 def slice_memory(memory: Sequence, start: int, n: int) -> tuple:
