@@ -38,8 +38,9 @@ from .layout import ALIGNMENT, PageLayout
 from .memory import alloc_host, host_numpy
 from .slot_trailer import TRAILER_BYTES
 
-#: below this many bytes a call's pages are hashed on the calling thread (a task hand-off
-#: costs more than it saves)
+#: least bytes one hashing task takes: a call below it is hashed on the calling thread, a larger
+#: one in tasks of at least this many bytes (a hand-off to a thread costs more than it saves
+#: on less)
 PARALLEL_HASH_BYTES = 4 << 20
 
 
@@ -94,20 +95,27 @@ class HostPagePath:
         return InPlacePages(self, pages)
 
     def hash_pages(self, iovs: list[Sequence]) -> np.ndarray:
-        """xxh3 of each page's I/O vector, on several threads when the call is large."""
+        """xxh3 of each page's I/O vector, on several threads when the call is large: one task
+        per ``PARALLEL_HASH_BYTES`` or more, at most one per thread, the first on the caller."""
         out = np.empty(len(iovs), dtype=np.uint64)
         nbytes = sum(len(b) for iov in iovs for b in iov)
-        if self._threads == 1 or len(iovs) < 2 or nbytes < PARALLEL_HASH_BYTES:
+        tasks = min(self._threads, len(iovs), nbytes // PARALLEL_HASH_BYTES)
+        if tasks < 2:
             for k, iov in enumerate(iovs):
                 out[k] = page_xxh3(iov)
             return out
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="gdskv-hash")
-        step = -(-len(iovs) // self._threads)  # one task per thread: small pages batch up
+        step = -(-len(iovs) // tasks)  # small pages batch up
         groups = [range(k, min(k + step, len(iovs))) for k in range(0, len(iovs), step)]
-        for group, sums in zip(groups, self._pool.map(
-                lambda g: [page_xxh3(iovs[k]) for k in g], groups)):
-            out[group.start:group.stop] = sums
+
+        def run(group: range) -> None:
+            out[group.start:group.stop] = [page_xxh3(iovs[k]) for k in group]
+
+        others = [self._pool.submit(run, g) for g in groups[1:]]
+        run(groups[0])  # the caller would only wait: it takes a share
+        for f in others:
+            f.result()
         return out
 
     def close(self) -> None:

@@ -16,7 +16,7 @@ from conftest import HAS_CUDA, NEEDS_NIXL
 from gdskv.backends.posix import IOV_MAX, _vector_io
 from gdskv.backends.base import SlabFile
 from gdskv.config import TierConfig
-from gdskv.host_pages import page_xxh3
+from gdskv.host_pages import PARALLEL_HASH_BYTES, HostPagePath, page_xxh3
 from gdskv.layout import BytePageLayout
 from gdskv.memory import alloc_host
 from gdskv.tier import Tier
@@ -286,6 +286,22 @@ def test_parallel_checksums_match_one_shot(tmp_path):
         out = [[host(page_bytes)] for _ in data]
         assert all(tier.get_pages(keys, out))
         assert all(torch.equal(d, o[0]) for d, o in zip(data, out))
+
+
+@pytest.mark.parametrize("pages", [1, 2, 5, 9])
+def test_hash_tasks_cover_every_page_once(pages):
+    # tasks of PARALLEL_HASH_BYTES or more, the first on the caller: uneven groups included
+    page = 3 * PARALLEL_HASH_BYTES // 4
+    raw = np.random.default_rng(pages).integers(0, 256, pages * page, dtype=np.uint8)
+    iovs = [(raw[k * page:k * page + 1000], raw[k * page + 1000:(k + 1) * page])
+            for k in range(pages)]
+    path = HostPagePath(BytePageLayout(page_bytes=page, kind=KIND), "", False, threads=4)
+    try:
+        sums = path.hash_pages(iovs)
+    finally:
+        path.close()
+    assert list(sums) == [xxhash.xxh3_64_intdigest(raw[k * page:(k + 1) * page])
+                          for k in range(pages)]
 
 
 def test_streamed_xxh3_equals_one_shot():

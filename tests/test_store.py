@@ -115,6 +115,10 @@ def test_io_pieces_spread_a_small_call_over_the_threads():
     assert len(big) == 64 and max(p.length for _, p in big) == 16 * mib
     small = io_pieces([Extent(0, 0, 3 * mib + 4096, 0)], threads=16, max_bytes=16 * mib)
     assert [p.length for _, p in small] == [MIN_PIECE_BYTES] * 3 + [4096]
+    # a larger minimum (the posix backend's) uses fewer threads for a short call
+    short = io_pieces([Extent(0, 0, 16 * mib + 4096, 0)], threads=16, max_bytes=16 * mib,
+                      min_bytes=4 * mib)
+    assert [p.length for _, p in short] == [4 * mib] * 4 + [4096]
     odd = io_pieces([Extent(0, 0, 10 * mib + 4096, 0)], threads=3, max_bytes=16 * mib)
     assert all(p.length % 4096 == 0 for _, p in odd)
     assert sum(p.length for _, p in odd) == 10 * mib + 4096

@@ -230,22 +230,24 @@ def slice_memory(memory: Sequence, start: int, n: int) -> tuple:
     return tuple(out)
 
 
-#: smallest piece :func:`io_pieces` cuts an extent into (below this, per-call costs dominate)
+#: smallest piece :func:`io_pieces` cuts an extent into by default (below this, per-call
+#: costs dominate); backends whose pieces are host copies pass a larger one
 MIN_PIECE_BYTES = 1 << 20
 
 
-def io_pieces(extents: Sequence[Extent], threads: int, max_bytes: int
-              ) -> list[tuple[int, Extent]]:
+def io_pieces(extents: Sequence[Extent], threads: int, max_bytes: int,
+              min_bytes: int = MIN_PIECE_BYTES) -> list[tuple[int, Extent]]:
     """Cut one call's extents into pieces that keep all ``threads`` busy.
 
     Pieces are at most ``max_bytes`` (``io_chunk_size``), and smaller when the call is small:
     a 64 MiB call in 16 MiB pieces would leave 12 of 16 threads idle. Measured on an H100
     VM, 64 MiB calls through kvikio on /dev/shm: 11 GB/s read with 16 MiB pieces, 23 GB/s
-    with 4 MiB. Pieces never go below ``MIN_PIECE_BYTES`` and stay 4 KiB aligned.
+    with 4 MiB. Pieces never go below ``min_bytes`` (a short call then uses fewer threads:
+    each piece is a thread hand-off) and stay 4 KiB aligned.
     """
     total = sum(e.length for e in extents)
     share = -(-total // max(1, threads))
-    piece = min(max_bytes, max(MIN_PIECE_BYTES, -(-share // 4096) * 4096))
+    piece = min(max_bytes, max(min_bytes, -(-share // 4096) * 4096))
     return split_extents(extents, piece)
 
 

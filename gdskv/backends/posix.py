@@ -23,6 +23,10 @@ from .bounce import HostMirrors
 
 #: buffered reads larger than this announce their range first (POSIX_FADV_WILLNEED)
 READAHEAD_HINT_BYTES = 256 * 1024
+#: smallest piece a call is cut into: each piece is a hand-off to a pool thread, and the copy
+#: it buys is short (page cache to memory: about 0.1 ms per MiB), so a short call uses fewer
+#: threads rather than more hand-offs (bench/RESULTS.md, "Hybrid models")
+MIN_PIECE_BYTES = 4 << 20
 #: most buffers one pwritev/preadv takes (Linux: 1024)
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 
@@ -65,7 +69,7 @@ class PosixBackend(Backend):
             raise RuntimeError("posix backend is closed")
         view = None if host is None else host_numpy(host)
         futures = []
-        for idx, piece in io_pieces(extents, self._threads, self._chunk):
+        for idx, piece in io_pieces(extents, self._threads, self._chunk, MIN_PIECE_BYTES):
             f = self._files[piece.file]
             iov = piece.memory or (view[piece.buffer_offset:piece.buffer_offset + piece.length],)
             futures.append((idx, piece, self._pool.submit(_vector_io, call, op, f, iov,
