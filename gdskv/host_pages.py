@@ -26,6 +26,7 @@ never use a missed page's buffer.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -141,6 +142,8 @@ class InPlacePages:
         self._scratch = host_numpy(alloc_host(len(pages) * tail, pin=False))[
             :len(pages) * tail].reshape(len(pages), tail)
         self._direct_iovs: list = [None] * len(self.pages)   # each page's, made once
+        self._read_sums: dict[int, int] = {}   # page -> xxh3 hashed by the thread that read it
+        self._lock = threading.Lock()
 
     def _direct(self, i: int) -> tuple:
         iov = self._direct_iovs[i]
@@ -154,7 +157,7 @@ class InPlacePages:
     def _rest(self, i: int) -> tuple:
         return slice_memory(self.pages[i], self.direct_bytes, self.rest)
 
-    def _extents(self, extents: list[Extent], page_idx: list[int]) -> list[Extent]:
+    def _extents(self, extents: list[Extent], page_idx: list[int], moved=None) -> list[Extent]:
         out = []
         for e in extents:
             first = e.buffer_offset // self.slot_bytes
@@ -163,7 +166,8 @@ class InPlacePages:
                 i = page_idx[pos]
                 memory.extend(self._direct(i))
                 memory.append(self._scratch[i])
-            out.append(Extent(e.file, e.file_offset, e.length, e.buffer_offset, tuple(memory)))
+            out.append(Extent(e.file, e.file_offset, e.length, e.buffer_offset, tuple(memory),
+                              moved))
         return out
 
     # -- spill --------------------------------------------------------------------------------
@@ -183,21 +187,37 @@ class InPlacePages:
         return self._extents(extents, page_idx)
 
     # -- restore ------------------------------------------------------------------------------
-    def read_extents(self, extents: list[Extent], page_idx: list[int]) -> list[Extent]:
-        """The store's ``extents`` for these pages, reading into the regions and scratch rows."""
-        return self._extents(extents, page_idx)
+    def read_extents(self, extents: list[Extent], page_idx: list[int], *,
+                     hash_as_read: bool = True) -> list[Extent]:
+        """The store's ``extents`` for these pages, reading into the regions and scratch rows.
+        With ``hash_as_read``, a backend that calls ``Extent.moved`` (posix) hashes each page in
+        the thread that completed its bytes, right after its read: no hand-off to the hashing
+        threads, the bytes still warm in that core's cache."""
+        return self._extents(extents, page_idx,
+                             _ReadHasher(self, page_idx).moved if hash_as_read else None)
+
+    def _payload(self, i: int) -> tuple:
+        """Page ``i``'s payload as read: its regions, then its end in the scratch row."""
+        return self._direct(i) + (self._scratch[i][:self.rest],)
 
     def read_checksums(self, page_idx: list[int]) -> np.ndarray:
-        """xxh3 of each page's payload as read: the regions, then its end in the scratch row."""
-        return self.path.hash_pages([self._direct(i) + (self._scratch[i][:self.rest],)
-                                     for i in page_idx])
+        """xxh3 of each page's payload as read (hashed by the thread that read it, or now)."""
+        out = np.empty(len(page_idx), dtype=np.uint64)
+        with self._lock:
+            known = [self._read_sums.get(i) for i in page_idx]
+        todo = [k for k, s in enumerate(known) if s is None]
+        for k, s in enumerate(known):
+            if s is not None:
+                out[k] = s
+        if todo:
+            out[todo] = self.path.hash_pages([self._payload(page_idx[k]) for k in todo])
+        return out
 
     def as_slot(self, i: int) -> torch.Tensor:
         """Page ``i`` as read, copied into one slot-sized tensor (to verify it with another
         checksum algorithm, which works on staging-format buffers)."""
         slot = np.zeros(self.slot_bytes, dtype=np.uint8)
-        np.concatenate(self._direct(i) + (self._scratch[i][:self.rest],),
-                       out=slot[:self.direct_bytes + self.rest])
+        np.concatenate(self._payload(i), out=slot[:self.direct_bytes + self.rest])
         return torch.from_numpy(slot)
 
     def complete(self, page_idx: list[int]) -> None:
@@ -209,3 +229,28 @@ class InPlacePages:
             for dst in self._rest(i):
                 dst[:] = self._scratch[i][done:done + len(dst)]
                 done += len(dst)
+
+
+class _ReadHasher:
+    """One chunk's in-place read: counts each page's bytes as the backend reports pieces moved
+    (``Extent.moved``, in its I/O threads) and hashes a page in the thread that moved its last
+    bytes. The pages of a chunk sit at ``j * slot_bytes`` of its extents' frame."""
+
+    def __init__(self, pages: InPlacePages, page_idx: list[int]) -> None:
+        self._pages = pages
+        self._page_idx = list(page_idx)
+        self._left = [pages.slot_bytes] * len(page_idx)
+
+    def moved(self, piece: Extent) -> None:
+        slot = self._pages.slot_bytes
+        start, end = piece.buffer_offset, piece.buffer_offset + piece.length
+        complete = []
+        with self._pages._lock:
+            for j in range(start // slot, -(-end // slot)):
+                self._left[j] -= min(end, (j + 1) * slot) - max(start, j * slot)
+                if self._left[j] == 0:
+                    complete.append(self._page_idx[j])
+        for i in complete:
+            digest = page_xxh3(self._pages._payload(i))
+            with self._pages._lock:
+                self._pages._read_sums[i] = digest

@@ -733,7 +733,8 @@ class Tier:
             for k, chunk in enumerate(chunks):
                 if in_place:  # no part: the I/O goes straight into the caller's regions
                     extents = drain.read_extents(self.store.extents([s for _, s, _ in chunk]),
-                                                 [i for i, _, _ in chunk])
+                                                 [i for i, _, _ in chunk],
+                                                 hash_as_read=self.config.verify)
                     pending.append((chunk, k * self._chunk_pages, None, extents,
                                     self.backend.read(None, extents), time.perf_counter()))
                     continue

@@ -193,6 +193,36 @@ def test_corrupted_slab_is_a_miss_never_wrong_bytes(tmp_path, where):
         assert not tier.contains("c2")   # dropped: the next lookup is a plain miss
 
 
+@pytest.mark.parametrize("page_bytes", [5000, 3 * 65536 + 100], ids=["pages-per-piece",
+                                                                     "pieces-per-page"])
+def test_posix_reads_hash_each_page_in_the_thread_that_read_it(tmp_path, monkeypatch,
+                                                               page_bytes):
+    # io_chunk_size 64 KiB: a piece holds several small pages, or a large page spans pieces
+    layout = BytePageLayout(page_bytes=page_bytes, kind=KIND)
+    data = contents(12, page_bytes, seed=12)
+    keys = [f"h{i}" for i in range(12)]
+    with Tier(layout, config(tmp_path, capacity="64MiB", staging_size="4MiB"),
+              device="cpu") as tier:
+        assert all(tier.put_pages(keys, [as_regions(d, [page_bytes]) for d in data]))
+        late = []   # pages the caller had to hash after the reads (none: the readers did)
+        real = tier._host_pages.hash_pages
+        monkeypatch.setattr(tier._host_pages, "hash_pages",
+                            lambda iovs: late.extend(iovs) or real(iovs))
+        out = [[host(page_bytes)] for _ in data]
+        assert all(tier.get_pages(keys, out))
+        assert all(torch.equal(d, o[0]) for d, o in zip(data, out)) and not late
+        # a page whose bytes changed on disk is caught by the reader's hash too
+        f, off = tier.store.location(tier.directory._index["h4"])
+        fd = os.open(tier.store.files[f].path, os.O_RDWR)
+        try:
+            os.pwrite(fd, bytes([os.pread(fd, 1, off + page_bytes - 1)[0] ^ 1]),
+                      off + page_bytes - 1)
+        finally:
+            os.close(fd)
+        hits = tier.get_pages(keys, [[host(page_bytes)] for _ in data])
+        assert hits == [k != "h4" for k in keys] and not late
+
+
 def test_injected_io_failure_fails_only_its_pages(tmp_path, monkeypatch):
     page_bytes = 4096
     layout = BytePageLayout(page_bytes=page_bytes, kind=KIND)

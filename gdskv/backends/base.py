@@ -39,12 +39,18 @@ class Extent:
 
     ``memory``: when not empty, the host buffers (1-D uint8 numpy arrays) that hold the extent's
     bytes, in file order (an I/O vector of total ``length``); ``buffer_offset`` then only places
-    the extent in the call's frame, so failures still name buffer ranges (pages)."""
+    the extent in the call's frame, so failures still name buffer ranges (pages).
+
+    ``moved``: when set, a backend that can (posix) calls it with each piece of this extent it
+    moved whole, in the thread that moved it, right after (the tier hashes pages there while
+    their bytes are fresh). Only a hint: backends that cannot ignore it, and its caller must
+    not rely on it."""
     file: int
     file_offset: int
     length: int
     buffer_offset: int
     memory: tuple = field(default=(), compare=False)
+    moved: Callable[["Extent"], None] | None = field(default=None, compare=False)
 
 
 class ShortIOError(OSError):
@@ -186,7 +192,7 @@ def split_extents(extents: Sequence[Extent], max_bytes: int) -> list[tuple[int, 
         while done < e.length:
             n = min(max_bytes, e.length - done)
             pieces.append((i, Extent(e.file, e.file_offset + done, n, e.buffer_offset + done,
-                                     memory.take(n) if memory else ())))
+                                     memory.take(n) if memory else (), e.moved)))
             done += n
     return pieces
 

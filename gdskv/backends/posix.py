@@ -9,6 +9,7 @@ moved in place) is one ``pwritev``/``preadv`` of its I/O vector per piece.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -19,6 +20,8 @@ from ..config import TierConfig
 from ..memory import host_numpy
 from .base import Backend, Extent, ShortIOError, SlabFile, combine, io_pieces
 from .bounce import HostMirrors
+
+log = logging.getLogger("gdskv.posix")
 
 
 #: buffered reads larger than this announce their range first (POSIX_FADV_WILLNEED)
@@ -72,8 +75,7 @@ class PosixBackend(Backend):
         for idx, piece in io_pieces(extents, self._threads, self._chunk, MIN_PIECE_BYTES):
             f = self._files[piece.file]
             iov = piece.memory or (view[piece.buffer_offset:piece.buffer_offset + piece.length],)
-            futures.append((idx, piece, self._pool.submit(_vector_io, call, op, f, iov,
-                                                          piece.file_offset)))
+            futures.append((idx, piece, self._pool.submit(_move_piece, call, op, f, iov, piece)))
         return combine(futures, after=after)
 
     def close(self) -> None:
@@ -81,6 +83,17 @@ class PosixBackend(Backend):
             self._pool.shutdown(wait=True)
             self._pool = None
         self._mirrors.clear()
+
+
+def _move_piece(call, op: str, f: SlabFile, iov: Sequence, piece: Extent) -> int:
+    """One piece moved with :func:`_vector_io`, then its ``moved`` hint called in this thread."""
+    n = _vector_io(call, op, f, iov, piece.file_offset)
+    if piece.moved is not None:
+        try:
+            piece.moved(piece)
+        except Exception:  # noqa: BLE001 - a hint: the piece moved whatever it does
+            log.debug("moved hint failed for %s", piece, exc_info=True)
+    return n
 
 
 def _vector_io(call, op: str, f: SlabFile, iov: Sequence, offset: int) -> int:
