@@ -7,7 +7,9 @@ block -- goes through a small aligned scratch row per page, in the same ``pwrite
 (the backend gets extents carrying their own memory, ``Extent.memory``). The checksum is
 computed on the caller's bytes before a write and verified on them after a read (xxh3, streamed
 over the regions: the same value the staging path computes over staging, so pages written
-either way read back either way). Slot reservation, trailers, journal, sync policy, commit or
+either way read back either way). On a read through the posix backend each page is hashed by the
+I/O thread that moved its last bytes, right after (``Extent.moved``); pages no such thread hashed
+(other backends, a failed piece) are hashed after the read, as a write's pages are before it. Slot reservation, trailers, journal, sync policy, commit or
 abort, pins and stats are the tier's own (``Tier._put`` / ``Tier._get``).
 
 When it applies (:meth:`HostPagePath.in_place`): the tier stages in host memory, its backend
