@@ -9,8 +9,9 @@ computed on the caller's bytes before a write and verified on them after a read 
 over the regions: the same value the staging path computes over staging, so pages written
 either way read back either way). On a read through the posix backend each page is hashed by the
 I/O thread that moved its last bytes, right after (``Extent.moved``); pages no such thread hashed
-(other backends, a failed piece) are hashed after the read, as a write's pages are before it. Slot reservation, trailers, journal, sync policy, commit or
-abort, pins and stats are the tier's own (``Tier._put`` / ``Tier._get``).
+(other backends, a failed piece) are hashed after the read, as a write's pages are before it.
+Slot reservation, trailers, journal, sync policy, commit or abort, pins and stats are the
+tier's own (``Tier._put`` / ``Tier._get``).
 
 When it applies (:meth:`HostPagePath.in_place`): the tier stages in host memory, its backend
 moves host memory itself (posix, kvikio; NIXL would have to register every call's regions with
@@ -193,8 +194,8 @@ class InPlacePages:
                      hash_as_read: bool = True) -> list[Extent]:
         """The store's ``extents`` for these pages, reading into the regions and scratch rows.
         With ``hash_as_read``, a backend that calls ``Extent.moved`` (posix) hashes each page in
-        the thread that completed its bytes, right after its read: no hand-off to the hashing
-        threads, the bytes still warm in that core's cache."""
+        the thread that completed its bytes, right after its read (no hand-off to the hashing
+        threads)."""
         return self._extents(extents, page_idx,
                              _ReadHasher(self, page_idx).moved if hash_as_read else None)
 

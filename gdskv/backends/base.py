@@ -42,8 +42,8 @@ class Extent:
     the extent in the call's frame, so failures still name buffer ranges (pages).
 
     ``moved``: when set, a backend that can (posix) calls it with each piece of this extent it
-    moved whole, in the thread that moved it, right after (the tier hashes pages there while
-    their bytes are fresh). Only a hint: backends that cannot ignore it, and its caller must
+    moved whole, in the thread that moved it, right after (the tier hashes pages there, with no
+    hand-off). Only a hint: backends that cannot ignore it, and its caller must
     not rely on it."""
     file: int
     file_offset: int
