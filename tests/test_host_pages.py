@@ -5,6 +5,7 @@ allow it (unaligned under O_DIRECT) go through staging in the same call. Real PO
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import numpy as np
@@ -61,6 +62,18 @@ def as_regions(data: torch.Tensor, sizes: list[int], skew: int = 0) -> list[torc
         done += n
     assert done == data.numel()
     return out
+
+
+@contextlib.contextmanager
+def stored_pages(tmp_path, page_bytes: int, n: int, seed: int, prefix: str, **overrides):
+    """A posix tier holding ``n`` pages of distinct bytes, each written in place from one
+    region; yields (tier, keys, data)."""
+    layout = BytePageLayout(page_bytes=page_bytes, kind=KIND)
+    data = contents(n, page_bytes, seed=seed)
+    keys = [f"{prefix}{i}" for i in range(n)]
+    with Tier(layout, config(tmp_path, **overrides), device="cpu") as tier:
+        assert all(tier.put_pages(keys, [as_regions(d, [page_bytes]) for d in data]))
+        yield tier, keys, data
 
 
 def stored_sums(tier) -> dict:
@@ -198,12 +211,8 @@ def test_corrupted_slab_is_a_miss_never_wrong_bytes(tmp_path, where):
 def test_posix_reads_hash_each_page_in_the_thread_that_read_it(tmp_path, monkeypatch,
                                                                page_bytes):
     # io_chunk_size 64 KiB: a piece holds several small pages, or a large page spans pieces
-    layout = BytePageLayout(page_bytes=page_bytes, kind=KIND)
-    data = contents(12, page_bytes, seed=12)
-    keys = [f"h{i}" for i in range(12)]
-    with Tier(layout, config(tmp_path, capacity="64MiB", staging_size="4MiB"),
-              device="cpu") as tier:
-        assert all(tier.put_pages(keys, [as_regions(d, [page_bytes]) for d in data]))
+    with stored_pages(tmp_path, page_bytes, 12, 12, "h", capacity="64MiB",
+                      staging_size="4MiB") as (tier, keys, data):
         late = []   # pages the caller had to hash after the reads (none: the readers did)
         real = tier._host_pages.hash_pages
         monkeypatch.setattr(tier._host_pages, "hash_pages",
@@ -305,12 +314,8 @@ def test_many_small_pages_beyond_iov_max(tmp_path):
 def test_parallel_checksums_match_one_shot(tmp_path):
     # a call over PARALLEL_HASH_BYTES hashes its pages on several threads
     page_bytes = 1 << 20
-    layout = BytePageLayout(page_bytes=page_bytes, kind=KIND)
-    data = contents(8, page_bytes, seed=9)
-    keys = [f"b{i}" for i in range(8)]
-    with Tier(layout, config(tmp_path, capacity="32MiB", staging_size="16MiB"),
-              device="cpu") as tier:
-        assert all(tier.put_pages(keys, [as_regions(d, [page_bytes]) for d in data]))
+    with stored_pages(tmp_path, page_bytes, 8, 9, "b", capacity="32MiB",
+                      staging_size="16MiB") as (tier, keys, data):
         sums = stored_sums(tier)
         assert all(sums[k] == xxhash.xxh3_64_intdigest(d.numpy()) for k, d in zip(keys, data))
         out = [[host(page_bytes)] for _ in data]
