@@ -86,7 +86,7 @@ class HostPagePath:
 
     def in_place(self, regions: Sequence[torch.Tensor]) -> bool:
         """Whether a page of these host regions can move in place."""
-        if not self.enabled or any(r.device.type != "cpu" for r in regions):
+        if not self.enabled or not all(r.is_cpu for r in regions):
             return False
         if not self.direct:
             return True

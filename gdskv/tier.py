@@ -441,8 +441,8 @@ class Tier:
             for r in regions:
                 if not isinstance(r, torch.Tensor) or r.dtype != torch.uint8 or r.dim() != 1:
                     raise TypeError(f"page {i}: regions must be 1-D uint8 tensors")
-                if r.device.type not in ("cpu", self.device.type) or \
-                        (r.device.type == "cuda" and r.device != self.device):
+                if not r.is_cpu and (r.device.type != self.device.type or
+                                     (r.device.type == "cuda" and r.device != self.device)):
                     raise ValueError(f"page {i}: a region is on {r.device}; regions must be in "
                                      f"host memory or on the tier's device ({self.device})")
                 if not r.is_contiguous():

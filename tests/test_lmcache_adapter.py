@@ -179,6 +179,18 @@ def test_short_last_chunk(adapter):
     assert torch.equal(full_into.raw_data, full)
 
 
+def test_typed_multi_dim_buffer_round_trips_its_bytes(adapter):
+    """An object whose buffer is a typed, multi-dimensional tensor (bf16 KV rows) moves as its
+    bytes: the adapter's byte view of it, not only the 1-D uint8 buffers the bench gives."""
+    data = random_bytes(OBJ, 11)
+    typed = obj(data, aligned=True)
+    typed.raw_data = typed.raw_data.view(torch.bfloat16).view(2, OBJ // 4)
+    assert store(adapter, [key(1)], [typed])
+    out = obj(torch.zeros(OBJ, dtype=torch.uint8), aligned=True)
+    assert load(adapter, [key(1)], [out]) == [True]
+    assert torch.equal(out.raw_data, data)
+
+
 def test_object_larger_than_object_bytes_fails_the_task(adapter):
     assert not store(adapter, [key(1)], [obj(random_bytes(OBJ + 1, 1))])
     assert lookup(adapter, [key(1)]) == [False]
