@@ -11,9 +11,14 @@ journal). Run in .venv-lmcache (tests/run_lmcache.sh builds it):
 
 Writes one JSON per bench run and results.md (MB/s as the bench reports, MB = 1e6 B).
 ``gdskv staged sync=none`` is gdskv with ``in_place=false`` (objects through the staging buffer,
-the path before in-place host I/O), for a before/after in one run.
+the path before in-place host I/O), for a before/after in one run. ``raw_block`` (one pre-sized
+file) and ``nixl_store odirect`` (NIXL POSIX) join where ``lmcache-rust-raw-block-io`` and
+``nixl`` import; ``nixl_store`` keeps its index in its process, so its store and load run in one
+bench run. ``--in-process`` runs every bench in this process (the adapters are still built anew
+per run), which saves seconds of imports per run.
 
-Result it produced: ``cpu-2026-11-23/lmcache/results.md`` (bench/RESULTS.md, LMCache L2)."""
+Results it produced: ``cpu-2026-11-23/lmcache/results.md``, ``h100-2026-11-23/lmcache/`` and
+``h100-2026-11-23/lmcache-2/`` (bench/RESULTS.md, LMCache L2)."""
 
 from __future__ import annotations
 
