@@ -203,6 +203,12 @@ class InPlacePages:
         """Page ``i``'s payload as read: its regions, then its end in the scratch row."""
         return self._direct(i) + (self._scratch[i][:self.rest],)
 
+    def _hash_read(self, i: int) -> None:
+        """Hash page ``i`` now that all its bytes are read, for :meth:`read_checksums`."""
+        digest = page_xxh3(self._payload(i))
+        with self._lock:
+            self._read_sums[i] = digest
+
     def read_checksums(self, page_idx: list[int]) -> np.ndarray:
         """xxh3 of each page's payload as read (hashed by the thread that read it, or now)."""
         out = np.empty(len(page_idx), dtype=np.uint64)
@@ -243,17 +249,16 @@ class _ReadHasher:
         self._pages = pages
         self._page_idx = list(page_idx)
         self._left = [pages.slot_bytes] * len(page_idx)
+        self._lock = threading.Lock()   # pieces of one page may finish on two threads
 
     def moved(self, piece: Extent) -> None:
         slot = self._pages.slot_bytes
         start, end = piece.buffer_offset, piece.buffer_offset + piece.length
         complete = []
-        with self._pages._lock:
+        with self._lock:
             for j in range(start // slot, -(-end // slot)):
                 self._left[j] -= min(end, (j + 1) * slot) - max(start, j * slot)
                 if self._left[j] == 0:
                     complete.append(self._page_idx[j])
         for i in complete:
-            digest = page_xxh3(self._pages._payload(i))
-            with self._pages._lock:
-                self._pages._read_sums[i] = digest
+            self._pages._hash_read(i)

@@ -65,7 +65,8 @@ def adapters(directory: str, object_bytes: int, objects: int) -> dict[str, dict]
     if importlib.util.find_spec("lmcache_rust_raw_block_io"):
         # one pre-sized file (prepare() sizes it): its metadata region, then a slot (object +
         # the adapter's 4 KiB header) per object; O_DIRECT is its default
-        specs["raw_block"] = {"type": "raw_block", "device_path": RAW_BLOCK_FILE,
+        specs["raw_block"] = {"type": "raw_block",
+                              "device_path": os.path.join(directory, "raw_block.bin"),
                               "slot_bytes": object_bytes + 4096,
                               "meta_total_bytes": RAW_BLOCK_META, "use_odirect": True}
     if importlib.util.find_spec("nixl"):
@@ -77,19 +78,15 @@ def adapters(directory: str, object_bytes: int, objects: int) -> dict[str, dict]
     return specs
 
 
-#: raw_block's file, relative to the run's directory, and its metadata region
-RAW_BLOCK_FILE = "raw_block.bin"
+#: raw_block's metadata region
 RAW_BLOCK_META = 16 << 20
 
 
-def prepare(spec: dict, directory: str, object_bytes: int, objects: int) -> dict:
+def prepare(spec: dict, object_bytes: int, objects: int) -> None:
     """Make what an adapter needs before it starts (raw_block: its pre-sized file)."""
     if spec["type"] == "raw_block":
-        path = os.path.join(directory, RAW_BLOCK_FILE)
-        with open(path, "wb") as fh:
+        with open(spec["device_path"], "wb") as fh:
             fh.truncate(RAW_BLOCK_META + objects * (object_bytes + 4096))
-        spec = {**spec, "device_path": path}
-    return spec
 
 
 def drop_page_cache(directory: str) -> None:
@@ -105,7 +102,7 @@ def drop_page_cache(directory: str) -> None:
 
 def bench(spec: dict, op: str | None, kb: int, keys: int, in_flight: int, rounds: int,
           align: int, out: str) -> dict[str, dict]:
-    """One `lmcache bench l2` process: ``op`` alone, or (None) every operation in turn.
+    """One `lmcache bench l2` run: ``op`` alone, or (None) every operation in turn.
     Returns the bench's metrics per operation name."""
     cmd = [*BENCH, "bench", "l2", "--l2-adapter", json.dumps(spec), *(["--only", op] if op else []),
            "--num-keys", str(keys), "--data-size-kb", str(kb), "--in-flight", str(in_flight),
@@ -167,7 +164,7 @@ def main() -> None:
                         d = tempfile.mkdtemp(dir=scratch)
                         spec = json.loads(json.dumps(spec).replace(json.dumps(scratch),
                                                                    json.dumps(d)))
-                        spec = prepare(spec, d, kb << 10, objects)
+                        prepare(spec, kb << 10, objects)
                         tag = f"{os.path.basename(medium.rstrip('/'))}_{kb}k_if{in_flight}_" \
                               f"{name.replace(' ', '_').replace('=', '-')}"
                         out = os.path.join(args.out, tag)
