@@ -2,7 +2,8 @@
 
 The tier makes a copier per call at the public entry point, where the arguments are checked. It
 then uses the copier on its own CUDA stream: ``prepare(order)`` once, with the call's pages in
-the order the tier will move them and before any of the call's I/O is queued; then
+the order the tier will move them, before the first chunk is filled or drained (a restore
+submits its first read first and uploads the indices while it runs); then
 ``copier(staging, page_idx)`` for each chunk. ``page_idx`` lists the chunk's pages as positions
 in the call's keys, and the chunk's page ``j`` goes to or from slot ``j`` of ``staging``.
 """
@@ -23,8 +24,9 @@ KernelCopy = Callable[[object, KVLayout, torch.Tensor, torch.Tensor], None]
 
 
 class PageCopier(abc.ABC):
-    def prepare(self, order: Sequence[int]) -> None:
-        """Get ready to move these pages in this order (once per call, before its I/O)."""
+    def prepare(self, order: Sequence[int], into=None) -> None:
+        """Get ready to move these pages in this order (once per call, before its first
+        chunk is filled or drained; a restore's first read may be under way already)."""
 
     @abc.abstractmethod
     def __call__(self, staging: torch.Tensor, page_idx: list[int]) -> None:
@@ -53,16 +55,32 @@ class PoolCopier(PageCopier):
         self._row: dict[int, int] = {}        # page -> its row in _device_slots
         self._device_slots: torch.Tensor | None = None
 
-    def prepare(self, order: Sequence[int]) -> None:
+    def prepare(self, order: Sequence[int], into=None) -> None:
+        """``into``: (pinned int64 numpy view, its tensor, a device int64 tensor), each of at
+        least ``len(order) * page_size`` entries: the indices go up into these buffers (which
+        a thread reuses, so launch graphs can name them) instead of new ones."""
         if not order or self.pool.device.type != "cuda":
             return  # a host pool needs no upload: chunks are selected where they are
         order = list(order)
-        if self.slots.device == self.pool.device and order == list(range(len(self.slots))):
+        in_call_order = order == list(range(len(self.slots)))
+        if into is not None:
+            host_np, host, device_slots = into
+            n = len(order) * self.layout.page_size
+            if self.slots.device.type == "cpu":
+                rows = self.slots.numpy()
+                host_np[:n] = (rows if in_call_order else rows[order]).reshape(-1)
+                # the whole (small) buffer from pinned memory: asynchronous, no slice op
+                device_slots.copy_(host, non_blocking=True)
+            else:
+                rows = self.slots if in_call_order else self.slots.index_select(
+                    0, torch.as_tensor(order, device=self.slots.device))
+                device_slots[:n].copy_(rows.reshape(-1))
+            self._use(order, device_slots)
+            return
+        if self.slots.device == self.pool.device and in_call_order:
             # The whole call in call order, indices already where the kernels run (the usual
             # small restore): use them as they are, no gather and no upload.
-            self._device_slots = self.slots
-            self._order = order
-            self._row = {page: page for page in order}
+            self._use(order, self.slots.reshape(-1))
             return
         idx = torch.as_tensor(order, dtype=torch.int64)
         if self.slots.device.type == "cpu":
@@ -72,14 +90,20 @@ class PoolCopier(PageCopier):
                                                                    non_blocking=True))
         # From pinned memory the copy is asynchronous on this (the tier's) stream, which the
         # kernels that use the indices run on too.
-        self._device_slots = rows.to(self.pool.device, non_blocking=True)
+        self._use(order, rows.to(self.pool.device, non_blocking=True).reshape(-1))
+
+    def _use(self, order: list[int], device_slots: torch.Tensor) -> None:
+        """``device_slots``: flat, the indices of ``order``'s pages one after the other."""
+        self._device_slots = device_slots
         self._order = order
         self._row = {page: row for row, page in enumerate(order)}
 
-    def _chunk_slots(self, page_idx: list[int]) -> torch.Tensor:
+    def chunk_slots(self, page_idx: list[int]) -> torch.Tensor:
+        """The chunk's token slot indices on the pool's device, flat."""
         first = self._row.get(page_idx[0]) if self._device_slots is not None else None
         if first is not None and self._order[first:first + len(page_idx)] == page_idx:
-            return self._device_slots[first:first + len(page_idx)].reshape(-1)
+            ps = self.layout.page_size
+            return self._device_slots[first * ps:(first + len(page_idx)) * ps]
         # Not a run of the prepared order (a chunk with failed pages taken out): this chunk's
         # indices go up on their own.
         idx = torch.as_tensor(page_idx, dtype=torch.int64, device=self.slots.device)
@@ -87,13 +111,8 @@ class PoolCopier(PageCopier):
         return chunk.to(self.pool.device, non_blocking=True)
 
     def __call__(self, staging: torch.Tensor, page_idx: list[int]) -> None:
-        self.kernel(self.pool, self.layout, self._chunk_slots(page_idx), staging)
+        self.kernel(self.pool, self.layout, self.chunk_slots(page_idx), staging)
 
-    def scatter_verified(self, staging: torch.Tensor, page_idx: list[int], verdicts) -> None:
-        """Restore only the pages whose checksum matches (:class:`gdskv.gpu_verdicts.GpuVerdicts`
-        says which): one launch that verifies and scatters."""
-        kernels.scatter_pages_verified(self.pool, self.layout, self._chunk_slots(page_idx),
-                                       staging, verdicts)
 
 
 class RegionCopier(PageCopier):

@@ -9,6 +9,8 @@ them with the stored checksums uploaded once per call, stores only the pages tha
 writes a flag per page. The host reads the flags once, after the call's last scatter, to say
 which pages were hits. A page that does not match never reaches the pool (the kernel masks its
 stores), so the guarantee is the same as the host comparison's: a miss, never wrong bytes.
+A chunk shape the thread has restored before replays the two launches from a CUDA graph
+(:mod:`gdskv.launch_graphs`): one launch call instead of two Triton launches.
 """
 
 from __future__ import annotations
@@ -20,28 +22,33 @@ import torch
 
 from . import kernels as kd
 from .copiers import PoolCopier
+from .launch_graphs import LaunchGraphs
 
 
 class VerdictBuffers:
-    """Pinned and device buffers one thread's restores reuse: the stored checksums going up,
-    the partial sums of a chunk, and the flags coming back. Allocating them per call (pinned
-    memory especially) and slicing them per chunk cost more host time than the launches they
-    serve; the kernels take whole buffers and an offset. Reuse is safe because a thread runs
-    one call at a time and a call's copies are finished when it settles; a call that ended
-    early (an exception) leaves ``clean`` false, and the next call waits for the stream before
-    touching them."""
+    """Pinned and device buffers one thread's restores reuse: the call's slot indices and
+    stored checksums going up, the partial sums of a chunk, and the flags coming back, plus the
+    thread's launch graphs (:mod:`gdskv.launch_graphs`), whose keys name these buffers.
+    Allocating them per call (pinned memory especially) and slicing them per chunk cost more
+    host time than the launches they serve; the kernels take whole buffers and an offset.
+    Reuse is safe because a thread runs one call at a time and a call's copies are finished
+    when it settles; a call that ended early (an exception) leaves ``clean`` false, and the
+    next call waits for the stream before touching them."""
 
-    def __init__(self, device: torch.device, chunk_pages: int, page_bytes: int) -> None:
+    def __init__(self, device: torch.device, chunk_pages: int, page_bytes: int,
+                 page_size: int, graphs: bool = True) -> None:
         from gdskv.kernels.triton_checksum import chunks_per_page
         self.device = device
+        self.page_size = page_size
         self.capacity = 0
         self.clean = True
         self.partial = torch.empty(chunk_pages, chunks_per_page(page_bytes), dtype=torch.int64,
                                    device=device)
+        self.graphs = LaunchGraphs(device, enabled=graphs)
 
     def take(self, n: int, stream) -> None:
-        """Make room for a call of ``n`` pages (``host_want``, ``want``, ``ok``,
-        ``host_flags``)."""
+        """Make room for a call of ``n`` pages (``host_want``, ``want``, ``ok``, ``host_flags``,
+        ``host_slots``, ``slots``)."""
         if not self.clean:
             stream.synchronize()
         if n > self.capacity:
@@ -50,6 +57,11 @@ class VerdictBuffers:
             self.want = torch.empty(self.capacity, dtype=torch.int64, device=self.device)
             self.ok = torch.empty(self.capacity, dtype=torch.int8, device=self.device)
             self.host_flags = torch.empty(self.capacity, dtype=torch.int8, pin_memory=True)
+            tokens = self.capacity * self.page_size
+            self.host_slots = torch.empty(tokens, dtype=torch.int64, pin_memory=True)
+            self.host_slots_np = self.host_slots.numpy()
+            self.slots = torch.empty(tokens, dtype=torch.int64, device=self.device)
+            self.graphs.clear()  # their keys name the buffers just replaced
         self.clean = False
 
 
@@ -69,13 +81,30 @@ class GpuVerdicts:
         self._queued: list[tuple[int, int]] = []   # (first position, pages) per chunk
         self._read_back = False
 
+    @property
+    def slot_buffers(self) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
+        """Where the call's slot indices go up (:meth:`PoolCopier.prepare`'s ``into``): the
+        same buffers every call of this thread, so the launch graphs can name them."""
+        return self._buf.host_slots_np, self._buf.host_slots, self._buf.slots
+
     def scatter(self, drain: PoolCopier, part: torch.Tensor, first: int,
                 page_idx: list[int]) -> None:
         """Queue the verify + scatter of ``part``'s pages, the call's pages ``first`` .. on."""
         n, buf = len(page_idx), self._buf
-        partial = kd.page_partial_sums(part, n, self.page_bytes, self.slot_bytes, out=buf.partial)
-        drain.scatter_verified(part, page_idx, kd.Verdicts(partial, buf.want, buf.ok,
-                                                           self.page_bytes, first))
+        slots = drain.chunk_slots(page_idx)
+        table = drain.pool.row_table
+
+        def launch() -> None:
+            partial = kd.page_partial_sums(part, n, self.page_bytes, self.slot_bytes,
+                                           out=buf.partial)
+            kd.scatter_pages_verified(drain.pool, drain.layout, slots, part,
+                                      kd.Verdicts(partial, buf.want, buf.ok, self.page_bytes,
+                                                  first))
+
+        # Every address and scalar the two launches use (see gdskv.launch_graphs).
+        buf.graphs.run(("restore", part.data_ptr(), n, first, slots.data_ptr(),
+                        table.table.data_ptr(), table.align, buf.partial.data_ptr(),
+                        buf.want.data_ptr(), buf.ok.data_ptr()), launch)
         self._queued.append((first, n))
 
     def read_back(self) -> None:

@@ -716,7 +716,7 @@ class Tier:
         corrupt: list = []
         pending: collections.deque = collections.deque()
         held = None
-        verdicts = self._gpu_verdicts(drain, todo)
+        verdicts = None
 
         in_place = isinstance(drain, InPlacePages)
         self._count_region_pages(drain, len(todo), "read")
@@ -728,8 +728,6 @@ class Tier:
                 self._finish_read(keys, *pending.popleft(), drain, results, corrupt, verdicts)
 
         try:
-            if not in_place:
-                drain.prepare([i for i, _, _ in todo])
             for k, chunk in enumerate(chunks):
                 if in_place:  # no part: the I/O goes straight into the caller's regions
                     extents = drain.read_extents(self.store.extents([s for _, s, _ in chunk]),
@@ -744,6 +742,12 @@ class Tier:
                                 self.backend.read(self._staging[held], extents),
                                 time.perf_counter()))
                 held = None
+                if k == 0:
+                    # The first read is under way: the call's slot indices and stored
+                    # checksums go up meanwhile (host work that would otherwise come first).
+                    verdicts = self._gpu_verdicts(drain, todo)
+                    drain.prepare([i for i, _, _ in todo],
+                                  into=verdicts.slot_buffers if verdicts is not None else None)
             while pending:
                 finish_oldest()
             if verdicts is not None:
@@ -861,7 +865,8 @@ class Tier:
         buffers = getattr(self._verdict_buffers, "buffers", None)
         if buffers is None:
             buffers = self._verdict_buffers.buffers = VerdictBuffers(
-                self.device, self._chunk_pages, self.layout.page_bytes)
+                self.device, self._chunk_pages, self.layout.page_bytes, self.layout.page_size,
+                graphs=self.config.launch_graphs)
         return GpuVerdicts([want for _, _, want in todo], buffers, self._stream,
                            self.layout.page_bytes, self.layout.slot_bytes)
 

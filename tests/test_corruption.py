@@ -240,3 +240,57 @@ def test_gpu_pool_restore_bit_flips_are_misses(tmp_path):
                 assert all((g.view(torch.uint8) == 0xAB).all() for g in got), f"{k} was written"
         assert tier.stats()["corrupt_pages"] == len(victims)
         assert not any(tier.contains(k) for k in victims)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("graphs", [True, False])
+def test_gpu_restore_replayed_from_a_graph_is_exact_and_still_misses_flips(tmp_path, graphs):
+    """A restore shape seen before replays its verify + scatter launches from a CUDA graph
+    (gdskv.launch_graphs): each replay restores into that call's own slots, bit-exact, and a
+    page flipped on disk after the graph was captured is still a miss whose slots keep their
+    bytes. With launch_graphs off nothing is captured and the results are the same."""
+    ps, n = LAYOUT.page_size, 6
+    keys = [f"g{i}" for i in range(n)]
+    src = _gpu_pool(n * ps, None, seed=4)
+    src_slots = torch.randperm(n * ps, generator=torch.Generator().manual_seed(3)).cuda()
+    cfg = small_config(tmp_path, launch_graphs=graphs)
+    with Tier(LAYOUT, cfg, device="cuda") as tier:
+        assert all(tier.put(keys, src, src_slots))
+        dst = _gpu_pool(4 * ps, 0xAB)
+        gen = torch.Generator().manual_seed(5)
+
+        def restore(two: list[str]) -> tuple[list[bool], torch.Tensor]:
+            # fresh destination slots every call: a replay must use this call's indices
+            dst_slots = torch.randperm(4 * ps, generator=gen)[:2 * ps]
+            for p in dst:
+                p.view(torch.uint8)[:, dst_slots.cuda()] = 0xAB
+            hits = tier.get(two, dst, dst_slots)
+            torch.cuda.synchronize()
+            return hits, dst_slots
+
+        for rnd in range(4):  # plain, capture, then replays; other pages, same shape
+            two = [keys[(2 * rnd) % n], keys[(2 * rnd + 1) % n]]
+            hits, dst_slots = restore(two)
+            assert hits == [True, True]
+            for j, k in enumerate(two):
+                i = keys.index(k)
+                got = _page_rows(dst, dst_slots[j * ps:(j + 1) * ps])
+                want = _page_rows(src, src_slots[i * ps:(i + 1) * ps].cpu())
+                assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                           for a, b in zip(got, want)), f"round {rnd}: wrong bytes for {k}"
+        graph_set = tier._verdict_buffers.buffers.graphs
+        assert (graph_set.captures >= 1 and graph_set.replays >= 2) if graphs \
+            else (graph_set.captures == 0 and graph_set.replays == 0)
+        replays = graph_set.replays
+        path, off = slot_location(tier, keys[1])
+        _flip(path, off + PAGE // 3, 5)
+        hits, dst_slots = restore([keys[0], keys[1]])
+        assert hits == [True, False]
+        assert graph_set.replays == (replays + 1 if graphs else 0)
+        got = _page_rows(dst, dst_slots[ps:2 * ps])
+        assert all((g.view(torch.uint8) == 0xAB).all() for g in got), "a flipped page was written"
+        want = _page_rows(src, src_slots[:ps].cpu())
+        assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                   for a, b in zip(_page_rows(dst, dst_slots[:ps]), want))
+        assert tier.stats()["corrupt_pages"] == 1

@@ -129,12 +129,14 @@ def test_gpu_calls_from_four_threads(tmp_path, backend):
         assert tier.stats()["corrupt_pages"] == 0
 
 
+@pytest.mark.parametrize("into", [False, True])
 @pytest.mark.parametrize("slots_on", ["cpu", "cuda"])
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
-def test_pool_copier_prepared_runs_and_other_chunks(slots_on, dtype):
-    """A prepared copier serves runs of the call's order from the indices it uploaded once, and
-    any other chunk (failed pages taken out) by uploading that chunk's own: both gather exactly
-    what the kernel gathers from the chunk's slots."""
+def test_pool_copier_prepared_runs_and_other_chunks(slots_on, dtype, into):
+    """A prepared copier serves runs of the call's order from the indices it uploaded once
+    (into new buffers, or ``into`` a thread's reused ones), and any other chunk (failed pages
+    taken out) by uploading that chunk's own: both gather exactly what the kernel gathers from
+    the chunk's slots."""
     from gdskv import kernels as kd
     from gdskv.copiers import PoolCopier
     from gdskv.pool import KVPool
@@ -145,7 +147,13 @@ def test_pool_copier_prepared_runs_and_other_chunks(slots_on, dtype):
     slots = torch.randperm(64)[:n * lay.page_size].to(dtype).view(n, lay.page_size).to(slots_on)
     copier = PoolCopier(pool, lay, slots, kd.gather_pages)
     order = [7, 2, 9, 0, 4, 1, 8, 3, 6, 5]
-    copier.prepare(order)
+    buffers = None
+    if into:  # bigger than the call, stale contents: only the call's entries may count
+        host = torch.full((64,), 10**6, dtype=torch.int64).pin_memory()
+        buffers = (host.numpy(), host, torch.full((64,), -1, dtype=torch.int64, device="cuda"))
+    copier.prepare(order, into=buffers)
+    if into:
+        assert copier.chunk_slots(order[0:4]).data_ptr() == buffers[2].data_ptr()
     for chunk in (order[0:4], order[4:10], [2, 0, 6], [5]):  # runs, a non-run, the last page
         got = torch.zeros(len(chunk) * lay.slot_bytes, dtype=torch.uint8, device="cuda")
         want = torch.zeros_like(got)
