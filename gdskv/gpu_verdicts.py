@@ -78,6 +78,7 @@ class GpuVerdicts:
         # From pinned memory the upload is asynchronous on the tier's stream, which every
         # kernel of the call runs on. (The whole buffer: no slice op; it is a few KiB.)
         buffers.want.copy_(buffers.host_want, non_blocking=True)
+        self.pages = len(wants)
         self._queued: list[tuple[int, int]] = []   # (first position, pages) per chunk
         self._read_back = False
 
@@ -88,8 +89,10 @@ class GpuVerdicts:
         return self._buf.host_slots_np, self._buf.host_slots, self._buf.slots
 
     def scatter(self, drain: PoolCopier, part: torch.Tensor, first: int,
-                page_idx: list[int]) -> None:
-        """Queue the verify + scatter of ``part``'s pages, the call's pages ``first`` .. on."""
+                page_idx: list[int], last: bool = False) -> None:
+        """Queue the verify + scatter of ``part``'s pages, the call's pages ``first`` .. on;
+        ``last``: the call's last chunk, whose launches also copy the flags to the host (one
+        step fewer for the call to queue: :meth:`read_back` then has nothing to do)."""
         n, buf = len(page_idx), self._buf
         slots = drain.chunk_slots(page_idx)
         table = drain.pool.row_table
@@ -100,16 +103,20 @@ class GpuVerdicts:
             kd.scatter_pages_verified(drain.pool, drain.layout, slots, part,
                                       kd.Verdicts(partial, buf.want, buf.ok, self.page_bytes,
                                                   first))
+            if last:
+                buf.host_flags.copy_(buf.ok, non_blocking=True)
 
-        # Every address and scalar the two launches use (see gdskv.launch_graphs).
-        buf.graphs.run(("restore", part.data_ptr(), n, first, slots.data_ptr(),
+        # Every address and scalar the launches use (see gdskv.launch_graphs).
+        buf.graphs.run(("restore", part.data_ptr(), n, first, last, slots.data_ptr(),
                         table.table.data_ptr(), table.align, buf.partial.data_ptr(),
-                        buf.want.data_ptr(), buf.ok.data_ptr()), launch)
+                        buf.want.data_ptr(), buf.ok.data_ptr(), buf.host_flags.data_ptr()),
+                       launch)
         self._queued.append((first, n))
+        self._read_back = last
 
     def read_back(self) -> None:
         """Queue the flags' copy to the host (after every scatter queued so far)."""
-        if self._queued:
+        if self._queued and not self._read_back:
             self._buf.host_flags.copy_(self._buf.ok, non_blocking=True)
             self._read_back = True
 

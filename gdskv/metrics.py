@@ -82,20 +82,29 @@ class TierMetrics:
         self._fallbacks: set[tuple[str, str]] = set()
         self._fam["capacity"].labels(store).set(capacity_pages)
         self._fam["stored"].labels(store).set(0)
+        # labelled children, looked up once: labels() costs several µs per call on a busy host
+        self._children: dict[tuple, object] = {}
 
     def count(self, amounts: dict) -> None:
         """Feed TierStats.add's amounts into the counters."""
         for key, value in amounts.items():
             where = _COUNTED.get(key)
             if where is not None and value:
-                self._fam[where[0]].labels(self.store, where[1]).inc(value)
+                self._child(where[0], where[1]).inc(value)
                 if where[1] in _PAGE_BYTES:
-                    self._fam["bytes"].labels(self.store, where[1]).inc(value * self._page_bytes)
+                    self._child("bytes", where[1]).inc(value * self._page_bytes)
 
     def call(self, op: str, pages: int, seconds: float, stored: int) -> None:
-        self._fam["seconds"].labels(self.store, op).observe(seconds)
-        self._fam["call_pages"].labels(self.store, op).observe(pages)
-        self._fam["stored"].labels(self.store).set(stored)
+        self._child("seconds", op).observe(seconds)
+        self._child("call_pages", op).observe(pages)
+        self._child("stored").set(stored)
+
+    def _child(self, family: str, *labels: str):
+        key = (family, *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = self._fam[family].labels(self.store, *labels)
+        return child
 
     def fallback(self, kind: str, reason: str) -> None:
         """Mark a fallback as on (it stays on for the tier's life)."""
@@ -113,3 +122,4 @@ class TierMetrics:
         for family, labels in made:
             with contextlib.suppress(KeyError):  # never made
                 family.remove(*labels)
+        self._children.clear()

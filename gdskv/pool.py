@@ -61,7 +61,11 @@ def check_token_slots(token_slots, page_size: int, *, num_pages: int | None = No
     if n % page_size:
         raise ValueError(f"got {n} slot indices, not a multiple of page_size {page_size}")
     if num_slots is not None and n:
-        lo, hi = int(token_slots.min()), int(token_slots.max())
+        if token_slots.is_cpu:  # numpy's reductions cost a fraction of torch's per call
+            idx = token_slots.numpy()
+            lo, hi = int(idx.min()), int(idx.max())
+        else:  # one reduction, one device-to-host read
+            lo, hi = (int(v) for v in torch.aminmax(token_slots))
         if lo < 0 or hi >= num_slots:
             raise ValueError(f"slot index out of range: [{lo}, {hi}] not within pool of "
                              f"{num_slots} slots")

@@ -784,7 +784,8 @@ class Tier:
             outcome: IOOutcome = fut.result()
             failed = self._failed_positions(outcome, extents, "read")
             if verdicts is not None and not failed:
-                verdicts.scatter(drain, part, first, [i for i, _, _ in chunk])
+                verdicts.scatter(drain, part, first, [i for i, _, _ in chunk],
+                                 last=first + len(chunk) == verdicts.pages)
                 self._stats.add(read_seconds=time.perf_counter() - t0)
                 return
             if self.config.verify:

@@ -269,7 +269,9 @@ def test_gpu_restore_replayed_from_a_graph_is_exact_and_still_misses_flips(tmp_p
             torch.cuda.synchronize()
             return hits, dst_slots
 
-        for rnd in range(4):  # plain, capture, then replays; other pages, same shape
+        # Staging parts rotate, and each part's launches are a key of their own: three rounds
+        # per part are plain, capture (and replay), replay; other pages each round.
+        for rnd in range(3 * len(tier._staging)):
             two = [keys[(2 * rnd) % n], keys[(2 * rnd + 1) % n]]
             hits, dst_slots = restore(two)
             assert hits == [True, True]
@@ -280,7 +282,7 @@ def test_gpu_restore_replayed_from_a_graph_is_exact_and_still_misses_flips(tmp_p
                 assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
                            for a, b in zip(got, want)), f"round {rnd}: wrong bytes for {k}"
         graph_set = tier._verdict_buffers.buffers.graphs
-        assert (graph_set.captures >= 1 and graph_set.replays >= 2) if graphs \
+        assert (graph_set.captures >= 1 and graph_set.replays > graph_set.captures) if graphs \
             else (graph_set.captures == 0 and graph_set.replays == 0)
         replays = graph_set.replays
         path, off = slot_location(tier, keys[1])
