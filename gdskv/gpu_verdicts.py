@@ -44,6 +44,8 @@ class VerdictBuffers:
         self.clean = True
         self.partial = torch.empty(chunk_pages, chunks_per_page(page_bytes), dtype=torch.int64,
                                    device=device)
+        self.host_partial = torch.empty_like(self.partial, device="cpu", pin_memory=True)
+        self.host_partial_np = self.host_partial.numpy()
         self.graphs = LaunchGraphs(device, enabled=graphs)
 
     def take(self, n: int, stream) -> None:

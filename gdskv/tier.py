@@ -55,6 +55,7 @@ from .call_gate import CallGate
 from .config import ConfigError, SyncPolicy, TierConfig
 from .copiers import PageCopier, PoolCopier, RegionCopier
 from .directory import PageDirectory, PageState
+from .gpu_spill import GpuSpill
 from .gpu_verdicts import GpuVerdicts, VerdictBuffers
 from .host_pages import HostPagePath, InPlacePages
 from .journal import Journal, JournalFollower, check_key
@@ -621,18 +622,26 @@ class Tier:
 
         in_place = isinstance(fill, InPlacePages)
         self._count_region_pages(fill, len(todo), "written")
+        spill = None
         try:
-            if not in_place:
-                fill.prepare([i for i, _ in todo])
+            if not in_place and todo:
+                spill = self._gpu_spill(fill, [i for i, _ in todo])
+                if spill is None:
+                    fill.prepare([i for i, _ in todo])
             for chunk in chunks:
                 if in_place:  # no part: the I/O goes straight from the caller's regions
                     pending.append(self._write_in_place(keys, chunk, fill))
                     continue
                 held = self._take_part(pending, finish_oldest)
                 part = self._staging[held]
-                fill(part, [i for i, _ in chunk])
-                sums = self._checksums.compute(part, len(chunk)) if self.config.verify \
-                    else np.zeros(len(chunk), dtype=np.uint64)
+                if spill is not None:
+                    spill.gather(part, [i for i, _ in chunk])
+                    self._copies_done()
+                    sums = spill.sums(len(chunk))
+                else:
+                    fill(part, [i for i, _ in chunk])
+                    sums = self._checksums.compute(part, len(chunk)) if self.config.verify \
+                        else np.zeros(len(chunk), dtype=np.uint64)
                 seqs, trailers = self._trailers(keys, chunk, sums)
                 slot_trailer.write_into(part, self.layout.slot_bytes, trailers)
                 self._copies_done()
@@ -642,6 +651,8 @@ class Tier:
                 fut.add_done_callback(lambda _f, i=held: self._staging.give_back(i))
                 held = None
                 pending.append((chunk, sums, seqs, extents, fut, time.perf_counter()))
+            if spill is not None:
+                spill.done()  # every chunk's copies ended before its write was queued
             while pending:
                 finish_oldest()
         except BaseException:
@@ -850,6 +861,24 @@ class Tier:
         self._stats.add(bytes_read=len(good) * self.layout.page_bytes,
                         read_seconds=time.perf_counter() - t0, read_failed=len(failed))
 
+    def _thread_buffers(self) -> VerdictBuffers:
+        buffers = getattr(self._verdict_buffers, "buffers", None)
+        if buffers is None:
+            buffers = self._verdict_buffers.buffers = VerdictBuffers(
+                self.device, self._chunk_pages, self.layout.page_bytes, self.layout.page_size,
+                graphs=self.config.launch_graphs)
+        return buffers
+
+    def _gpu_spill(self, fill: PageCopier, order: list[int]) -> GpuSpill | None:
+        """The gather + checksum of this spill as graph replays (:mod:`.gpu_spill`), where it
+        can: staging on CUDA, pages from a KV pool through the kernels, verification on."""
+        if self._stream is None or not self.config.verify or not isinstance(fill, PoolCopier) \
+                or self._checksums.algorithm != checksum.GPU_PAGE \
+                or not kd.uses_triton(self.device):
+            return None
+        return GpuSpill(fill, order, self._thread_buffers(), self._stream,
+                        self.layout.page_bytes, self.layout.slot_bytes)
+
     def _gpu_verdicts(self, drain: PageCopier, todo: list) -> GpuVerdicts | None:
         """Verdicts decided on the GPU for this restore, where it can: staging on CUDA, pages
         going to a KV pool through the kernels, verification on, and every page checksummed
@@ -863,12 +892,7 @@ class Tier:
         algos = self.directory.algorithms([s for _, s, _ in todo])
         if not (algos == checksum.GPU_PAGE).all():
             return None
-        buffers = getattr(self._verdict_buffers, "buffers", None)
-        if buffers is None:
-            buffers = self._verdict_buffers.buffers = VerdictBuffers(
-                self.device, self._chunk_pages, self.layout.page_bytes, self.layout.page_size,
-                graphs=self.config.launch_graphs)
-        return GpuVerdicts([want for _, _, want in todo], buffers, self._stream,
+        return GpuVerdicts([want for _, _, want in todo], self._thread_buffers(), self._stream,
                            self.layout.page_bytes, self.layout.slot_bytes)
 
     def _settle(self, keys, todo: list, verdicts: GpuVerdicts, results: list[bool],

@@ -163,3 +163,39 @@ def test_pool_copier_prepared_runs_and_other_chunks(slots_on, dtype, into):
         torch.cuda.synchronize()
         assert torch.equal(got, want), chunk
         assert got.any()
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_spills_replayed_from_a_graph_round_trip_and_survive_a_restart(tmp_path, graphs):
+    """Spills of a repeated shape replay their gather + checksum launches from a CUDA graph
+    (gdskv.gpu_spill): each replay gathers that call's own slots, and the checksums it hands
+    the journal are right (a restarted tier verifies every page against them)."""
+    lay = KVLayout(num_layers=4, page_size=16, head_dim=128, kv_heads=8, dtype="bf16")
+    slots = 64 * lay.page_size
+    pool = _gpu_pool(lay, slots, seed=11)
+    cfg = TierConfig(directories=(str(tmp_path),), capacity=f"{96 * lay.slot_bytes}",
+                     staging_size=f"{8 * lay.slot_bytes}", launch_graphs=graphs)
+    gen = torch.Generator().manual_seed(12)
+    written = {}
+    with Tier(lay, cfg, device="cuda") as tier:
+        for rnd in range(3 * len(tier._staging)):  # plain, capture, replay per staging part
+            src = torch.randperm(slots, generator=gen)[:2 * lay.page_size]
+            keys = [f"s{rnd}-{j}" for j in range(2)]
+            assert tier.put(keys, pool, src) == [True, True]
+            written.update({k: src[j * lay.page_size:(j + 1) * lay.page_size]
+                            for j, k in enumerate(keys)})
+        graph_set = tier._verdict_buffers.buffers.graphs
+        assert (graph_set.captures >= 1 and graph_set.replays > graph_set.captures) if graphs \
+            else graph_set.captures == graph_set.replays == 0
+    with Tier(lay, cfg, device="cuda") as tier:  # restart: pages verified on the way back
+        keys = list(written)
+        out = tuple(torch.zeros_like(p) for p in pool)
+        dst = torch.arange(len(keys) * lay.page_size, device="cuda")
+        assert tier.get(keys, out, dst) == [True] * len(keys)
+        torch.cuda.synchronize()
+        for i, k in enumerate(keys):
+            rows = dst[i * lay.page_size:(i + 1) * lay.page_size]
+            for a, b in zip(pool, out):
+                assert torch.equal(a.view(torch.int16)[:, written[k].cuda()],
+                                   b.view(torch.int16)[:, rows]), k
+        assert tier.stats()["corrupt_pages"] == 0
