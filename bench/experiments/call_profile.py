@@ -57,7 +57,11 @@ PHASES = ("gdskv.tier:Tier._pool_copier", "gdskv.pool:KVPool.check_token_slots",
           "gdskv.stats:TierStats.add", "gdskv.gpu_verdicts:GpuVerdicts.__init__",
           "gdskv.gpu_verdicts:GpuVerdicts.scatter", "gdskv.gpu_verdicts:GpuVerdicts.read_back",
           "gdskv.tier:Tier._settle", "gdskv.tier:Tier._gpu_verdicts",
-          "gdskv.kernels:page_partial_sums", "gdskv.kernels:scatter_pages_verified")
+          "gdskv.kernels:page_partial_sums", "gdskv.kernels:scatter_pages_verified",
+          "gdskv.tier:Tier._gpu_spill", "gdskv.gpu_spill:GpuSpill.__init__",
+          "gdskv.gpu_spill:GpuSpill.gather", "gdskv.gpu_spill:GpuSpill.sums",
+          "gdskv.launch_graphs:LaunchGraphs.run", "gdskv.slot_trailer:write_into",
+          "gdskv.tier:Tier._trailers", "gdskv.metrics:TierMetrics.call")
 
 
 def _install_phase_timers(totals: dict, threads: tuple[str, ...]) -> list:
