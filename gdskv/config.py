@@ -185,9 +185,9 @@ class TierConfig:
     #: memory and the slab files where their alignment allows (no staging copy); off: always
     #: through staging
     in_place: bool = True
-    #: GPU restores: a chunk shape a thread has restored before replays its verify + scatter
-    #: launches from a captured CUDA graph (one launch call instead of two Triton launches);
-    #: off: launch the kernels every time
+    #: GPU pools: a chunk shape a thread has moved before replays its kernel launches (a
+    #: restore's verify + scatter, a spill's gather + checksum) from a captured CUDA graph (one
+    #: launch call instead of two Triton launches); off: launch the kernels every time
     launch_graphs: bool = True
     #: follower mode: open a store another process owns and writes, read-only (no lock, no
     #: writes; the directory follows the writer's journal). Needs verify: a slot the writer
@@ -341,7 +341,7 @@ FIELD_DOCS: dict[str, str] = {
     "verify": "verify page checksums on read (a mismatch is a miss)",
     "preallocate": "reserve the slab files' space at creation (false: grow as written)",
     "in_place": "CPU tier: host page regions move straight to/from the files (no staging copy)",
-    "launch_graphs": "GPU restores replay repeated verify + scatter launches from a CUDA graph",
+    "launch_graphs": "GPU pools: repeated chunk shapes replay their kernel launches (CUDA graph)",
     "read_only": "follower: open a store another process writes, read-only (needs verify)",
     "admit_after": "store a page only once it has been offered this many times (SSD wear)",
     "nixl_plugin": "auto (GDS_MT, GDS, then POSIX), GDS, GDS_MT or POSIX",

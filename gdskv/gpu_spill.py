@@ -28,7 +28,7 @@ class GpuSpill:
         self.fill, self._buf = fill, buffers
         self.page_bytes, self.slot_bytes = page_bytes, slot_bytes
         buffers.take(len(order), stream)
-        fill.prepare(order, into=(buffers.host_slots_np, buffers.host_slots, buffers.slots))
+        fill.prepare(order, into=buffers.slot_buffers)
 
     def gather(self, part: torch.Tensor, page_idx: list[int]) -> None:
         """Queue the chunk's gather into ``part``, its partial sums and their copy to the host;

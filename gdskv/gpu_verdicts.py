@@ -26,7 +26,8 @@ from .launch_graphs import LaunchGraphs
 
 
 class VerdictBuffers:
-    """Pinned and device buffers one thread's restores reuse: the call's slot indices and
+    """Pinned and device buffers one thread's restores (and GPU spills, :mod:`gdskv.gpu_spill`)
+    reuse: the call's slot indices and
     stored checksums going up, the partial sums of a chunk, and the flags coming back, plus the
     thread's launch graphs (:mod:`gdskv.launch_graphs`), whose keys name these buffers.
     Allocating them per call (pinned memory especially) and slicing them per chunk cost more
@@ -66,6 +67,12 @@ class VerdictBuffers:
             self.graphs.clear()  # their keys name the buffers just replaced
         self.clean = False
 
+    @property
+    def slot_buffers(self) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
+        """Where a call's slot indices go up (:meth:`PoolCopier.prepare`'s ``into``): the
+        same buffers every call of this thread, so the launch graphs can name them."""
+        return self.host_slots_np, self.host_slots, self.slots
+
 
 class GpuVerdicts:
     """Verdicts for the pages of one restore call, in the call's read order (``wants[k]`` is
@@ -86,9 +93,8 @@ class GpuVerdicts:
 
     @property
     def slot_buffers(self) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
-        """Where the call's slot indices go up (:meth:`PoolCopier.prepare`'s ``into``): the
-        same buffers every call of this thread, so the launch graphs can name them."""
-        return self._buf.host_slots_np, self._buf.host_slots, self._buf.slots
+        """See :attr:`VerdictBuffers.slot_buffers`."""
+        return self._buf.slot_buffers
 
     def scatter(self, drain: PoolCopier, part: torch.Tensor, first: int,
                 page_idx: list[int], last: bool = False) -> None:

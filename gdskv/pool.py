@@ -65,7 +65,7 @@ def check_token_slots(token_slots, page_size: int, *, num_pages: int | None = No
             idx = token_slots.numpy()
             lo, hi = int(idx.min()), int(idx.max())
         else:  # one reduction, one device-to-host read
-            lo, hi = (int(v) for v in torch.aminmax(token_slots))
+            lo, hi = torch.stack(torch.aminmax(token_slots)).tolist()
         if lo < 0 or hi >= num_slots:
             raise ValueError(f"slot index out of range: [{lo}, {hi}] not within pool of "
                              f"{num_slots} slots")

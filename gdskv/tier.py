@@ -869,12 +869,17 @@ class Tier:
                 graphs=self.config.launch_graphs)
         return buffers
 
+    def _gpu_checked(self, copier: PageCopier) -> bool:
+        """Whether a call's checksums are made or checked by the kernels on the GPU: staging on
+        CUDA, pages moving to or from a KV pool through the kernels, verification on."""
+        return self._stream is not None and self.config.verify \
+            and isinstance(copier, PoolCopier) \
+            and self._checksums.algorithm == checksum.GPU_PAGE and kd.uses_triton(self.device)
+
     def _gpu_spill(self, fill: PageCopier, order: list[int]) -> GpuSpill | None:
         """The gather + checksum of this spill as graph replays (:mod:`.gpu_spill`), where it
         can: staging on CUDA, pages from a KV pool through the kernels, verification on."""
-        if self._stream is None or not self.config.verify or not isinstance(fill, PoolCopier) \
-                or self._checksums.algorithm != checksum.GPU_PAGE \
-                or not kd.uses_triton(self.device):
+        if not self._gpu_checked(fill):
             return None
         return GpuSpill(fill, order, self._thread_buffers(), self._stream,
                         self.layout.page_bytes, self.layout.slot_bytes)
@@ -884,10 +889,7 @@ class Tier:
         going to a KV pool through the kernels, verification on, and every page checksummed
         with this tier's GPU algorithm (pages an older configuration wrote are verified the
         plain way)."""
-        if not todo or self._stream is None or not self.config.verify \
-                or not isinstance(drain, PoolCopier) \
-                or self._checksums.algorithm != checksum.GPU_PAGE \
-                or not kd.uses_triton(self.device):
+        if not todo or not self._gpu_checked(drain):
             return None
         algos = self.directory.algorithms([s for _, s, _ in todo])
         if not (algos == checksum.GPU_PAGE).all():
