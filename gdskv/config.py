@@ -156,7 +156,9 @@ class TierConfig:
     #: disk capacity of the store (all directories together)
     capacity: int = 16 << 30
     backend: BackendKind = BackendKind.AUTO
-    #: bounded staging buffer on the pool's device; large batches go through it in chunks
+    #: bounded staging buffer on the pool's device; large batches go through it in chunks.
+    #: Counts page payload: a part may be up to 1/16 larger so that it holds whole pages with
+    #: their slot trailers (``staging.staging_part_pages``)
     staging_size: int = 256 << 20
     #: staging is cut into this many parts: one is gathered/scattered while the others' I/O runs
     pipeline_depth: int = 4

@@ -19,6 +19,26 @@ from .layout import ALIGNMENT
 from .memory import alloc_host, available_host_memory
 
 
+#: how far a staging part may exceed its share of ``staging_size`` to hold whole pages
+PART_SLACK = 1 / 16
+
+
+def staging_part_pages(part_budget: int, layout) -> int:
+    """Pages one staging part holds, given its share of ``staging_size``.
+
+    A slot is its page plus a trailer (up to 4 KiB after alignment), so a budget that is a
+    round number of pages (64 MiB = 32 pages of 2 MiB) would hold one slot fewer (31): a
+    128-page call would then need a fifth chunk, read only after the first one drains. A part
+    holds as many pages as the budget holds of page payload, as long as that overshoots the
+    budget by at most ``PART_SLACK``; otherwise as many whole slots as fit.
+    """
+    by_slot = part_budget // layout.slot_bytes
+    by_payload = part_budget // layout.page_bytes
+    if by_payload * layout.slot_bytes <= part_budget * (1 + PART_SLACK):
+        return by_payload
+    return by_slot
+
+
 class StagingParts:
     @staticmethod
     def check_fits(nbytes: int, device: torch.device) -> None:

@@ -65,7 +65,7 @@ from .memory import check_device, cuda_available
 from .metrics import TierMetrics
 from .persistence import PersistentDirectory
 from .pool import KVPool, PoolCache
-from .staging import StagingParts
+from .staging import StagingParts, staging_part_pages
 from .stats import TierStats
 from .store import SlabStore, StoreError
 
@@ -116,7 +116,7 @@ class Tier:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         depth = self.config.pipeline_depth
-        self._chunk_pages = (self.config.staging_size // depth) // layout.slot_bytes
+        self._chunk_pages = staging_part_pages(self.config.staging_size // depth, layout)
         if self._chunk_pages < 1:
             raise ConfigError(f"staging_size {self.config.staging_size} B must hold one page "
                               f"slot per pipeline stage ({depth} x {layout.slot_bytes} B for "

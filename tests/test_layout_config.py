@@ -74,3 +74,18 @@ def test_from_env_reads_every_kind():
 def test_from_env_errors_name_the_variable(var, value, match):
     with pytest.raises(ConfigError, match=match):
         TierConfig.from_env({var: value})
+
+
+def test_staging_part_holds_a_round_number_of_pages():
+    # 2 MiB pages carry a 4 KiB trailer block: a 64 MiB part (256 MiB / 4) holds 32 pages,
+    # not 31, so a 128-page call is 4 chunks (one per part), not 5.
+    from gdskv.layout import BytePageLayout
+    from gdskv.staging import PART_SLACK, staging_part_pages
+    lay = KVLayout(num_layers=32, page_size=16, head_dim=128, kv_heads=8, dtype=torch.bfloat16)
+    assert staging_part_pages(64 << 20, lay) == 32
+    assert 32 * lay.slot_bytes <= (64 << 20) * (1 + PART_SLACK)
+    assert staging_part_pages((2 << 20) - 1, lay) == 0   # not one page of payload
+    # Tiny pages: a slot (4 KiB) is many times the payload, so whole slots bound the part.
+    tiny = BytePageLayout(page_bytes=100, kind="test/tiny")
+    assert tiny.slot_bytes == 4096
+    assert staging_part_pages(64 << 10, tiny) == 16

@@ -257,3 +257,21 @@ def _cfg(d):
     from gdskv.config import TierConfig
     return TierConfig(directories=() if d is None else (str(d),), capacity="16MiB",
                       staging_size="1MiB", io_chunk_size="64KiB", backend="posix")
+
+
+def test_staging_parts_hold_whole_pages_of_payload(make_config, device):
+    # staging_size counts payload: 4 parts of 8 pages each, whatever the trailers add
+    # (128 KiB pages: 8 slots overshoot a part's 1 MiB by 32 KiB, inside the 1/16 slack).
+    layout = KVLayout(num_layers=4, page_size=16, head_dim=128, kv_heads=4, dtype="bf16")
+    config = make_config(staging_size=4 * 8 * layout.page_bytes, pipeline_depth=4,
+                         capacity=f"{64 * layout.slot_bytes}")
+    with Tier(layout, config, device=device) as tier:
+        assert len(tier._staging) == 4
+        assert all(part.numel() == 8 * layout.slot_bytes for part in tier._staging.parts)
+        pool = random_pool(layout, 32 * layout.page_size, device=device, seed=3)
+        slots = torch.arange(32 * layout.page_size, device=device)
+        keys = [f"p{i}" for i in range(32)]
+        assert all(tier.put(keys, pool, slots))
+        out = empty_like_pool(pool)
+        assert all(tier.get(keys, out, slots))
+        assert_same_rows(pool, slots, out, slots)

@@ -167,13 +167,16 @@ def run(args) -> dict:
                     else []
                 try:
                     first: dict = {}
-                    w, w_all = _calls(engine, "write", batches, ppb, prof, args.iodepth,
-                                      lambda: first.update(phase_totals))
+                    w, w_all = _calls(engine, "write", batches, ppb,
+                                      prof if args.profile_op in ("both", "write") else None,
+                                      args.iodepth, lambda: first.update(phase_totals))
                     after_writes = dict(phase_totals)
                     drop_page_cache(engine.files())
                     trace = _trace(args.trace and f"{args.trace}.{kind}.json")
                     with trace:
-                        r, r_all = _calls(engine, "read", batches, ppb, prof, args.iodepth)
+                        r, r_all = _calls(engine, "read", batches, ppb,
+                                          prof if args.profile_op in ("both", "read") else None,
+                                          args.iodepth)
                 finally:
                     for owner, name, fn in undo:
                         setattr(owner, name, fn)
@@ -218,6 +221,8 @@ def main(argv=None) -> None:
     p.add_argument("--backend", default="auto")
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--iodepth", type=int, default=1, help="calls in flight (threads)")
+    p.add_argument("--profile-op", choices=("both", "read", "write"), default="both",
+                   help="which calls cProfile covers")
     p.add_argument("--trace", help="write torch.profiler traces of the read phase to "
                    "TRACE.raw.json and TRACE.gdskv.json")
     p.add_argument("--switch-interval", type=float,
