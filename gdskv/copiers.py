@@ -115,6 +115,18 @@ class PoolCopier(PageCopier):
 
 
 
+class DeferredCopier:
+    """A restore's :class:`PoolCopier`, made (its arguments checked) on first use: the tier
+    makes it once the call's first read is under way, so the checks overlap the I/O. ``make``
+    raises what the checks raise."""
+
+    def __init__(self, make: Callable[[], tuple[list, PageCopier]]) -> None:
+        self._make = make
+
+    def make(self) -> PageCopier:
+        return self._make()[1]
+
+
 class RegionCopier(PageCopier):
     """Copy pages given as page-format byte regions (host pools that are already page-first):
     ``pages[i]`` is a list of 1-D uint8 tensors whose concatenation is page i."""

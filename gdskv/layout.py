@@ -22,6 +22,7 @@ manifest records: a store is never read as another layout or shard.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -166,17 +167,17 @@ class KVLayout(ShardIdentity):
         """2 (K and V) for MHA, 1 (the latent) for MLA."""
         return 1 if self.mla else 2
 
-    @property
+    @functools.cached_property  # (a frozen layout: read on every call)
     def row_bytes(self) -> int:
         """Bytes of one token's KV in one layer and one of K/V."""
         return self.kv_heads * self.head_dim * self.itemsize
 
-    @property
+    @functools.cached_property  # (a frozen layout: read on every call)
     def page_bytes(self) -> int:
         """Payload bytes of one page (all layers, K and V)."""
         return self.kv_count * self.num_layers * self.page_size * self.row_bytes
 
-    @property
+    @functools.cached_property
     def slot_bytes(self) -> int:
         return slot_size(self.page_bytes)
 
@@ -219,7 +220,7 @@ class BytePageLayout(ShardIdentity):
             raise ValueError("BytePageLayout.kind must name what the pages hold, got ''")
         self._check_shard()
 
-    @property
+    @functools.cached_property
     def slot_bytes(self) -> int:
         return slot_size(self.page_bytes)
 

@@ -80,12 +80,24 @@ def decode(data: bytes | memoryview) -> Trailer | None:
     return Trailer(slot, key, seq, csum, algo, store_id, version)
 
 
-def write_into(part: torch.Tensor, slot_bytes: int, trailers: list[bytes]) -> None:
-    """Copy ``trailers[i]`` to the end of page ``i``'s slot in staging ``part`` (host or GPU:
-    one small host-to-device copy, queued on the current stream)."""
+def write_into(part: torch.Tensor, slot_bytes: int, trailers: list[bytes],
+               pinned: torch.Tensor | None = None) -> None:
+    """Copy ``trailers[i]`` to the end of page ``i``'s slot in staging ``part`` (host or GPU).
+
+    For a GPU part, ``pinned`` (uint8 page-locked host memory of at least ``len(trailers) *
+    TRAILER_BYTES``) makes the upload asynchronous on the current stream: the caller must not
+    reuse it before the stream has passed this copy (the tier synchronizes before each write).
+    Without it the upload is a synchronous copy from pageable memory.
+    """
     n = len(trailers)
     if not n:
         return
-    src = torch.from_numpy(np.frombuffer(b"".join(trailers), dtype=np.uint8).copy())
+    joined = b"".join(trailers)
     dst = part[:n * slot_bytes].view(n, slot_bytes)[:, slot_bytes - TRAILER_BYTES:]
+    if pinned is not None and part.is_cuda:
+        src = pinned[:n * TRAILER_BYTES]
+        src.numpy()[:] = np.frombuffer(joined, dtype=np.uint8)
+        dst.copy_(src.view(n, TRAILER_BYTES), non_blocking=True)
+        return
+    src = torch.from_numpy(np.frombuffer(joined, dtype=np.uint8).copy())
     dst.copy_(src.view(n, TRAILER_BYTES).to(part.device, non_blocking=False))

@@ -53,7 +53,7 @@ from .backends import backend_class, create_backend
 from .backends.base import Extent, IOOutcome
 from .call_gate import CallGate
 from .config import ConfigError, SyncPolicy, TierConfig
-from .copiers import PageCopier, PoolCopier, RegionCopier
+from .copiers import DeferredCopier, PageCopier, PoolCopier, RegionCopier
 from .directory import PageDirectory, PageState
 from .gpu_spill import GpuSpill
 from .gpu_verdicts import GpuVerdicts, VerdictBuffers
@@ -140,7 +140,9 @@ class Tier:
             self._checksums = checksum.default_for(self.device, layout)
             # pages are verified with the algorithm that made their checksum (see checksum.py)
             self._verifiers = {self._checksums.algorithm: self._checksums}
-            self._verdict_buffers = threading.local()  # gpu_verdicts.VerdictBuffers per thread
+            # per thread: its VerdictBuffers ("buffers"), stream-sync event ("done") and
+            # pinned slot-trailer buffer ("trailers")
+            self._per_thread = threading.local()
             self._persist = PersistentDirectory(self.store, self.config, self._stats,
                                                 self._log_once, scan_headers=scan_headers,
                                                 scan_progress=scan_progress)
@@ -211,7 +213,12 @@ class Tier:
     def get(self, keys: Sequence[Hashable], kv_pool, token_slots) -> list[bool]:
         """Restore pages into ``kv_pool`` at ``token_slots``; per-page hit (True) or miss."""
         self._check_open()
-        keys, drain = self._pool_copier(keys, kv_pool, token_slots, kd.scatter_pages)
+        self._refuse_byte_pages()
+        keys = self._check_keys(keys)
+        # The pool and slot checks run while the call's first read is under way (host work
+        # the read hides); a bad argument still raises before anything reaches the pool.
+        drain = DeferredCopier(lambda: self._pool_copier(keys, kv_pool, token_slots,
+                                                         kd.scatter_pages, checked_keys=True))
         return self._run(self._get, keys, drain, self._engine_event())
 
     def put_async(self, keys, kv_pool, token_slots) -> Future:
@@ -419,11 +426,16 @@ class Tier:
             raise ValueError(f"duplicate key in one call: {dup!r}")
         return keys
 
-    def _pool_copier(self, keys, kv_pool, token_slots, copy_fn) -> tuple[list, PageCopier]:
+    def _refuse_byte_pages(self) -> None:
         if isinstance(self.layout, BytePageLayout):
             raise TypeError("this tier stores byte pages (BytePageLayout): they have no KV pool "
                             "to gather from or scatter to; use put_pages / get_pages")
-        keys = self._check_keys(keys)
+
+    def _pool_copier(self, keys, kv_pool, token_slots, copy_fn, checked_keys: bool = False
+                     ) -> tuple[list, PageCopier]:
+        self._refuse_byte_pages()
+        if not checked_keys:
+            keys = self._check_keys(keys)
         pool = self._pools.get(kv_pool)
         if pool.device != self.device:
             raise ValueError(f"KV pool is on {pool.device} but this tier stages on {self.device}")
@@ -569,7 +581,10 @@ class Tier:
         """Wait for the GPU copies this thread queued so far (before I/O threads read a part
         it gathered into, or before a get returns to the engine)."""
         if self._stream is not None:
-            done = torch.cuda.Event()
+            # one event per thread, recorded and waited for here only: no new event per call
+            done = getattr(self._per_thread, "done", None)
+            if done is None:
+                done = self._per_thread.done = torch.cuda.Event()
             done.record(self._stream)
             done.synchronize()
 
@@ -595,10 +610,11 @@ class Tier:
     def _put(self, keys: list, fill: PageCopier) -> list[bool]:
         results = [False] * len(keys)
         admitted = self._admission.admit(keys)
-        self._stats.add(not_admitted=len(keys) - len(admitted))
         res = self.directory.reserve([keys[i] for i in admitted])
         self._persist.journal_evictions(res.evicted)
-        self._stats.add(evictions=len(res.evicted))
+        # the call's counters, added to the stats once at its end (each add costs host time)
+        tally = {"not_admitted": len(keys) - len(admitted), "evictions": len(res.evicted),
+                 "bytes_written": 0, "write_seconds": 0.0, "write_failed": 0}
         todo: list[tuple[int, int]] = []
         for i, slot, present in zip(admitted, res.slots, res.present):
             if present:
@@ -617,7 +633,7 @@ class Tier:
 
         def finish_oldest() -> None:
             nonlocal finished
-            self._finish_write(keys, *pending.popleft(), results)
+            self._finish_write(keys, *pending.popleft(), results, tally)
             finished += 1
 
         in_place = isinstance(fill, InPlacePages)
@@ -643,7 +659,8 @@ class Tier:
                     sums = self._checksums.compute(part, len(chunk)) if self.config.verify \
                         else np.zeros(len(chunk), dtype=np.uint64)
                 seqs, trailers = self._trailers(keys, chunk, sums)
-                slot_trailer.write_into(part, self.layout.slot_bytes, trailers)
+                slot_trailer.write_into(part, self.layout.slot_bytes, trailers,
+                                        self._trailer_buffer())
                 self._copies_done()
                 extents = self.store.extents([s for _, s in chunk])
                 fut = self.backend.write(part, extents)
@@ -661,8 +678,9 @@ class Tier:
             for item in pending:  # let in-flight I/O end before giving its slots back
                 item[3].exception()
             self.directory.abort([s for c in chunks[finished:] for _, s in c])
+            self._stats.add(**tally)
             raise
-        self._stats.add(put_pages=len(keys), put_stored=sum(results))
+        self._stats.add(put_pages=len(keys), put_stored=sum(results), **tally)
         return results
 
     def _trailers(self, keys, chunk, sums) -> tuple[list[int], list[bytes]]:
@@ -692,7 +710,7 @@ class Tier:
             self._stats.add(**{f"region_pages_{direction}_staged": n})
 
     def _finish_write(self, keys, chunk, sums, seqs, extents: list[Extent], fut: Future,
-                      t0: float, results: list[bool]) -> None:
+                      t0: float, results: list[bool], tally: dict) -> None:
         outcome: IOOutcome = fut.result()
         failed = self._failed_positions(outcome, extents, "write")
         ok = [pos for pos in range(len(chunk)) if pos not in failed]
@@ -715,10 +733,11 @@ class Tier:
         self.directory.abort([chunk[pos][1] for pos in sorted(failed)])
         for pos in ok:
             results[chunk[pos][0]] = True
-        self._stats.add(bytes_written=len(ok) * self.layout.page_bytes,
-                        write_seconds=time.perf_counter() - t0, write_failed=len(failed))
+        tally["bytes_written"] += len(ok) * self.layout.page_bytes
+        tally["write_seconds"] += time.perf_counter() - t0
+        tally["write_failed"] += len(failed)
 
-    def _get(self, keys: list, drain: PageCopier) -> list[bool]:
+    def _get(self, keys: list, drain: PageCopier | DeferredCopier) -> list[bool]:
         results = [False] * len(keys)
         pins = self.directory.pin(keys)
         todo = sorted(((i, p[0], p[1]) for i, p in enumerate(pins) if p is not None),
@@ -728,15 +747,20 @@ class Tier:
         pending: collections.deque = collections.deque()
         held = None
         verdicts = None
+        # the call's counters, added to the stats once at its end (each add costs host time)
+        tally = {"bytes_read": 0, "read_seconds": 0.0, "read_failed": 0}
+        settled = False
 
         in_place = isinstance(drain, InPlacePages)
         self._count_region_pages(drain, len(todo), "read")
 
         def finish_oldest() -> None:
             if in_place:
-                self._finish_read_in_place(keys, *pending.popleft(), drain, results, corrupt)
+                self._finish_read_in_place(keys, *pending.popleft(), drain, results, corrupt,
+                                           tally)
             else:
-                self._finish_read(keys, *pending.popleft(), drain, results, corrupt, verdicts)
+                self._finish_read(keys, *pending.popleft(), drain, results, corrupt, verdicts,
+                                  tally)
 
         try:
             for k, chunk in enumerate(chunks):
@@ -754,18 +778,24 @@ class Tier:
                                 time.perf_counter()))
                 held = None
                 if k == 0:
-                    # The first read is under way: the call's slot indices and stored
-                    # checksums go up meanwhile (host work that would otherwise come first).
+                    # The first read is under way: the call's arguments are checked and its
+                    # slot indices and stored checksums go up meanwhile (host work that would
+                    # otherwise come first).
+                    if isinstance(drain, DeferredCopier):
+                        drain = drain.make()
                     verdicts = self._gpu_verdicts(drain, todo)
                     drain.prepare([i for i, _, _ in todo],
                                   into=verdicts.slot_buffers if verdicts is not None else None)
             while pending:
                 finish_oldest()
+            if isinstance(drain, DeferredCopier):  # nothing read: the arguments still count
+                drain = drain.make()
             if verdicts is not None:
                 verdicts.read_back()
             self._copies_done()
             if verdicts is not None:
-                self._settle(keys, todo, verdicts, results, corrupt)
+                self._settle(keys, todo, verdicts, results, corrupt, tally)
+            settled = True
         finally:
             if held is not None:
                 self._staging.give_back(held)
@@ -777,14 +807,16 @@ class Tier:
             self._persist.journal_evictions(freed)
             if corrupt:
                 self._persist.journal_evictions(self.directory.remove(corrupt))
+            if not settled:  # an exception: what the finished chunks moved still counts
+                self._stats.add(**tally)
         hits = sum(results)
         self._stats.add(get_pages=len(keys), hits=hits, misses=len(keys) - hits,
-                        corrupt_pages=len(corrupt))
+                        corrupt_pages=len(corrupt), **tally)
         return results
 
     def _finish_read(self, keys, chunk, first: int, part_index: int, extents, fut: Future,
                      t0: float, drain: PageCopier, results: list[bool], corrupt: list,
-                     verdicts: GpuVerdicts | None) -> None:
+                     verdicts: GpuVerdicts | None, tally: dict) -> None:
         """Verify and drain one chunk (its read ended or ends now); ``first`` is the chunk's
         first position in the call's read order. With ``verdicts``, a chunk whose I/O moved
         every page is verified and scattered in one launch, and its hits are counted when the
@@ -797,7 +829,7 @@ class Tier:
             if verdicts is not None and not failed:
                 verdicts.scatter(drain, part, first, [i for i, _, _ in chunk],
                                  last=first + len(chunk) == verdicts.pages)
-                self._stats.add(read_seconds=time.perf_counter() - t0)
+                tally["read_seconds"] += time.perf_counter() - t0
                 return
             if self.config.verify:
                 sums = self._verify_sums(part, chunk)
@@ -826,12 +858,13 @@ class Tier:
             self._staging.give_back(part_index, self._scatter_event())
         for pos in good:
             results[chunk[pos][0]] = True
-        self._stats.add(bytes_read=len(good) * self.layout.page_bytes,
-                        read_seconds=time.perf_counter() - t0, read_failed=len(failed))
+        tally["bytes_read"] += len(good) * self.layout.page_bytes
+        tally["read_seconds"] += time.perf_counter() - t0
+        tally["read_failed"] += len(failed)
 
     def _finish_read_in_place(self, keys, chunk, _first: int, _part: None, extents,
                               fut: Future, t0: float, pages: InPlacePages, results: list[bool],
-                              corrupt: list) -> None:
+                              corrupt: list, tally: dict) -> None:
         """Complete an in-place read: the pages it did not move whole, or whose bytes (in the
         caller's regions) fail their checksum, are misses."""
         outcome: IOOutcome = fut.result()
@@ -858,13 +891,26 @@ class Tier:
         pages.complete([chunk[pos][0] for pos in good])
         for pos in good:
             results[chunk[pos][0]] = True
-        self._stats.add(bytes_read=len(good) * self.layout.page_bytes,
-                        read_seconds=time.perf_counter() - t0, read_failed=len(failed))
+        tally["bytes_read"] += len(good) * self.layout.page_bytes
+        tally["read_seconds"] += time.perf_counter() - t0
+        tally["read_failed"] += len(failed)
+
+    def _trailer_buffer(self) -> torch.Tensor | None:
+        """This thread's pinned buffer for a chunk's slot trailers (GPU staging only): their
+        upload is then asynchronous, finished by the sync that precedes the chunk's write."""
+        if self._stream is None:
+            return None
+        buf = getattr(self._per_thread, "trailers", None)
+        if buf is None:
+            buf = self._per_thread.trailers = torch.empty(
+                self._chunk_pages * slot_trailer.TRAILER_BYTES, dtype=torch.uint8,
+                pin_memory=True)
+        return buf
 
     def _thread_buffers(self) -> VerdictBuffers:
-        buffers = getattr(self._verdict_buffers, "buffers", None)
+        buffers = getattr(self._per_thread, "buffers", None)
         if buffers is None:
-            buffers = self._verdict_buffers.buffers = VerdictBuffers(
+            buffers = self._per_thread.buffers = VerdictBuffers(
                 self.device, self._chunk_pages, self.layout.page_bytes, self.layout.page_size,
                 graphs=self.config.launch_graphs)
         return buffers
@@ -898,7 +944,7 @@ class Tier:
                            self.layout.page_bytes, self.layout.slot_bytes)
 
     def _settle(self, keys, todo: list, verdicts: GpuVerdicts, results: list[bool],
-                corrupt: list) -> None:
+                corrupt: list, tally: dict) -> None:
         """Hits and checksum misses of the chunks verified on the GPU (after the stream sync)."""
         bad, settled = [], verdicts.settle()
         for k, matched in settled:
@@ -911,8 +957,8 @@ class Tier:
             corrupt.extend(bad)
             self._log_once("corrupt", "checksum mismatch: %d pages dropped as misses "
                            "(first key %r)", len(bad), bad[0])
-        self._stats.add(bytes_read=(len(settled) - len(bad)) * self.layout.page_bytes,
-                        read_failed=len(bad))
+        tally["bytes_read"] += (len(settled) - len(bad)) * self.layout.page_bytes
+        tally["read_failed"] += len(bad)
 
     def _verify_sums(self, part: torch.Tensor, chunk) -> np.ndarray:
         """Checksums of the chunk's pages, each made with the algorithm its stored one used."""

@@ -281,7 +281,7 @@ def test_gpu_restore_replayed_from_a_graph_is_exact_and_still_misses_flips(tmp_p
                 want = _page_rows(src, src_slots[i * ps:(i + 1) * ps].cpu())
                 assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
                            for a, b in zip(got, want)), f"round {rnd}: wrong bytes for {k}"
-        graph_set = tier._verdict_buffers.buffers.graphs
+        graph_set = tier._per_thread.buffers.graphs
         assert (graph_set.captures >= 1 and graph_set.replays > graph_set.captures) if graphs \
             else (graph_set.captures == 0 and graph_set.replays == 0)
         replays = graph_set.replays

@@ -184,7 +184,7 @@ def test_spills_replayed_from_a_graph_round_trip_and_survive_a_restart(tmp_path,
             assert tier.put(keys, pool, src) == [True, True]
             written.update({k: src[j * lay.page_size:(j + 1) * lay.page_size]
                             for j, k in enumerate(keys)})
-        graph_set = tier._verdict_buffers.buffers.graphs
+        graph_set = tier._per_thread.buffers.graphs
         assert (graph_set.captures >= 1 and graph_set.replays > graph_set.captures) if graphs \
             else graph_set.captures == graph_set.replays == 0
     with Tier(lay, cfg, device="cuda") as tier:  # restart: pages verified on the way back

@@ -275,3 +275,34 @@ def test_staging_parts_hold_whole_pages_of_payload(make_config, device):
         out = empty_like_pool(pool)
         assert all(tier.get(keys, out, slots))
         assert_same_rows(pool, slots, out, slots)
+
+
+BAD_GETS = {
+    "wrong dtype": (TypeError, lambda pool: (tuple(p.float() for p in pool), torch.arange(16))),
+    "wrong shape": (ValueError, lambda pool: (tuple(p[:, :, :1] for p in pool), torch.arange(16))),
+    "slot count != pages*page_size": (ValueError, lambda pool: (pool, torch.arange(32))),
+    "slot out of range": (ValueError, lambda pool: (pool, torch.arange(16) + 999)),
+    "float slots": (TypeError, lambda pool: (pool, torch.arange(16.0))),
+    "MHA pool without V": (TypeError, lambda pool: (pool[0], torch.arange(16))),
+}
+
+
+@pytest.mark.parametrize("stored", [True, False], ids=["hit", "miss"])
+@pytest.mark.parametrize("case", list(BAD_GETS))
+def test_bad_get_raises_whether_or_not_the_page_is_stored(case, stored, make_config):
+    # A restore checks its pool and slots while its first read runs: a bad argument still
+    # raises, for a hit (after that read) as for a miss (nothing read), and nothing reaches
+    # the pool; the page stays stored and restorable.
+    exc_type, args = BAD_GETS[case]
+    layout = LAYOUTS["mha-bf16-p16"]
+    pool = random_pool(layout, 100)
+    with Tier(layout, make_config(), device="cpu") as tier:
+        tier.put(["keep"], pool, torch.arange(16))
+        target = empty_like_pool(pool)
+        bad_pool, bad_slots = args(target)
+        with pytest.raises(exc_type):
+            tier.get(["keep" if stored else "absent"], bad_pool, bad_slots)
+        assert all(torch.count_nonzero(p) == 0 for p in target)
+        assert tier.stats()["pages_stored"] == 1
+        assert tier.get(["keep"], target, torch.arange(16)) == [True]
+        assert_same_rows(pool, torch.arange(16), target, torch.arange(16))
