@@ -66,6 +66,7 @@ from .metrics import TierMetrics
 from .persistence import PersistentDirectory
 from .pool import KVPool, PoolCache
 from .staging import StagingParts, staging_part_pages
+from .streams import OnStream
 from .stats import TierStats
 from .store import SlabStore, StoreError
 
@@ -570,7 +571,7 @@ class Tier:
             if self._stream is None:
                 results = fn(keys, copier)
             else:
-                with torch.cuda.stream(self._stream):
+                with OnStream(self._stream):
                     self._stream.wait_event(engine_event)
                     results = fn(keys, copier)
         self._metrics.call(op or ("put" if fn == self._put else "get"), len(keys),

@@ -220,14 +220,15 @@ def test_job_file_errors_name_the_line(tmp_path, capsys, body, needle):
     assert needle in _error(capsys, [str(path)])
 
 
-def test_latency_job_file_covers_the_small_call_table(tmp_path, monkeypatch):
-    """bench/jobs/latency.ini (issue 14): restores of 1, 8 and 128 pages, one and four calls in
-    flight, kvikio from GPU memory."""
+@pytest.mark.parametrize("name, rw", [("latency.ini", "read"), ("spill-latency.ini", "write")])
+def test_latency_job_files_cover_the_small_call_table(tmp_path, monkeypatch, name, rw):
+    """bench/jobs/latency.ini and spill-latency.ini (issue 14): restores / spills of 1, 8 and
+    128 pages, one and four calls in flight, kvikio from GPU memory."""
     monkeypatch.setenv("DIR", str(tmp_path))
-    jobs = read_job_file(os.path.join(JOBS_DIR, "latency.ini"))
+    jobs = read_job_file(os.path.join(JOBS_DIR, name))
     seen = set()
     for job in jobs:
-        assert (job.backend, job.mem, job.rw) == ("kvikio", "gpu", "read")
+        assert (job.backend, job.mem, job.rw) == ("kvikio", "gpu", rw)
         plan = resolve(job.replace(mem="host", backend="posix"))
         seen.add((plan.pages_per_batch, job.iodepth))
     assert seen == {(p, q) for p in (1, 8, 128) for q in (1, 4)}

@@ -199,3 +199,20 @@ def test_spills_replayed_from_a_graph_round_trip_and_survive_a_restart(tmp_path,
                 assert torch.equal(a.view(torch.int16)[:, written[k].cuda()],
                                    b.view(torch.int16)[:, rows]), k
         assert tier.stats()["corrupt_pages"] == 0
+
+
+def test_on_stream_is_torch_stream_context():
+    # OnStream (the tier's cheap stream switch) leaves the same current streams behind as
+    # torch.cuda.stream, nested and after an exception.
+    from gdskv.streams import OnStream
+    outer, inner = torch.cuda.Stream(), torch.cuda.Stream()
+    base = torch.cuda.current_stream()
+    with OnStream(outer) as s:
+        assert s is outer and torch.cuda.current_stream() == outer
+        with pytest.raises(RuntimeError):
+            with OnStream(inner):
+                assert torch.cuda.current_stream() == inner
+                raise RuntimeError("inside")
+        assert torch.cuda.current_stream() == outer
+    assert torch.cuda.current_stream() == base
+    assert torch.cuda.current_device() == outer.device_index
