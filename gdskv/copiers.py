@@ -114,17 +114,13 @@ class PoolCopier(PageCopier):
         self.kernel(self.pool, self.layout, self.chunk_slots(page_idx), staging)
 
 
-
 class DeferredCopier:
     """A restore's :class:`PoolCopier`, made (its arguments checked) on first use: the tier
     makes it once the call's first read is under way, so the checks overlap the I/O. ``make``
     raises what the checks raise."""
 
-    def __init__(self, make: Callable[[], tuple[list, PageCopier]]) -> None:
-        self._make = make
-
-    def make(self) -> PageCopier:
-        return self._make()[1]
+    def __init__(self, make: Callable[[], PageCopier]) -> None:
+        self.make = make
 
 
 class RegionCopier(PageCopier):

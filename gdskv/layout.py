@@ -167,17 +167,17 @@ class KVLayout(ShardIdentity):
         """2 (K and V) for MHA, 1 (the latent) for MLA."""
         return 1 if self.mla else 2
 
-    @functools.cached_property  # (a frozen layout: read on every call)
+    @functools.cached_property  # a frozen layout; read on every call
     def row_bytes(self) -> int:
         """Bytes of one token's KV in one layer and one of K/V."""
         return self.kv_heads * self.head_dim * self.itemsize
 
-    @functools.cached_property  # (a frozen layout: read on every call)
+    @functools.cached_property  # a frozen layout; read on every call
     def page_bytes(self) -> int:
         """Payload bytes of one page (all layers, K and V)."""
         return self.kv_count * self.num_layers * self.page_size * self.row_bytes
 
-    @functools.cached_property
+    @functools.cached_property  # a frozen layout; read on every call
     def slot_bytes(self) -> int:
         return slot_size(self.page_bytes)
 
@@ -220,7 +220,7 @@ class BytePageLayout(ShardIdentity):
             raise ValueError("BytePageLayout.kind must name what the pages hold, got ''")
         self._check_shard()
 
-    @functools.cached_property
+    @functools.cached_property  # a frozen layout; read on every call
     def slot_bytes(self) -> int:
         return slot_size(self.page_bytes)
 

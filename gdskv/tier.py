@@ -218,8 +218,8 @@ class Tier:
         keys = self._check_keys(keys)
         # The pool and slot checks run while the call's first read is under way (host work
         # the read hides); a bad argument still raises before anything reaches the pool.
-        drain = DeferredCopier(lambda: self._pool_copier(keys, kv_pool, token_slots,
-                                                         kd.scatter_pages, checked_keys=True))
+        drain = DeferredCopier(lambda: self._copier_for(keys, kv_pool, token_slots,
+                                                        kd.scatter_pages))
         return self._run(self._get, keys, drain, self._engine_event())
 
     def put_async(self, keys, kv_pool, token_slots) -> Future:
@@ -432,16 +432,18 @@ class Tier:
             raise TypeError("this tier stores byte pages (BytePageLayout): they have no KV pool "
                             "to gather from or scatter to; use put_pages / get_pages")
 
-    def _pool_copier(self, keys, kv_pool, token_slots, copy_fn, checked_keys: bool = False
-                     ) -> tuple[list, PageCopier]:
+    def _pool_copier(self, keys, kv_pool, token_slots, copy_fn) -> tuple[list, PageCopier]:
         self._refuse_byte_pages()
-        if not checked_keys:
-            keys = self._check_keys(keys)
+        keys = self._check_keys(keys)
+        return keys, self._copier_for(keys, kv_pool, token_slots, copy_fn)
+
+    def _copier_for(self, keys: list, kv_pool, token_slots, copy_fn) -> PoolCopier:
+        """The call's copier, its pool and slot indices checked (``keys`` already are)."""
         pool = self._pools.get(kv_pool)
         if pool.device != self.device:
             raise ValueError(f"KV pool is on {pool.device} but this tier stages on {self.device}")
         slots = pool.check_token_slots(token_slots, len(keys)).view(len(keys), self.layout.page_size)
-        return keys, PoolCopier(pool, self.layout, slots, copy_fn)
+        return PoolCopier(pool, self.layout, slots, copy_fn)
 
     def _region_calls(self, keys, pages, *, to_staging: bool) -> tuple[list, list]:
         """Check a put_pages/get_pages call; returns its keys and its parts: (positions in the

@@ -38,7 +38,8 @@ from gdskv.bench.presets import get_preset
 
 
 # What ``--phases`` times (in the calling thread only): "module:Class.attr" or "module:func".
-PHASES = ("gdskv.tier:Tier._pool_copier", "gdskv.pool:KVPool.check_token_slots",
+PHASES = ("gdskv.tier:Tier._pool_copier", "gdskv.tier:Tier._copier_for",
+          "gdskv.pool:KVPool.check_token_slots",
           "gdskv.directory:PageDirectory.pin", "gdskv.directory:PageDirectory.unpin",
           "gdskv.directory:PageDirectory.reserve", "gdskv.directory:PageDirectory.commit",
           "gdskv.store:SlabStore.extents", "gdskv.kernels:gather_pages",
