@@ -35,6 +35,7 @@ import torch
 from gdskv.config import SyncPolicy, TierConfig
 from gdskv.layout import ALIGNMENT, KVLayout
 from gdskv.memory import alloc_host
+from gdskv.streams import OnStream
 
 from .cache import drop_page_cache
 
@@ -120,6 +121,17 @@ class Engine(abc.ABC):
     def read(self, thread: int, pages: Sequence[int]) -> int:
         """Load these pages; returns how many were loaded."""
 
+    def call_args(self, op: str, thread: int, pages: Sequence[int]) -> tuple:
+        """What one call of ``op`` ("write"/"read") needs that an engine hands over already
+        made (page keys, token slot indices, file extents), made here, before the runner
+        starts the clock: clat times the storage call, for every engine alike. The default
+        makes nothing ahead."""
+        return (thread, pages)
+
+    def run(self, op: str, args: tuple) -> int:
+        """The timed call, on :meth:`call_args`' result; returns the pages done."""
+        return self.write(*args) if op == "write" else self.read(*args)
+
     def forget(self, thread: int, pages: Sequence[int]) -> None:
         """Make the next write of these pages a real write (engines skip stored keys)."""
 
@@ -202,19 +214,25 @@ class GdskvEngine(Engine):
         stream = getattr(self._local, "stream", None)
         if stream is None:
             stream = self._local.stream = torch.cuda.Stream(self.spec.device)
-        return torch.cuda.stream(stream)
+        # (gdskv's cheap stream switch: an engine's transfer thread sets its stream once, and
+        # torch.cuda.stream's per-entry device lookups would be timed against gdskv, not raw)
+        return OnStream(stream)
+
+    def call_args(self, op: str, thread: int, pages: Sequence[int]) -> tuple:
+        pool = self.src[thread] if op == "write" else self.dst[thread]
+        return (page_keys(self.spec.name, thread, pages), self._pool(pool),
+                self._slots(thread, pages))
+
+    def run(self, op: str, args: tuple) -> int:
+        with self._engine_stream():
+            ok = self.tier.put(*args) if op == "write" else self.tier.get(*args)
+        return sum(ok)
 
     def write(self, thread: int, pages: Sequence[int]) -> int:
-        with self._engine_stream():
-            ok = self.tier.put(page_keys(self.spec.name, thread, pages),
-                               self._pool(self.src[thread]), self._slots(thread, pages))
-        return sum(ok)
+        return self.run("write", self.call_args("write", thread, pages))
 
     def read(self, thread: int, pages: Sequence[int]) -> int:
-        with self._engine_stream():
-            ok = self.tier.get(page_keys(self.spec.name, thread, pages),
-                               self._pool(self.dst[thread]), self._slots(thread, pages))
-        return sum(ok)
+        return self.run("read", self.call_args("read", thread, pages))
 
     def forget(self, thread: int, pages: Sequence[int]) -> None:
         self.tier.evict(page_keys(self.spec.name, thread, pages))
@@ -307,13 +325,20 @@ class RawEngine(Engine):
                 self.dst[t].zero_()
 
     def _io(self, op: str, thread: int, pages: Sequence[int], into=None) -> int:
+        return self.run(op, self.call_args(op, thread, pages, into))
+
+    def call_args(self, op: str, thread: int, pages: Sequence[int], into=None) -> tuple:
         sb = self.spec.layout.slot_bytes
         first, n = pages[0], len(pages)
         assert list(pages) == list(range(first, first + n)), "raw batches are page runs"
         base = thread * self.spec.pages
         extents = self.store.extents([base + int(x) for x in self.loc[thread][first:first + n]])
         bufs = into if into is not None else (self.src if op == "write" else self.dst)
-        buf = bufs[thread][first * sb:(first + n) * sb]
+        return n, bufs[thread][first * sb:(first + n) * sb], extents
+
+    def run(self, op: str, args: tuple) -> int:
+        n, buf, extents = args
+        sb = self.spec.layout.slot_bytes
         fn = self.backend.write if op == "write" else self.backend.read
         outcome = fn(buf, extents).result()
         if outcome.errors:

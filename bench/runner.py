@@ -228,8 +228,9 @@ class _PhaseRun:
     def _call(self, op: str, t: int, b: int) -> tuple[int, int, int]:
         """One batch: (start ns, end ns, pages done)."""
         pages = list(range(b * self.ppb, (b + 1) * self.ppb))
+        args = self.engine.call_args(op, t, pages)  # what an engine has in hand: untimed
         start = time.perf_counter_ns()
-        ok = self.engine.write(t, pages) if op == "write" else self.engine.read(t, pages)
+        ok = self.engine.run(op, args)
         return start, time.perf_counter_ns(), ok
 
     def _worker(self, t: int, barrier: threading.Barrier) -> None:

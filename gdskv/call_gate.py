@@ -19,19 +19,28 @@ class CallGate:
         self._alone = False
         self._waiting = 0
 
-    @contextlib.contextmanager
-    def shared(self):
+    def enter_shared(self) -> None:
+        """Enter beside the other data calls (waiting while one is alone or waits to be);
+        every call pairs it with :meth:`leave_shared`. (Plain methods, not a context manager:
+        a data call of one page feels a generator's host time.)"""
         with self._cond:
             while self._alone or self._waiting:
                 self._cond.wait()
             self._active += 1
+
+    def leave_shared(self) -> None:
+        with self._cond:
+            self._active -= 1
+            if not self._active:
+                self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def shared(self):
+        self.enter_shared()
         try:
             yield
         finally:
-            with self._cond:
-                self._active -= 1
-                if not self._active:
-                    self._cond.notify_all()
+            self.leave_shared()
 
     def enter_alone(self, blocking: bool = True) -> bool:
         """Enter alone (waiting for the calls in flight); with ``blocking=False`` give up and

@@ -60,6 +60,7 @@ class VerdictBuffers:
             self.want = torch.empty(self.capacity, dtype=torch.int64, device=self.device)
             self.ok = torch.empty(self.capacity, dtype=torch.int8, device=self.device)
             self.host_flags = torch.empty(self.capacity, dtype=torch.int8, pin_memory=True)
+            self.host_flags_np = self.host_flags.numpy()
             tokens = self.capacity * self.page_size
             self.host_slots = torch.empty(tokens, dtype=torch.int64, pin_memory=True)
             self.host_slots_np = self.host_slots.numpy()
@@ -133,5 +134,5 @@ class GpuVerdicts:
         self._buf.clean = True
         if not self._read_back:
             return []
-        flags = self._buf.host_flags.numpy()
+        flags = self._buf.host_flags_np.tolist()
         return [(k, bool(flags[k])) for first, n in self._queued for k in range(first, first + n)]

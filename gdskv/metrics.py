@@ -82,6 +82,7 @@ class TierMetrics:
         self._fallbacks: set[tuple[str, str]] = set()
         self._fam["capacity"].labels(store).set(capacity_pages)
         self._fam["stored"].labels(store).set(0)
+        self._stored = 0  # what the stored gauge says now
         # labelled children, looked up once: labels() costs several µs per call on a busy host
         self._children: dict[tuple, object] = {}
 
@@ -97,7 +98,9 @@ class TierMetrics:
     def call(self, op: str, pages: int, seconds: float, stored: int) -> None:
         self._child("seconds", op).observe(seconds)
         self._child("call_pages", op).observe(pages)
-        self._child("stored").set(stored)
+        if stored != self._stored:  # (most restores change nothing stored: skip the set)
+            self._stored = stored
+            self._child("stored").set(stored)
 
     def _child(self, family: str, *labels: str):
         key = (family, *labels)

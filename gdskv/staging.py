@@ -68,7 +68,11 @@ class StagingParts:
                               f"{depth * part_bytes} B on {device} ({exc}); lower staging_size "
                               "(GDSKV_STAGING_SIZE)") from exc
         self._free: queue.SimpleQueue = queue.SimpleQueue()
-        self._after: list = [None] * depth   # event the part's next user waits for
+        # One event per part, recorded when a part is given back with GPU work still reading
+        # it and waited for by its next user: reused, not made per chunk (each new event costs
+        # host time to create, record and destroy). Only the part's holder records its event.
+        self._events: list = [None] * depth
+        self._pending = [False] * depth
         self._lock = threading.Lock()
         for i in range(depth):
             self._free.put(i)
@@ -91,15 +95,21 @@ class StagingParts:
         """A free part's index, waiting for one."""
         return self._ready(self._free.get())
 
-    def give_back(self, i: int, after: torch.cuda.Event | None = None) -> None:
-        """Free part ``i``; ``after``: GPU work still reading it (waited for by its next user)."""
+    def give_back(self, i: int, reading: torch.cuda.Stream | None = None) -> None:
+        """Free part ``i``; ``reading``: a stream whose work queued so far still reads it (its
+        next user waits for that work)."""
+        if reading is not None:
+            ev = self._events[i]
+            if ev is None:
+                ev = self._events[i] = torch.cuda.Event()
+            ev.record(reading)
         with self._lock:
-            self._after[i] = after
+            self._pending[i] = reading is not None
         self._free.put(i)
 
     def _ready(self, i: int) -> int:
         with self._lock:
-            ev, self._after[i] = self._after[i], None
-        if ev is not None:  # the scatter out of it: host threads may write the part next
-            ev.synchronize()
+            pending, self._pending[i] = self._pending[i], False
+        if pending:  # the scatter out of it: host threads may write the part next
+            self._events[i].synchronize()
         return i

@@ -209,7 +209,7 @@ class Tier:
         if self.read_only or self._lost:
             return self._refuse_put(keys)
         keys, fill = self._pool_copier(keys, kv_pool, token_slots, kd.gather_pages)
-        return self._run(self._put, keys, fill, self._engine_event())
+        return self._run(self._put, keys, fill, self._engine_event(waited_here=True))
 
     def get(self, keys: Sequence[Hashable], kv_pool, token_slots) -> list[bool]:
         """Restore pages into ``kv_pool`` at ``token_slots``; per-page hit (True) or miss."""
@@ -220,7 +220,7 @@ class Tier:
         # the read hides); a bad argument still raises before anything reaches the pool.
         drain = DeferredCopier(lambda: self._copier_for(keys, kv_pool, token_slots,
                                                         kd.scatter_pages))
-        return self._run(self._get, keys, drain, self._engine_event())
+        return self._run(self._get, keys, drain, self._engine_event(waited_here=True))
 
     def put_async(self, keys, kv_pool, token_slots) -> Future:
         self._check_open()
@@ -248,7 +248,7 @@ class Tier:
         if self.read_only or self._lost:
             return self._refuse_put(keys)
         keys, parts = self._region_calls(keys, pages, to_staging=True)
-        return self._run_parts(self._put, keys, parts, self._engine_event())
+        return self._run_parts(self._put, keys, parts, self._engine_event(waited_here=True))
 
     def get_pages(self, keys: Sequence[Hashable], pages: Sequence[Sequence[torch.Tensor]]
                   ) -> list[bool]:
@@ -257,7 +257,7 @@ class Tier:
         (a read in place may have landed part of the page there): never use them."""
         self._check_open()
         keys, parts = self._region_calls(keys, pages, to_staging=False)
-        return self._run_parts(self._get, keys, parts, self._engine_event())
+        return self._run_parts(self._get, keys, parts, self._engine_event(waited_here=True))
 
     def put_pages_async(self, keys: Sequence[Hashable],
                         pages: Sequence[Sequence[torch.Tensor]]) -> Future:
@@ -530,7 +530,6 @@ class Tier:
                     kd.scatter_pages(pool, lay, slots, self._staging[0])
                 if pool is not None and self.config.verify:  # restores' kernel variant
                     self._warm_up_verified_scatter(pool, slots, pages)
-            self._scatter_event()
             self._copies_done()
         self._stream.synchronize()
 
@@ -553,11 +552,19 @@ class Tier:
         for fut in futures:
             fut.exception()
 
-    def _engine_event(self):
-        """An event after the caller's queued GPU work (the pool writes we are to read)."""
+    def _engine_event(self, waited_here: bool = False):
+        """An event after the caller's queued GPU work (the pool writes we are to read).
+        ``waited_here``: the tier's stream waits for it in this thread before this thread
+        records another (a synchronous call): the thread's one event is reused (a new event
+        costs host time to create, record and destroy, per call)."""
         if self._stream is None:
             return None
-        ev = torch.cuda.Event()
+        if waited_here:
+            ev = getattr(self._per_thread, "engine", None)
+            if ev is None:
+                ev = self._per_thread.engine = torch.cuda.Event()
+        else:
+            ev = torch.cuda.Event()
         ev.record(torch.cuda.current_stream(self.device))
         return ev
 
@@ -568,7 +575,8 @@ class Tier:
                 if self._follow_due():  # another call may have caught up meanwhile
                     self._follow()
         t0 = time.perf_counter()
-        with self._gate.shared():
+        self._gate.enter_shared()
+        try:
             self._check_open()
             if self._stream is None:
                 results = fn(keys, copier)
@@ -576,6 +584,8 @@ class Tier:
                 with OnStream(self._stream):
                     self._stream.wait_event(engine_event)
                     results = fn(keys, copier)
+        finally:
+            self._gate.leave_shared()
         self._metrics.call(op or ("put" if fn == self._put else "get"), len(keys),
                            time.perf_counter() - t0, len(self.directory))
         return results
@@ -590,14 +600,6 @@ class Tier:
                 done = self._per_thread.done = torch.cuda.Event()
             done.record(self._stream)
             done.synchronize()
-
-    def _scatter_event(self):
-        """An event after the scatter just queued: the part it reads is free after it."""
-        if self._stream is None:
-            return None
-        ev = torch.cuda.Event()
-        ev.record(self._stream)
-        return ev
 
     def _take_part(self, pending: collections.deque, finish_oldest: Callable[[], None]) -> int:
         """A free staging part. With none free, a call finishes its own oldest chunk (which
@@ -858,7 +860,7 @@ class Tier:
                     drain(packed, [chunk[pos][0] for pos in good])
         finally:
             # Free as soon as the scatter is queued; its next user waits for this event.
-            self._staging.give_back(part_index, self._scatter_event())
+            self._staging.give_back(part_index, self._stream)
         for pos in good:
             results[chunk[pos][0]] = True
         tally["bytes_read"] += len(good) * self.layout.page_bytes

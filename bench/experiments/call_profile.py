@@ -6,7 +6,13 @@ time in this thread, prints the median call time of each, then cProfile's top fu
 gdskv calls (wall time in this thread: waits on I/O futures and GPU syncs show up as such).
 
     python bench/experiments/call_profile.py --directory /dev/shm/x --bs 64M --size 1G \
-        --backend kvikio [--phases | --trace FILE] [--iodepth N] [--json FILE]
+        --backend kvikio [--phases | --timeline | --trace FILE] [--iodepth N] [--json FILE]
+
+``--timeline`` answers "which steps are on a call's critical path": it stamps the time (from
+the call's start, in the calling thread) when each of a few steps *ends* (TIMELINE: the read's
+submit, the I/O's end, the verify + scatter queued, the stream synced, ...) and reports their
+medians per call, the calling thread's CPU time per call, and the garbage collections that ran
+during calls (how many, how long, and the p50/p99 of calls with and without one).
 
 Results it produced (bench/RESULTS.md, "Where the time goes"), under bench/results/:
 ``h100-2026-11-22/call-profile/call_profile_shm.json`` (64 MiB calls, ``--phases``, the first
@@ -18,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import gc
 import io
 import json
 import pstats
@@ -63,6 +70,128 @@ PHASES = ("gdskv.tier:Tier._pool_copier", "gdskv.tier:Tier._copier_for",
           "gdskv.gpu_spill:GpuSpill.gather", "gdskv.gpu_spill:GpuSpill.sums",
           "gdskv.launch_graphs:LaunchGraphs.run", "gdskv.slot_trailer:write_into",
           "gdskv.tier:Tier._trailers", "gdskv.metrics:TierMetrics.call")
+
+
+# What ``--timeline`` stamps (when each returns, calling thread only), per op.
+TIMELINE = ("gdskv.tier:Tier._check_open", "gdskv.tier:Tier._refuse_byte_pages",
+            "gdskv.tier:Tier._copier_for", "gdskv.admission:AdmissionFilter.admit",
+            "gdskv.call_gate:CallGate.enter_shared", "gdskv.streams:OnStream.__enter__",
+            "gdskv.staging:StagingParts.try_take", "gdskv.store:SlabStore.extents",
+            "gdskv.copiers:PoolCopier.chunk_slots", "gdskv.launch_graphs:LaunchGraphs.run",
+            "torch.cuda.graphs:CUDAGraph.replay", "gdskv.tier:Tier._gpu_spill",
+            "gdskv.tier:Tier._gpu_verdicts", "gdskv.tier:Tier._trailers",
+            "gdskv.tier:Tier._engine_event", "gdskv.directory:PageDirectory.pin",
+            "gdskv.directory:PageDirectory.reserve",
+            "gdskv.gpu_spill:GpuSpill.gather", "gdskv.gpu_spill:GpuSpill.sums",
+            "gdskv.slot_trailer:write_into", "gdskv.tier:Tier._copies_done",
+            "gdskv.backends.kvikio:KvikioBackend._submit",
+            "gdskv.backends.posix:PosixBackend._submit",
+            "gdskv.copiers:PoolCopier.prepare", "gdskv.backends.kvikio:KvikioBackend._wait",
+            "gdskv.gpu_verdicts:GpuVerdicts.scatter", "gdskv.store:SlabStore.sync",
+            "gdskv.persistence:PersistentDirectory.journal_commits", "gdskv.tier:Tier._finish_write",
+            "gdskv.tier:Tier._settle", "gdskv.directory:PageDirectory.unpin",
+            "gdskv.stats:TierStats.add", "gdskv.tier:Tier._get", "gdskv.tier:Tier._put",
+            "gdskv.tier:Tier._run")
+
+
+class _Timeline:
+    """Per-call stamps (s since the call's start) of when TIMELINE's steps returned, plus the
+    calling thread's CPU time per call and the garbage collections that ran meanwhile."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict] = []
+        self._now: dict | None = None
+        self._t0 = 0.0
+        self._gc_t0 = 0.0
+
+    def begin(self) -> None:
+        self._now = {}
+        self._gcs: list = []
+        self._cpu0 = time.thread_time()
+        self._t0 = time.perf_counter()
+
+    def end(self) -> None:
+        now, self._now = self._now, None
+        self.calls.append({"steps": now, "wall": time.perf_counter() - self._t0,
+                           "cpu": time.thread_time() - self._cpu0, "gc": self._gcs})
+
+    def stamp(self, name: str) -> None:
+        now = self._now
+        if now is None:
+            return
+        t = time.perf_counter() - self._t0
+        k, key = 1, name
+        while key in now:  # a step a call runs more than once: name#2, name#3, ...
+            k += 1
+            key = f"{name}#{k}"
+        now[key] = t
+
+    def on_gc(self, phase: str, info: dict) -> None:
+        if self._now is None:
+            return
+        if phase == "start":
+            self._gc_t0 = time.perf_counter()
+        else:
+            self._gcs.append((info["generation"], time.perf_counter() - self._gc_t0))
+
+    def summary(self) -> dict:
+        if not self.calls:
+            return {}
+        steps: dict[str, list[float]] = {}
+        for c in self.calls:
+            for k, v in c["steps"].items():
+                steps.setdefault(k, []).append(v)
+        walls = [c["wall"] for c in self.calls]
+        with_gc = [c["wall"] for c in self.calls if c["gc"]]
+        without = [c["wall"] for c in self.calls if not c["gc"]]
+        gcs = [g for c in self.calls for g in c["gc"]]
+
+        def pct(xs, q):
+            return round(1e3 * sorted(xs)[min(len(xs) - 1, int(q * len(xs)))], 3) if xs else None
+        return {
+            "calls": len(walls), "wall_ms_p50": pct(walls, 0.5), "wall_ms_p99": pct(walls, 0.99),
+            "cpu_ms_median": round(1e3 * statistics.median(c["cpu"] for c in self.calls), 3),
+            "steps_end_ms_median": {k: round(1e3 * statistics.median(v), 3) for k, v in
+                                    sorted(steps.items(), key=lambda kv: statistics.median(kv[1]))},
+            "steps_calls_seen": {k: len(v) for k, v in steps.items()},
+            "gc": {"collections": len(gcs),
+                   "by_generation": {g: sum(1 for x, _ in gcs if x == g) for g in (0, 1, 2)},
+                   "ms_max": round(1e3 * max((t for _, t in gcs), default=0.0), 3),
+                   "calls_with_gc": len(with_gc),
+                   "p50_ms_with_gc": pct(with_gc, 0.5), "p50_ms_without_gc": pct(without, 0.5),
+                   "p99_ms_without_gc": pct(without, 0.99)},
+            "slowest_calls": [{"wall_ms": round(1e3 * c["wall"], 3), "gc": c["gc"],
+                               "steps_end_ms": {k: round(1e3 * v, 3)
+                                                for k, v in c["steps"].items()}}
+                              for c in sorted(self.calls, key=lambda c: -c["wall"])[:3]]}
+
+
+def _install_timeline(timeline: _Timeline) -> list:
+    """Wrap each of TIMELINE to stamp its return on ``timeline``; returns what to restore."""
+    import importlib
+
+    undo = []
+    for spec in TIMELINE:
+        mod_name, attr = spec.split(":")
+        *path, name = attr.split(".")
+        try:
+            owner = importlib.import_module(mod_name)
+            for part in path:
+                owner = getattr(owner, part)
+            fn = getattr(owner, name)
+        except (AttributeError, ImportError):
+            continue
+        label = attr.split(".")[-1] if path else attr
+
+        def stamped(*a, _fn=fn, _label=label, **kw):
+            try:
+                return _fn(*a, **kw)
+            finally:
+                timeline.stamp(_label)
+
+        setattr(owner, name, stamped)
+        undo.append((owner, name, fn))
+    return undo
 
 
 def _install_phase_timers(totals: dict, threads: tuple[str, ...]) -> list:
@@ -112,14 +241,20 @@ def _trace(path: str | None):
 
 
 def _calls(engine, op: str, batches: int, ppb: int, profile: cProfile.Profile | None,
-           iodepth: int = 1, first_call_hook=None) -> tuple[list[float], float]:
+           iodepth: int = 1, first_call_hook=None, timeline: _Timeline | None = None
+           ) -> tuple[list[float], float]:
     """Per-call wall times, and the wall time of all calls (``iodepth`` threads at once)."""
     def one(b: int) -> float:
         if b == 1 and first_call_hook is not None:  # (exact at iodepth 1)
             first_call_hook()
         pages = list(range(b * ppb, (b + 1) * ppb))
+        args = engine.call_args(op, 0, pages)  # untimed, as in gdskv-bench
+        if timeline is not None:
+            timeline.begin()
         t0 = time.perf_counter()
-        n = engine.write(0, pages) if op == "write" else engine.read(0, pages)
+        n = engine.run(op, args)
+        if timeline is not None:
+            timeline.end()
         if n != ppb:
             raise RuntimeError(f"{engine.name} {op}: {n} of {ppb} pages")
         return time.perf_counter() - t0
@@ -152,6 +287,8 @@ def run(args) -> dict:
                  "call_bytes": ppb * layout.page_bytes, "calls": batches, "engines": {}}
     profiles = {}
     phase_totals: dict = {}
+    if args.timeline and args.iodepth != 1:
+        raise SystemExit("--timeline times one call at a time: use --iodepth 1")
     for kind in ("raw", "gdskv"):
         with tempfile.TemporaryDirectory(dir=args.directory) as d:
             config = TierConfig.from_env(directories=(d,), backend=args.backend,
@@ -162,7 +299,13 @@ def run(args) -> dict:
             engine = make_engine(kind, spec)
             engine.open()
             try:
-                prof = cProfile.Profile() if kind == "gdskv" and not args.phases else None
+                timelines = {op: _Timeline() for op in ("write", "read")} \
+                    if args.timeline else {"write": None, "read": None}
+                prof = cProfile.Profile() \
+                    if kind == "gdskv" and not (args.phases or args.timeline) else None
+                if args.timeline:
+                    undo_tl = _install_timeline(timelines["write"])
+                    gc.callbacks.append(timelines["write"].on_gc)
                 undo = _install_phase_timers(
                     phase_totals, ("MainThread",) if args.iodepth == 1 else ("profile-",)) if kind == "gdskv" and args.phases \
                     else []
@@ -170,17 +313,29 @@ def run(args) -> dict:
                     first: dict = {}
                     w, w_all = _calls(engine, "write", batches, ppb,
                                       prof if args.profile_op in ("both", "write") else None,
-                                      args.iodepth, lambda: first.update(phase_totals))
+                                      args.iodepth, lambda: first.update(phase_totals),
+                                      timelines["write"])
                     after_writes = dict(phase_totals)
+                    if args.timeline:  # the same stamps, now onto the read timeline
+                        gc.callbacks.remove(timelines["write"].on_gc)
+                        for owner, name, fn in undo_tl:
+                            setattr(owner, name, fn)
+                        undo_tl = _install_timeline(timelines["read"])
+                        gc.callbacks.append(timelines["read"].on_gc)
                     drop_page_cache(engine.files())
                     trace = _trace(args.trace and f"{args.trace}.{kind}.json")
                     with trace:
                         r, r_all = _calls(engine, "read", batches, ppb,
                                           prof if args.profile_op in ("both", "read") else None,
-                                          args.iodepth)
+                                          args.iodepth, timeline=timelines["read"])
                 finally:
                     for owner, name, fn in undo:
                         setattr(owner, name, fn)
+                    if args.timeline:
+                        for owner, name, fn in undo_tl:
+                            setattr(owner, name, fn)
+                        if timelines["read"].on_gc in gc.callbacks:
+                            gc.callbacks.remove(timelines["read"].on_gc)
                 if prof is not None:
                     profiles[kind] = prof
             finally:
@@ -190,6 +345,8 @@ def run(args) -> dict:
             "write_ms": [round(1e3 * x, 3) for x in w], "read_ms": [round(1e3 * x, 3) for x in r],
             "write_gbps": batches * out["call_bytes"] / w_all / 1e9,
             "read_gbps": batches * out["call_bytes"] / r_all / 1e9}
+        if args.timeline:
+            out["engines"][kind]["timeline"] = {op: t.summary() for op, t in timelines.items()}
     if phase_totals and first:
         out["gdskv_first_write_phases_ms"] = {
             k: round(1e3 * t, 3) for k, (n, t) in
@@ -230,6 +387,9 @@ def main(argv=None) -> None:
                    help="sys.setswitchinterval (s): how long a thread may hold the GIL")
     p.add_argument("--phases", action="store_true",
                    help="time the tier's steps (per call, this thread) instead of cProfile")
+    p.add_argument("--timeline", action="store_true",
+                   help="stamp when each step of a call ends (critical path), the calling "
+                        "thread's CPU time and garbage collections per call (raw and gdskv)")
     p.add_argument("--plain-verify", action="store_true",
                    help="verify restores the plain way (checksums read back per chunk, compared "
                         "on the host) instead of on the GPU: the A/B for gdskv.gpu_verdicts")
@@ -248,6 +408,14 @@ def main(argv=None) -> None:
     for op in ("read", "write"):
         for k, ms in res.get(f"gdskv_{op}_phases_ms_per_call", {}).items():
             print(f"  {op:5s} {ms:8.3f} ms/call  {k}")
+    for kind, e in res["engines"].items():
+        for op, t in e.get("timeline", {}).items():
+            if not t:
+                continue
+            print(f"{kind} {op}: p50 {t['wall_ms_p50']} ms, p99 {t['wall_ms_p99']} ms, "
+                  f"calling thread's CPU {t['cpu_ms_median']} ms/call; gc {t['gc']}")
+            for k, ms in t["steps_end_ms_median"].items():
+                print(f"    {ms:8.3f} ms  {k} ends")
     print(res.get("gdskv_profile_tottime", ""))
     if args.json:
         with open(args.json, "w") as f:
