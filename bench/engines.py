@@ -113,24 +113,23 @@ class Engine(abc.ABC):
     def open(self) -> None:
         """Create or attach the storage (untimed)."""
 
-    @abc.abstractmethod
     def write(self, thread: int, pages: Sequence[int]) -> int:
         """Store these pages; returns how many were stored."""
+        return self.run("write", self.call_args("write", thread, pages))
 
-    @abc.abstractmethod
     def read(self, thread: int, pages: Sequence[int]) -> int:
         """Load these pages; returns how many were loaded."""
+        return self.run("read", self.call_args("read", thread, pages))
 
+    @abc.abstractmethod
     def call_args(self, op: str, thread: int, pages: Sequence[int]) -> tuple:
         """What one call of ``op`` ("write"/"read") needs that an engine hands over already
         made (page keys, token slot indices, file extents), made here, before the runner
-        starts the clock: clat times the storage call, for every engine alike. The default
-        makes nothing ahead."""
-        return (thread, pages)
+        starts the clock: clat times the storage call, for every engine alike."""
 
+    @abc.abstractmethod
     def run(self, op: str, args: tuple) -> int:
         """The timed call, on :meth:`call_args`' result; returns the pages done."""
-        return self.write(*args) if op == "write" else self.read(*args)
 
     def forget(self, thread: int, pages: Sequence[int]) -> None:
         """Make the next write of these pages a real write (engines skip stored keys)."""
@@ -227,12 +226,6 @@ class GdskvEngine(Engine):
         with self._engine_stream():
             ok = self.tier.put(*args) if op == "write" else self.tier.get(*args)
         return sum(ok)
-
-    def write(self, thread: int, pages: Sequence[int]) -> int:
-        return self.run("write", self.call_args("write", thread, pages))
-
-    def read(self, thread: int, pages: Sequence[int]) -> int:
-        return self.run("read", self.call_args("read", thread, pages))
 
     def forget(self, thread: int, pages: Sequence[int]) -> None:
         self.tier.evict(page_keys(self.spec.name, thread, pages))
@@ -352,12 +345,6 @@ class RawEngine(Engine):
                 os.fdatasync(self.store.files[f].fd)
         return n
 
-    def write(self, thread: int, pages: Sequence[int]) -> int:
-        return self._io("write", thread, pages)
-
-    def read(self, thread: int, pages: Sequence[int]) -> int:
-        return self._io("read", thread, pages)
-
     def files(self) -> list[str]:
         return [f.path for f in self.store.files]
 
@@ -449,19 +436,23 @@ class HiCacheFileEngine(Engine):
             else:
                 self.dst.append(pool)
 
-    def write(self, thread: int, pages: Sequence[int]) -> int:
+    def call_args(self, op: str, thread: int, pages: Sequence[int]) -> tuple:
         loc = self.loc[thread]
-        values = [self.src[thread][int(loc[p])] for p in pages]
-        ok = self.hc.batch_set(page_keys(self.spec.name, thread, pages), values)
-        # batch_set answers for the whole batch; on failure count what actually landed.
-        if ok:
-            return len(pages)
-        return sum(bool(self.hc.exists(k)) for k in page_keys(self.spec.name, thread, pages))
+        pool = self.src[thread] if op == "write" else self.dst[thread]
+        return page_keys(self.spec.name, thread, pages), [pool[int(loc[p])] for p in pages]
 
-    def read(self, thread: int, pages: Sequence[int]) -> int:
-        loc = self.loc[thread]
-        targets = [self.dst[thread][int(loc[p])] for p in pages]
-        got = self.hc.batch_get(page_keys(self.spec.name, thread, pages), targets)
+    def run(self, op: str, args: tuple) -> int:
+        keys, pages = args
+        if op == "write":
+            # batch_set answers for the whole batch; on failure count what actually landed.
+            if self.hc.batch_set(keys, pages):
+                return len(keys)
+            return sum(bool(self.hc.exists(k)) for k in keys)
+        return self._got(self.hc.batch_get(keys, pages), pages)
+
+    @staticmethod
+    def _got(got, targets) -> int:
+        """Pages batch_get found (copied into their targets where it returned new tensors)."""
         n = 0
         for out, target in zip(got, targets):
             if out is None:
