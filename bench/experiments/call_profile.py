@@ -166,12 +166,14 @@ class _Timeline:
                               for c in sorted(self.calls, key=lambda c: -c["wall"])[:3]]}
 
 
-def _install_timeline(timeline: _Timeline) -> list:
-    """Wrap each of TIMELINE to stamp its return on ``timeline``; returns what to restore."""
+def _wrap_each(specs, wrap) -> list:
+    """Replace each "module:Class.attr" / "module:func" of ``specs`` with ``wrap(spec, fn)``;
+    returns what to restore. A name the code under test does not have (an older commit) is
+    skipped."""
     import importlib
 
     undo = []
-    for spec in TIMELINE:
+    for spec in specs:
         mod_name, attr = spec.split(":")
         *path, name = attr.split(".")
         try:
@@ -181,51 +183,45 @@ def _install_timeline(timeline: _Timeline) -> list:
             fn = getattr(owner, name)
         except (AttributeError, ImportError):
             continue
-        label = attr.split(".")[-1] if path else attr
-
-        def stamped(*a, _fn=fn, _label=label, **kw):
-            try:
-                return _fn(*a, **kw)
-            finally:
-                timeline.stamp(_label)
-
-        setattr(owner, name, stamped)
+        setattr(owner, name, wrap(spec, fn))
         undo.append((owner, name, fn))
     return undo
+
+
+def _install_timeline(timeline: _Timeline) -> list:
+    """Wrap each of TIMELINE to stamp its return on ``timeline``; returns what to restore."""
+    def wrap(spec: str, fn):
+        label = spec.split(":")[1].split(".")[-1]
+
+        def stamped(*a, **kw):
+            try:
+                return fn(*a, **kw)
+            finally:
+                timeline.stamp(label)
+        return stamped
+
+    return _wrap_each(TIMELINE, wrap)
 
 
 def _install_phase_timers(totals: dict, threads: tuple[str, ...]) -> list:
     """Wrap each of PHASES with a wall-clock accumulator (summed over the calling threads);
     returns what to restore."""
-    import importlib
-
     lock = threading.Lock()
-    undo = []
-    for spec in PHASES:
-        mod_name, attr = spec.split(":")
-        *path, name = attr.split(".")
-        try:  # (a phase the code under test does not have -- an older commit -- is skipped)
-            owner = importlib.import_module(mod_name)
-            for part in path:
-                owner = getattr(owner, part)
-            fn = getattr(owner, name)
-        except (AttributeError, ImportError):
-            continue
 
-        def timed(*a, _fn=fn, _spec=spec, **kw):
+    def wrap(spec: str, fn):
+        def timed(*a, **kw):
             if not threading.current_thread().name.startswith(threads):
-                return _fn(*a, **kw)  # not a calling thread (backend threads, the waiter)
+                return fn(*a, **kw)  # not a calling thread (backend threads, the waiter)
             t0 = time.perf_counter()
             try:
-                return _fn(*a, **kw)
+                return fn(*a, **kw)
             finally:
                 with lock:
-                    n, t = totals.get(_spec, (0, 0.0))
-                    totals[_spec] = (n + 1, t + time.perf_counter() - t0)
+                    n, t = totals.get(spec, (0, 0.0))
+                    totals[spec] = (n + 1, t + time.perf_counter() - t0)
+        return timed
 
-        setattr(owner, name, timed)
-        undo.append((owner, name, fn))
-    return undo
+    return _wrap_each(PHASES, wrap)
 
 
 @contextlib.contextmanager
