@@ -16,7 +16,8 @@ during calls (how many, how long, and the p50/p99 of calls with and without one)
 
 Results it produced (bench/RESULTS.md, "Where the time goes"), under bench/results/:
 ``h100-2026-11-22/call-profile/call_profile_shm.json`` (64 MiB calls, ``--phases``, the first
-write call) and ``h100-2026-11-22/batch128/call_profile_shm_256M.json`` (256 MiB calls).
+write call), ``h100-2026-11-22/batch128/call_profile_shm_256M.json`` (256 MiB calls) and
+``h100-2026-11-23/call-overhead-4/timeline/`` (``--timeline`` at 1 and 8 pages per call).
 """
 
 from __future__ import annotations
