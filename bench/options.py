@@ -565,9 +565,27 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+_BOOL_WORDS = ("1", "true", "yes", "on", "0", "false", "no", "off")
+
+
+def _bare_booleans(argv: Sequence[str]) -> list[str]:
+    """``--compare jobs.ini`` as fio reads it: a boolean option with no ``=`` takes the next
+    word as its value only when that word is a boolean; otherwise the option is bare (true)
+    and the word stays a job file (argparse's optional value would swallow it)."""
+    flags = {"--compare"}
+    for opt in JOB_OPTIONS:
+        if opt.flag or opt.parse is _bool:
+            flags |= {"--" + opt.name, "--" + opt.name.replace("_", "-")}
+    out = list(argv)
+    for i, word in enumerate(out[:-1]):
+        if word in flags and out[i + 1].strip().lower() not in _BOOL_WORDS:
+            out[i] = word + "=1"
+    return out
+
+
 def parse_args(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> Invocation:
     """Parse a command line into jobs; raises :class:`OptionError` on any bad input."""
-    ns = build_parser().parse_args(list(argv))
+    ns = build_parser().parse_args(_bare_booleans(argv))
     cli = JobOptions()
     for opt in JOB_OPTIONS:
         if hasattr(ns, opt.name):

@@ -232,3 +232,16 @@ def test_latency_job_files_cover_the_small_call_table(tmp_path, monkeypatch, nam
         plan = resolve(job.replace(mem="host", backend="posix"))
         seen.add((plan.pages_per_batch, job.iodepth))
     assert seen == {(p, q) for p in (1, 8, 128) for q in (1, 4)}
+
+
+def test_a_bare_boolean_option_leaves_the_next_word_a_job_file():
+    """``gdskv-bench --compare jobs.ini`` (as fio reads a bare boolean): the job file is a job
+    file, not --compare's value; a boolean word after it is still its value."""
+    latency = os.path.join(JOBS_DIR, "latency.ini")
+    env = {"DIR": "/tmp"}
+    inv = parse_args(["--compare", latency], env)
+    assert inv.compare is True
+    assert [j.values["name"] for j in inv.jobs][:2] == ["page1", "page8"]
+    assert parse_args(["--compare", "0", latency], env).compare is False
+    (job,) = parse_args(["--time_based", "--runtime=1s"]).jobs
+    assert job.values["time_based"] is True
