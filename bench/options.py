@@ -94,11 +94,15 @@ FIO_VERIFY = ("md5", "crc64", "crc32", "crc32c", "crc32c-intel", "crc16", "crc7"
               "meta", "pattern")
 
 
+_TRUE_WORDS = ("1", "true", "yes", "on")
+_FALSE_WORDS = ("0", "false", "no", "off")
+
+
 def _bool(text: str) -> bool:
     t = str(text).strip().lower()
-    if t in ("1", "true", "yes", "on"):
+    if t in _TRUE_WORDS:
         return True
-    if t in ("0", "false", "no", "off"):
+    if t in _FALSE_WORDS:
         return False
     raise OptionError(f"expected a boolean (1/0, true/false), got {text!r}")
 
@@ -565,9 +569,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-_BOOL_WORDS = ("1", "true", "yes", "on", "0", "false", "no", "off")
-
-
 def _bare_booleans(argv: Sequence[str]) -> list[str]:
     """``--compare jobs.ini`` as fio reads it: a boolean option with no ``=`` takes the next
     word as its value only when that word is a boolean; otherwise the option is bare (true)
@@ -578,7 +579,7 @@ def _bare_booleans(argv: Sequence[str]) -> list[str]:
             flags |= {"--" + opt.name, "--" + opt.name.replace("_", "-")}
     out = list(argv)
     for i, word in enumerate(out[:-1]):
-        if word in flags and out[i + 1].strip().lower() not in _BOOL_WORDS:
+        if word in flags and out[i + 1].strip().lower() not in _TRUE_WORDS + _FALSE_WORDS:
             out[i] = word + "=1"
     return out
 
