@@ -217,14 +217,22 @@ class GdskvEngine(Engine):
         # torch.cuda.stream's per-entry device lookups would be timed against gdskv, not raw)
         return OnStream(stream)
 
+    def _stay_on_engine_stream(self) -> None:
+        """Make the calling thread's own stream current and leave it so: an engine's transfer
+        thread sets its stream once, not around every call (the switch is not the tier's)."""
+        if self.spec.device.type == "cuda" and not getattr(self._local, "staying", False):
+            self._engine_stream().__enter__()  # never left: this thread works on it from now
+            self._local.staying = True
+
     def call_args(self, op: str, thread: int, pages: Sequence[int]) -> tuple:
+        self._stay_on_engine_stream()  # once per thread, untimed
         pool = self.src[thread] if op == "write" else self.dst[thread]
         return (page_keys(self.spec.name, thread, pages), self._pool(pool),
                 self._slots(thread, pages))
 
     def run(self, op: str, args: tuple) -> int:
-        with self._engine_stream():
-            ok = self.tier.put(*args) if op == "write" else self.tier.get(*args)
+        # on the thread's own stream already (call_args): an engine's transfer thread
+        ok = self.tier.put(*args) if op == "write" else self.tier.get(*args)
         return sum(ok)
 
     def forget(self, thread: int, pages: Sequence[int]) -> None:

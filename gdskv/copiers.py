@@ -54,6 +54,8 @@ class PoolCopier(PageCopier):
         self._order: list[int] = []
         self._row: dict[int, int] = {}        # page -> its row in _device_slots
         self._device_slots: torch.Tensor | None = None
+        self._slots_ptr = 0         # _device_slots' address and its entries' size
+        self._slot_size = 0
 
     def prepare(self, order: Sequence[int], into=None) -> None:
         """``into``: (pinned int64 numpy view, its tensor, a device int64 tensor), each of at
@@ -95,13 +97,30 @@ class PoolCopier(PageCopier):
     def _use(self, order: list[int], device_slots: torch.Tensor) -> None:
         """``device_slots``: flat, the indices of ``order``'s pages one after the other."""
         self._device_slots = device_slots
+        self._slots_ptr, self._slot_size = device_slots.data_ptr(), device_slots.element_size()
         self._order = order
         self._row = {page: row for row, page in enumerate(order)}
 
-    def chunk_slots(self, page_idx: list[int]) -> torch.Tensor:
-        """The chunk's token slot indices on the pool's device, flat."""
+    def _prepared_row(self, page_idx: list[int]) -> int | None:
+        """The row of the chunk's first page in the prepared indices, when the chunk is a run of
+        the prepared order (None: its indices were not prepared that way)."""
         first = self._row.get(page_idx[0]) if self._device_slots is not None else None
         if first is not None and self._order[first:first + len(page_idx)] == page_idx:
+            return first
+        return None
+
+    def chunk_slots_address(self, page_idx: list[int]) -> int | None:
+        """Where :meth:`chunk_slots` would point, without making the view (a launch graph's key
+        needs only the address; a replay no tensor), or None when it would upload them anew."""
+        first = self._prepared_row(page_idx)
+        if first is None:
+            return None
+        return self._slots_ptr + first * self.layout.page_size * self._slot_size
+
+    def chunk_slots(self, page_idx: list[int]) -> torch.Tensor:
+        """The chunk's token slot indices on the pool's device, flat."""
+        first = self._prepared_row(page_idx)
+        if first is not None:
             ps = self.layout.page_size
             return self._device_slots[first * ps:(first + len(page_idx)) * ps]
         # Not a run of the prepared order (a chunk with failed pages taken out): this chunk's

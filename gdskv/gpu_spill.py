@@ -17,7 +17,7 @@ import torch
 
 from . import kernels as kd
 from .copiers import PoolCopier
-from .gpu_verdicts import VerdictBuffers
+from .gpu_verdicts import VerdictBuffers, graph_chunk_slots
 
 
 class GpuSpill:
@@ -34,16 +34,17 @@ class GpuSpill:
         """Queue the chunk's gather into ``part``, its partial sums and their copy to the host;
         :meth:`sums` reads them once the stream has synchronized."""
         n, buf, fill = len(page_idx), self._buf, self.fill
-        slots = fill.chunk_slots(page_idx)
+        slots, address = graph_chunk_slots(fill, page_idx)
         table = fill.pool.row_table
 
         def launch() -> None:
-            fill.kernel(fill.pool, fill.layout, slots, part)
+            fill.kernel(fill.pool, fill.layout,
+                        fill.chunk_slots(page_idx) if slots is None else slots, part)
             kd.page_partial_sums(part, n, self.page_bytes, self.slot_bytes, out=buf.partial)
             buf.host_partial.copy_(buf.partial, non_blocking=True)
 
         # Every address and scalar the launches use (see gdskv.launch_graphs).
-        buf.graphs.run(("spill", part.data_ptr(), n, slots.data_ptr(), table.table.data_ptr(),
+        buf.graphs.run(("spill", part.data_ptr(), n, address, table.table.data_ptr(),
                         table.align, buf.partial.data_ptr(), buf.host_partial.data_ptr()),
                        launch)
 

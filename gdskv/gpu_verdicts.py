@@ -65,6 +65,9 @@ class VerdictBuffers:
             self.host_slots = torch.empty(tokens, dtype=torch.int64, pin_memory=True)
             self.host_slots_np = self.host_slots.numpy()
             self.slots = torch.empty(tokens, dtype=torch.int64, device=self.device)
+            # the addresses a restore's graph key names, read once (each read is a torch call)
+            self.restore_addresses = (self.partial.data_ptr(), self.want.data_ptr(),
+                                      self.ok.data_ptr(), self.host_flags.data_ptr())
             self.graphs.clear()  # their keys name the buffers just replaced
         self.clean = False
 
@@ -103,23 +106,23 @@ class GpuVerdicts:
         ``last``: the call's last chunk, whose launches also copy the flags to the host (one
         step fewer for the call to queue: :meth:`read_back` then has nothing to do)."""
         n, buf = len(page_idx), self._buf
-        slots = drain.chunk_slots(page_idx)
+        slots, address = graph_chunk_slots(drain, page_idx)
         table = drain.pool.row_table
 
         def launch() -> None:
             partial = kd.page_partial_sums(part, n, self.page_bytes, self.slot_bytes,
                                            out=buf.partial)
-            kd.scatter_pages_verified(drain.pool, drain.layout, slots, part,
+            kd.scatter_pages_verified(drain.pool, drain.layout,
+                                      drain.chunk_slots(page_idx) if slots is None else slots,
+                                      part,
                                       kd.Verdicts(partial, buf.want, buf.ok, self.page_bytes,
                                                   first))
             if last:
                 buf.host_flags.copy_(buf.ok, non_blocking=True)
 
         # Every address and scalar the launches use (see gdskv.launch_graphs).
-        buf.graphs.run(("restore", part.data_ptr(), n, first, last, slots.data_ptr(),
-                        table.table.data_ptr(), table.align, buf.partial.data_ptr(),
-                        buf.want.data_ptr(), buf.ok.data_ptr(), buf.host_flags.data_ptr()),
-                       launch)
+        buf.graphs.run(("restore", part.data_ptr(), n, first, last, address,
+                        table.table.data_ptr(), table.align, buf.restore_addresses), launch)
         self._queued.append((first, n))
         self._read_back = last
 
@@ -136,3 +139,15 @@ class GpuVerdicts:
             return []
         flags = self._buf.host_flags_np.tolist()
         return [(k, bool(flags[k])) for first, n in self._queued for k in range(first, first + n)]
+
+
+def graph_chunk_slots(copier: PoolCopier, page_idx: list[int]
+                      ) -> tuple[torch.Tensor | None, int]:
+    """A chunk's slot indices for a launch graph: (None, their address) when they are a view of
+    the prepared indices (the view is made only if the launches run plainly), else (the freshly
+    uploaded tensor, its address)."""
+    address = copier.chunk_slots_address(page_idx)
+    if address is not None:
+        return None, address
+    slots = copier.chunk_slots(page_idx)
+    return slots, slots.data_ptr()

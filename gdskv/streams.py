@@ -18,10 +18,12 @@ class OnStream:
     """``with OnStream(stream):`` is ``with torch.cuda.stream(stream):`` (same effect on the
     current streams and device), for one thread; make one per ``with``."""
 
-    __slots__ = ("stream", "_restore")
+    __slots__ = ("stream", "caller", "_restore")
 
     def __init__(self, stream: torch.cuda.Stream) -> None:
         self.stream = stream
+        #: after ``__enter__``: the stream that was current on ``stream``'s device before
+        self.caller: torch.cuda.Stream | None = None
         self._restore: tuple = ()
 
     def __enter__(self) -> torch.cuda.Stream:
@@ -29,8 +31,10 @@ class OnStream:
         here = torch.cuda.current_device()
         before = torch.cuda.current_stream(here)
         if stream.device_index != here:  # set_stream also makes the stream's device current
-            self._restore = (torch.cuda.current_stream(stream.device_index), before)
+            self.caller = torch.cuda.current_stream(stream.device_index)
+            self._restore = (self.caller, before)
         else:
+            self.caller = before
             self._restore = (before,)
         torch.cuda.set_stream(stream)
         return stream
@@ -38,3 +42,48 @@ class OnStream:
     def __exit__(self, *exc) -> None:
         for prev in self._restore:  # the previous device's stream last: its device is current
             torch.cuda.set_stream(prev)
+
+
+class CallStream:
+    """One data call's turn on the tier's stream, taken when the call first needs the stream and
+    given back when the call ends.
+
+    :meth:`enter` makes the tier's stream current and has it wait for what the caller had queued
+    on its own stream (the pool writes a restore must not overtake, the rows a spill gathers).
+    A restore enters once its first read is under way: the read itself needs no stream, so the
+    switch (a few torch calls, tens of µs on a busy host) is host work the read hides instead of
+    a delay before the read starts.
+
+    Args:
+        stream: the tier's stream.
+        event: what the tier's stream waits for.
+        record: record ``event`` on the caller's stream at :meth:`enter` (a synchronous call: the
+            caller's thread is this one, blocked in the call, so nothing it queues is missed,
+            and the thread's one event is reused). False: the caller recorded it already (an
+            asynchronous call, in the caller's thread when it submitted).
+    """
+
+    __slots__ = ("_on", "_event", "_record", "entered")
+
+    def __init__(self, stream: torch.cuda.Stream, event: torch.cuda.Event, record: bool) -> None:
+        self._on = OnStream(stream)
+        self._event = event
+        self._record = record
+        self.entered = False
+
+    def enter(self) -> None:
+        """Take the turn (a second call does nothing)."""
+        if self.entered:
+            return
+        on = self._on
+        on.__enter__()
+        self.entered = True
+        if self._record:
+            self._event.record(on.caller)
+        on.stream.wait_event(self._event)
+
+    def leave(self) -> None:
+        """Give the turn back (restore the caller's current streams), if it was taken."""
+        if self.entered:
+            self.entered = False
+            self._on.__exit__()

@@ -66,7 +66,7 @@ from .metrics import TierMetrics
 from .persistence import PersistentDirectory
 from .pool import KVPool, PoolCache
 from .staging import StagingParts, staging_part_pages
-from .streams import OnStream
+from .streams import CallStream
 from .stats import TierStats
 from .store import SlabStore, StoreError
 
@@ -209,7 +209,7 @@ class Tier:
         if self.read_only or self._lost:
             return self._refuse_put(keys)
         keys, fill = self._pool_copier(keys, kv_pool, token_slots, kd.gather_pages)
-        return self._run(self._put, keys, fill, self._engine_event(waited_here=True))
+        return self._run(self._put, keys, fill)
 
     def get(self, keys: Sequence[Hashable], kv_pool, token_slots) -> list[bool]:
         """Restore pages into ``kv_pool`` at ``token_slots``; per-page hit (True) or miss."""
@@ -220,7 +220,7 @@ class Tier:
         # the read hides); a bad argument still raises before anything reaches the pool.
         drain = DeferredCopier(lambda: self._copier_for(keys, kv_pool, token_slots,
                                                         kd.scatter_pages))
-        return self._run(self._get, keys, drain, self._engine_event(waited_here=True))
+        return self._run(self._get, keys, drain)
 
     def put_async(self, keys, kv_pool, token_slots) -> Future:
         self._check_open()
@@ -248,7 +248,7 @@ class Tier:
         if self.read_only or self._lost:
             return self._refuse_put(keys)
         keys, parts = self._region_calls(keys, pages, to_staging=True)
-        return self._run_parts(self._put, keys, parts, self._engine_event(waited_here=True))
+        return self._run_parts(self._put, keys, parts)
 
     def get_pages(self, keys: Sequence[Hashable], pages: Sequence[Sequence[torch.Tensor]]
                   ) -> list[bool]:
@@ -257,7 +257,7 @@ class Tier:
         (a read in place may have landed part of the page there): never use them."""
         self._check_open()
         keys, parts = self._region_calls(keys, pages, to_staging=False)
-        return self._run_parts(self._get, keys, parts, self._engine_event(waited_here=True))
+        return self._run_parts(self._get, keys, parts)
 
     def put_pages_async(self, keys: Sequence[Hashable],
                         pages: Sequence[Sequence[torch.Tensor]]) -> Future:
@@ -481,10 +481,10 @@ class Tier:
     def _run_parts(self, fn, keys: list, parts: list, engine_event=None) -> list[bool]:
         """Run a put_pages/get_pages call (:meth:`_region_calls`) as one tier call, its parts
         one after the other; the per-page results in call order."""
-        def run(keys: list, parts: list) -> list[bool]:
+        def run(keys: list, parts: list, stream: CallStream | None) -> list[bool]:
             results = [False] * len(keys)
             for positions, mover in parts:
-                for pos, ok in zip(positions, fn([keys[p] for p in positions], mover)):
+                for pos, ok in zip(positions, fn([keys[p] for p in positions], mover, stream)):
                     results[pos] = ok
             return results
 
@@ -552,23 +552,33 @@ class Tier:
         for fut in futures:
             fut.exception()
 
-    def _engine_event(self, waited_here: bool = False):
-        """An event after the caller's queued GPU work (the pool writes we are to read).
-        ``waited_here``: the tier's stream waits for it in this thread before this thread
-        records another (a synchronous call): the thread's one event is reused (a new event
-        costs host time to create, record and destroy, per call)."""
+    def _engine_event(self):
+        """An event after the caller's queued GPU work (the pool writes we are to read), for a
+        call that runs in another thread (an asynchronous one). A synchronous call records its
+        thread's one event when it takes its turn on the stream (:class:`CallStream`)."""
         if self._stream is None:
             return None
-        if waited_here:
-            ev = getattr(self._per_thread, "engine", None)
-            if ev is None:
-                ev = self._per_thread.engine = torch.cuda.Event()
-        else:
-            ev = torch.cuda.Event()
+        ev = torch.cuda.Event()
         ev.record(torch.cuda.current_stream(self.device))
         return ev
 
+    def _call_stream(self, engine_event) -> CallStream | None:
+        """The call's turn on the tier's stream (None for a tier without one). ``engine_event``:
+        an asynchronous call's (:meth:`_engine_event`); None: a synchronous call, whose thread
+        reuses one event (a new event costs host time to create, record and destroy)."""
+        if self._stream is None:
+            return None
+        if engine_event is not None:
+            return CallStream(self._stream, engine_event, record=False)
+        ev = getattr(self._per_thread, "engine", None)
+        if ev is None:
+            ev = self._per_thread.engine = torch.cuda.Event()
+        return CallStream(self._stream, ev, record=True)
+
     def _run(self, fn, keys, copier, engine_event=None, op: str | None = None) -> list[bool]:
+        """Run a data call: ``fn(keys, copier, stream)``, where ``stream`` is the call's turn on
+        the tier's stream (:class:`CallStream`), which ``fn`` enters before its first GPU work
+        and this leaves."""
         self._check_open()
         if self.read_only and self._follow_due():
             with self._gate.alone():
@@ -576,15 +586,14 @@ class Tier:
                     self._follow()
         t0 = time.perf_counter()
         self._gate.enter_shared()
+        stream = None
         try:
             self._check_open()
-            if self._stream is None:
-                results = fn(keys, copier)
-            else:
-                with OnStream(self._stream):
-                    self._stream.wait_event(engine_event)
-                    results = fn(keys, copier)
+            stream = self._call_stream(engine_event)
+            results = fn(keys, copier, stream)
         finally:
+            if stream is not None:
+                stream.leave()
             self._gate.leave_shared()
         self._metrics.call(op or ("put" if fn == self._put else "get"), len(keys),
                            time.perf_counter() - t0, len(self.directory))
@@ -612,7 +621,7 @@ class Tier:
                 return self._staging.take()
             finish_oldest()
 
-    def _put(self, keys: list, fill: PageCopier) -> list[bool]:
+    def _put(self, keys: list, fill: PageCopier, stream: CallStream | None = None) -> list[bool]:
         results = [False] * len(keys)
         admitted = self._admission.admit(keys)
         res = self.directory.reserve([keys[i] for i in admitted])
@@ -645,6 +654,8 @@ class Tier:
         self._count_region_pages(fill, len(todo), "written")
         spill = None
         try:
+            if stream is not None:
+                stream.enter()
             if not in_place and todo:
                 spill = self._gpu_spill(fill, [i for i, _ in todo])
                 if spill is None:
@@ -742,7 +753,8 @@ class Tier:
         tally["write_seconds"] += time.perf_counter() - t0
         tally["write_failed"] += len(failed)
 
-    def _get(self, keys: list, drain: PageCopier | DeferredCopier) -> list[bool]:
+    def _get(self, keys: list, drain: PageCopier | DeferredCopier,
+             stream: CallStream | None = None) -> list[bool]:
         results = [False] * len(keys)
         pins = self.directory.pin(keys)
         todo = sorted(((i, p[0], p[1]) for i, p in enumerate(pins) if p is not None),
@@ -755,6 +767,7 @@ class Tier:
         # the call's counters, added to the stats once at its end (each add costs host time)
         tally = {"bytes_read": 0, "read_seconds": 0.0, "read_failed": 0}
         settled = False
+        pinned = True
 
         in_place = isinstance(drain, InPlacePages)
         self._count_region_pages(drain, len(todo), "read")
@@ -783,9 +796,11 @@ class Tier:
                                 time.perf_counter()))
                 held = None
                 if k == 0:
-                    # The first read is under way: the call's arguments are checked and its
-                    # slot indices and stored checksums go up meanwhile (host work that would
-                    # otherwise come first).
+                    # The first read is under way: the call takes its turn on the stream, its
+                    # arguments are checked and its slot indices and stored checksums go up
+                    # meanwhile (host work that would otherwise come first).
+                    if stream is not None:
+                        stream.enter()
                     if isinstance(drain, DeferredCopier):
                         drain = drain.make()
                     verdicts = self._gpu_verdicts(drain, todo)
@@ -793,10 +808,16 @@ class Tier:
                                   into=verdicts.slot_buffers if verdicts is not None else None)
             while pending:
                 finish_oldest()
+            if stream is not None:
+                stream.enter()  # (nothing read: the argument checks below may use the GPU)
             if isinstance(drain, DeferredCopier):  # nothing read: the arguments still count
                 drain = drain.make()
             if verdicts is not None:
                 verdicts.read_back()
+            # Every read has ended (the pages are in staging or their regions): the slots may
+            # go while the GPU still scatters, so unpin now, not after the sync.
+            pinned = False
+            self._unpin(todo)
             self._copies_done()
             if verdicts is not None:
                 self._settle(keys, todo, verdicts, results, corrupt, tally)
@@ -808,8 +829,8 @@ class Tier:
                 item[4].exception()
                 if item[2] is not None:
                     self._staging.give_back(item[2])
-            freed = self.directory.unpin([s for _, s, _ in todo])
-            self._persist.journal_evictions(freed)
+            if pinned:
+                self._unpin(todo)
             if corrupt:
                 self._persist.journal_evictions(self.directory.remove(corrupt))
             if not settled:  # an exception: what the finished chunks moved still counts
@@ -818,6 +839,10 @@ class Tier:
         self._stats.add(get_pages=len(keys), hits=hits, misses=len(keys) - hits,
                         corrupt_pages=len(corrupt), **tally)
         return results
+
+    def _unpin(self, todo: list) -> None:
+        """Unpin a restore's slots (its reads have ended); journal the evictions that waited."""
+        self._persist.journal_evictions(self.directory.unpin([s for _, s, _ in todo]))
 
     def _finish_read(self, keys, chunk, first: int, part_index: int, extents, fut: Future,
                      t0: float, drain: PageCopier, results: list[bool], corrupt: list,

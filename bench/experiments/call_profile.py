@@ -92,7 +92,11 @@ TIMELINE = ("gdskv.tier:Tier._check_open", "gdskv.tier:Tier._refuse_byte_pages",
             "gdskv.persistence:PersistentDirectory.journal_commits", "gdskv.tier:Tier._finish_write",
             "gdskv.tier:Tier._settle", "gdskv.directory:PageDirectory.unpin",
             "gdskv.stats:TierStats.add", "gdskv.tier:Tier._get", "gdskv.tier:Tier._put",
-            "gdskv.tier:Tier._run")
+            "gdskv.tier:Tier._run", "gdskv.streams:CallStream.enter",
+            "gdskv.streams:CallStream.leave", "gdskv.backends.base:WaitingFuture.result",
+            "gdskv.tier:Tier._failed_positions", "gdskv.tier:Tier._unpin",
+            "gdskv.metrics:TierMetrics.call", "gdskv.call_gate:CallGate.leave_shared",
+            "gdskv.tier:Tier._call_stream", "gdskv.staging:StagingParts.give_back")
 
 
 class _Timeline:
