@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 
 #: TierStats keys -> (family, label value); a key not here is not a metric
 _COUNTED = {"put_stored": ("pages", "put"), "hits": ("pages", "got"),
@@ -35,17 +36,19 @@ _EVENTS = ("put", "got", "missed", "evicted", "corrupt")
 _PAGE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 _SECOND_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10)
 
-_families: dict[int, dict] = {}
+# Per registry object, not per id(): a registry that is gone leaves its id to the next one made
+# at the same address, whose metrics would otherwise go to the dead registry's families.
+_families: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
 
 def _families_for(registry) -> dict:
     from prometheus_client import Counter, Gauge, Histogram
     with _lock:
-        fam = _families.get(id(registry))
+        fam = _families.get(registry)
         if fam is None:
             kw = {"registry": registry}
-            fam = _families[id(registry)] = {
+            fam = _families[registry] = {
                 "pages": Counter("gdskv_pages", "Pages by what happened to them",
                                  ["store", "event"], **kw),
                 "bytes": Counter("gdskv_bytes", "Payload bytes by what happened to their pages",

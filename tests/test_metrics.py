@@ -87,3 +87,19 @@ def test_default_registry_and_two_tiers(tmp_path):
         s = scrape(REGISTRY)
         assert value(s, "gdskv_pages_total", store=str(a), event="put") == 1
         assert value(s, "gdskv_pages_total", store=str(b), event="put") == 2
+
+
+def test_a_new_registry_at_a_dead_ones_address_gets_its_own_series(tmp_path):
+    """The metric families are kept per registry object: a registry made where a collected one
+    lived (CPython reuses the address, so the same id()) gets series of its own, not the dead
+    one's (which made test_failed_io_counted fail now and then in the full suite)."""
+    import gc
+    for i in range(20):
+        store = tmp_path / str(i)
+        store.mkdir()
+        reg = CollectorRegistry()
+        with Tier(LAYOUT, small_config(store), device="cpu", metrics_registry=reg) as tier:
+            assert all(put(tier, ["a"]))
+            assert value(scrape(reg), "gdskv_pages_total", store=str(store), event="put") == 1
+        del tier, reg
+        gc.collect()
