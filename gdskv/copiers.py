@@ -117,6 +117,16 @@ class PoolCopier(PageCopier):
             return None
         return self._slots_ptr + first * self.layout.page_size * self._slot_size
 
+    def graph_slots(self, page_idx: list[int]) -> tuple[torch.Tensor | None, int]:
+        """A chunk's slot indices for a launch graph's key: (None, their address) when they are
+        a view of the prepared indices (the view is made only if the launches run plainly),
+        else (the freshly uploaded tensor, its address)."""
+        address = self.chunk_slots_address(page_idx)
+        if address is not None:
+            return None, address
+        slots = self.chunk_slots(page_idx)
+        return slots, slots.data_ptr()
+
     def chunk_slots(self, page_idx: list[int]) -> torch.Tensor:
         """The chunk's token slot indices on the pool's device, flat."""
         first = self._prepared_row(page_idx)

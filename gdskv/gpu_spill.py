@@ -17,7 +17,7 @@ import torch
 
 from . import kernels as kd
 from .copiers import PoolCopier
-from .gpu_verdicts import VerdictBuffers, graph_chunk_slots
+from .gpu_verdicts import VerdictBuffers
 
 
 class GpuSpill:
@@ -34,7 +34,7 @@ class GpuSpill:
         """Queue the chunk's gather into ``part``, its partial sums and their copy to the host;
         :meth:`sums` reads them once the stream has synchronized."""
         n, buf, fill = len(page_idx), self._buf, self.fill
-        slots, address = graph_chunk_slots(fill, page_idx)
+        slots, address = fill.graph_slots(page_idx)
         table = fill.pool.row_table
 
         def launch() -> None:

@@ -106,7 +106,7 @@ class GpuVerdicts:
         ``last``: the call's last chunk, whose launches also copy the flags to the host (one
         step fewer for the call to queue: :meth:`read_back` then has nothing to do)."""
         n, buf = len(page_idx), self._buf
-        slots, address = graph_chunk_slots(drain, page_idx)
+        slots, address = drain.graph_slots(page_idx)
         table = drain.pool.row_table
 
         def launch() -> None:
@@ -139,15 +139,3 @@ class GpuVerdicts:
             return []
         flags = self._buf.host_flags_np.tolist()
         return [(k, bool(flags[k])) for first, n in self._queued for k in range(first, first + n)]
-
-
-def graph_chunk_slots(copier: PoolCopier, page_idx: list[int]
-                      ) -> tuple[torch.Tensor | None, int]:
-    """A chunk's slot indices for a launch graph: (None, their address) when they are a view of
-    the prepared indices (the view is made only if the launches run plainly), else (the freshly
-    uploaded tensor, its address)."""
-    address = copier.chunk_slots_address(page_idx)
-    if address is not None:
-        return None, address
-    slots = copier.chunk_slots(page_idx)
-    return slots, slots.data_ptr()

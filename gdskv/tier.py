@@ -141,8 +141,8 @@ class Tier:
             self._checksums = checksum.default_for(self.device, layout)
             # pages are verified with the algorithm that made their checksum (see checksum.py)
             self._verifiers = {self._checksums.algorithm: self._checksums}
-            # per thread: its VerdictBuffers ("buffers"), stream-sync event ("done") and
-            # pinned slot-trailer buffer ("trailers")
+            # per thread: its VerdictBuffers ("buffers"), stream-sync event ("done"), engine
+            # event for synchronous calls ("engine") and pinned slot-trailer buffer ("trailers")
             self._per_thread = threading.local()
             self._persist = PersistentDirectory(self.store, self.config, self._stats,
                                                 self._log_once, scan_headers=scan_headers,
