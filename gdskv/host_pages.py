@@ -8,9 +8,8 @@ block -- goes through a small aligned scratch row per page, in the same ``pwrite
 computed on the caller's bytes before a write and verified on them after a read (xxh3, streamed
 over the regions: the same value the staging path computes over staging, so pages written
 either way read back either way). On a read through the posix backend each page is hashed by the
-I/O threads that read it, slice by slice as its bytes land (``Extent.moved``: one pass over
-memory); pages no such thread hashed (other backends, a failed piece) are hashed after the
-read, as a write's pages are before it.
+I/O thread that moved its last bytes, right after (``Extent.moved``); pages no such thread hashed
+(other backends, a failed piece) are hashed after the read, as a write's pages are before it.
 Slot reservation, trailers, journal, sync policy, commit or abort, pins and stats are the
 tier's own (``Tier._put`` / ``Tier._get``).
 
@@ -204,17 +203,9 @@ class InPlacePages:
         """Page ``i``'s payload as read: its regions, then its end in the scratch row."""
         return self._direct(i) + (self._scratch[i][:self.rest],)
 
-    def payload_range(self, i: int, start: int, end: int) -> tuple:
-        """Page ``i``'s payload bytes within ``[start, end)`` of its slot (the padding and
-        trailer after the payload are not hashed)."""
-        end = min(end, self.direct_bytes + self.rest)
-        return slice_memory(self._payload(i), start, end - start) if end > start else ()
-
     def _hash_read(self, i: int) -> None:
         """Hash page ``i`` now that all its bytes are read, for :meth:`read_checksums`."""
-        self._record_read_sum(i, page_xxh3(self._payload(i)))
-
-    def _record_read_sum(self, i: int, digest: int) -> None:
+        digest = page_xxh3(self._payload(i))
         with self._lock:
             self._read_sums[i] = digest
 
@@ -250,50 +241,24 @@ class InPlacePages:
 
 
 class _ReadHasher:
-    """One chunk's in-place read, hashed as it lands: the backend reports each slice it moved
-    (``Extent.moved``, in its I/O threads) and a page's slices that arrive in file order feed a
-    streaming xxh3 of its payload right away, while they are still in the reading core's cache;
-    the slice that completes a page finishes its digest. A page whose slices arrive out of order
-    (a page split over pieces on two threads) is hashed whole once its last byte lands, as
-    before. The pages of a chunk sit at ``j * slot_bytes`` of its extents' frame."""
+    """One chunk's in-place read: counts each page's bytes as the backend reports pieces moved
+    (``Extent.moved``, in its I/O threads) and hashes a page in the thread that moved its last
+    bytes. The pages of a chunk sit at ``j * slot_bytes`` of its extents' frame."""
 
     def __init__(self, pages: InPlacePages, page_idx: list[int]) -> None:
         self._pages = pages
         self._page_idx = list(page_idx)
         self._left = [pages.slot_bytes] * len(page_idx)
-        self._fed = [0] * len(page_idx)       # frame bytes hashed in order (-1: out of order)
-        self._busy = [False] * len(page_idx)  # a thread is feeding this page's hash now
-        self._hash: list = [None] * len(page_idx)
         self._lock = threading.Lock()   # pieces of one page may finish on two threads
 
     def moved(self, piece: Extent) -> None:
         slot = self._pages.slot_bytes
         start, end = piece.buffer_offset, piece.buffer_offset + piece.length
-        for j in range(start // slot, -(-end // slot)):
-            lo, hi = max(start, j * slot) - j * slot, min(end, (j + 1) * slot) - j * slot
-            with self._lock:
-                in_order = self._fed[j] == lo and not self._busy[j]
-                if in_order:
-                    self._busy[j] = True
-                else:
-                    self._fed[j] = -1
-            if in_order:
-                h = self._hash[j]
-                if h is None:
-                    h = self._hash[j] = xxhash.xxh3_64()
-                for b in self._pages.payload_range(self._page_idx[j], lo, hi):
-                    h.update(b)
-            with self._lock:
-                if in_order:
-                    self._busy[j] = False
-                    if self._fed[j] == lo:   # no slice came out of order meanwhile
-                        self._fed[j] = hi
-                self._left[j] -= hi - lo
-                complete = self._left[j] == 0
-            if complete:
-                i = self._page_idx[j]
-                if self._fed[j] == slot:
-                    self._pages._record_read_sum(i, self._hash[j].intdigest())
-                else:
-                    self._pages._hash_read(i)
-                self._hash[j] = None
+        complete = []
+        with self._lock:
+            for j in range(start // slot, -(-end // slot)):
+                self._left[j] -= min(end, (j + 1) * slot) - max(start, j * slot)
+                if self._left[j] == 0:
+                    complete.append(self._page_idx[j])
+        for i in complete:
+            self._pages._hash_read(i)

@@ -14,8 +14,8 @@ import torch
 import xxhash
 
 from conftest import HAS_CUDA, NEEDS_NIXL
-from gdskv.backends.posix import IOV_MAX, READ_SLICE_BYTES, _move_piece, _vector_io
-from gdskv.backends.base import Extent, ShortIOError, SlabFile
+from gdskv.backends.posix import IOV_MAX, _vector_io
+from gdskv.backends.base import SlabFile
 from gdskv.config import TierConfig
 from gdskv.host_pages import PARALLEL_HASH_BYTES, HostPagePath, page_xxh3
 from gdskv.layout import BytePageLayout
@@ -337,81 +337,6 @@ def test_hash_tasks_cover_every_page_once(pages):
         path.close()
     assert list(sums) == [xxhash.xxh3_64_intdigest(raw[k * page:(k + 1) * page])
                           for k in range(pages)]
-
-
-@pytest.mark.parametrize("direct", [False, True], ids=["buffered", "o_direct"])
-@pytest.mark.parametrize("order", ["in-order", "reversed", "interleaved"])
-def test_slices_hash_as_they_land_and_out_of_order_pages_hash_whole(order, direct):
-    # the posix backend reports a read slice by slice (Extent.moved): slices of a page in file
-    # order feed its hash as they land; a page with a slice out of order is hashed whole after
-    # its last byte, and either way its digest is xxh3 of its payload (never the trailer)
-    layout = BytePageLayout(page_bytes=3 * 4096 + 700, kind=KIND)   # scratch holds its end
-    slot, n = layout.slot_bytes, 4
-    raw = np.random.default_rng(11).integers(0, 256, n * layout.page_bytes, dtype=np.uint8)
-    regions = [as_regions(torch.from_numpy(raw[k * layout.page_bytes:(k + 1) *
-                                               layout.page_bytes]), [4096, 8192 + 700])
-               for k in range(n)]
-    path = HostPagePath(layout, "", direct, threads=2)
-    try:
-        pages = path.call(regions)
-        ext = pages.read_extents([Extent(0, 0, n * slot, 0)], list(range(n)))[0]
-        for k in range(n):   # what the read put in the scratch rows: payload end, then trailer
-            end = pages.payload_range(k, pages.direct_bytes, slot)
-            pages._scratch[k][:pages.rest] = raw[k * layout.page_bytes + pages.direct_bytes:
-                                                 (k + 1) * layout.page_bytes]
-            pages._scratch[k][pages.rest:] = 0xAB
-            assert sum(len(b) for b in end) == pages.rest
-        cuts = list(range(0, n * slot, 5000)) + [n * slot]
-        slices = [Extent(0, a, b - a, a) for a, b in zip(cuts, cuts[1:])]
-        if order == "reversed":
-            slices.reverse()
-        elif order == "interleaved":   # page 1's second slice before its first
-            slices[3], slices[4] = slices[4], slices[3]
-        late, whole = [], []
-        real, real_whole = path.hash_pages, pages._hash_read
-        path.hash_pages = lambda iovs: late.extend(iovs) or real(iovs)
-        pages._hash_read = lambda i: whole.append(i) or real_whole(i)
-        for piece in slices:
-            ext.moved(piece)
-        sums = pages.read_checksums(list(range(n)))
-        assert list(sums) == [xxhash.xxh3_64_intdigest(raw[k * layout.page_bytes:
-                                                           (k + 1) * layout.page_bytes])
-                              for k in range(n)]
-        assert not late   # every page was hashed by the "reading" thread, one way or the other
-        assert sorted(whole) == {"in-order": [], "interleaved": [1],
-                                 "reversed": list(range(n))}[order]
-    finally:
-        path.close()
-
-
-def test_posix_reads_a_hinted_piece_in_slices(tmp_path):
-    # a read piece with a moved hint lands slice by slice, each reported once its bytes are in
-    # memory; a short read still reports the piece's bytes moved (IOOutcome.fail uses them)
-    size = 3 * READ_SLICE_BYTES + 4096
-    data = np.random.default_rng(12).integers(0, 256, size, dtype=np.uint8)
-    path = str(tmp_path / "f.bin")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        os.pwrite(fd, data.tobytes(), 0)
-        f = SlabFile(0, path, fd, False, size)
-        dst = np.zeros(size, dtype=np.uint8)
-        seen = []
-
-        def moved(e):
-            seen.append((e.buffer_offset, e.length, bool(np.array_equal(
-                dst[e.buffer_offset:e.buffer_offset + e.length],
-                data[e.buffer_offset:e.buffer_offset + e.length]))))
-
-        piece = Extent(0, 0, size, 0, (dst,), moved)
-        assert _move_piece(os.preadv, "read", f, piece.memory, piece) == size
-        assert seen == [(k * READ_SLICE_BYTES, min(READ_SLICE_BYTES, size - k * READ_SLICE_BYTES),
-                         True) for k in range(4)]
-        os.ftruncate(fd, 2 * READ_SLICE_BYTES + 100)
-        with pytest.raises(ShortIOError) as err:
-            _move_piece(os.preadv, "read", f, piece.memory, piece)
-        assert (err.value.expected, err.value.actual) == (size, 2 * READ_SLICE_BYTES + 100)
-    finally:
-        os.close(fd)
 
 
 def test_streamed_xxh3_equals_one_shot():

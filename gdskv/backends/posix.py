@@ -18,7 +18,7 @@ import torch
 
 from ..config import TierConfig
 from ..memory import host_numpy
-from .base import Backend, Extent, ShortIOError, SlabFile, combine, io_pieces, split_extents
+from .base import Backend, Extent, ShortIOError, SlabFile, combine, io_pieces
 from .bounce import HostMirrors
 
 log = logging.getLogger("gdskv.posix")
@@ -30,11 +30,6 @@ READAHEAD_HINT_BYTES = 256 * 1024
 #: it buys is short (page cache to memory: about 0.1 ms per MiB), so a short call uses fewer
 #: threads rather than more hand-offs (bench/RESULTS.md, "Hybrid models")
 MIN_PIECE_BYTES = 4 << 20
-#: slice a read with a ``moved`` hint is moved in: each slice is hashed by the thread that read
-#: it while it is still in that core's L2 cache (1-2 MiB a core on the hosts we measure); a
-#: whole 4 MiB piece read first and hashed after went back to memory for the hash, at about
-#: 1.5 GB/s a thread with 16 threads reading (bench/RESULTS.md, "Hybrid models")
-READ_SLICE_BYTES = 256 << 10
 #: most buffers one pwritev/preadv takes (Linux: 1024)
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 
@@ -91,60 +86,30 @@ class PosixBackend(Backend):
 
 
 def _move_piece(call, op: str, f: SlabFile, iov: Sequence, piece: Extent) -> int:
-    """One piece moved with :func:`_vector_io`. A read whose extent has a ``moved`` hint is
-    moved in slices of ``READ_SLICE_BYTES``, each handed to the hint in this thread right after
-    it lands, while its bytes are still in this core's cache (the tier hashes them there: one
-    pass over memory, not a read pass and then a hash pass)."""
-    if piece.moved is None:
-        return _vector_io(call, op, f, iov, piece.file_offset)
-    if call is not os.preadv:
-        n = _vector_io(call, op, f, iov, piece.file_offset)
-        _tell_moved(piece)
-        return n
-    _readahead(f, piece.file_offset, piece.length)
-    carrier = Extent(piece.file, piece.file_offset, piece.length, piece.buffer_offset,
-                     tuple(iov), piece.moved)
-    done = 0
-    for _, part in split_extents([carrier], READ_SLICE_BYTES):
+    """One piece moved with :func:`_vector_io`, then its ``moved`` hint called in this thread."""
+    n = _vector_io(call, op, f, iov, piece.file_offset)
+    if piece.moved is not None:
         try:
-            done += _vector_io(call, op, f, part.memory, part.file_offset, hint=False)
-        except ShortIOError as exc:  # the piece's bytes moved so far, for IOOutcome.fail
-            raise ShortIOError(op, f.path, piece.file_offset, piece.length,
-                               done + exc.actual) from None
-        _tell_moved(part)
-    return done
+            piece.moved(piece)
+        except Exception:  # noqa: BLE001 - a hint: the piece moved whatever it does
+            log.debug("moved hint failed for %s", piece, exc_info=True)
+    return n
 
 
-def _tell_moved(piece: Extent) -> None:
-    try:
-        piece.moved(piece)
-    except Exception:  # noqa: BLE001 - a hint: the piece moved whatever it does
-        log.debug("moved hint failed for %s", piece, exc_info=True)
-
-
-def _readahead(f: SlabFile, offset: int, nbytes: int) -> None:
-    """Announce a buffered read's range. A cold buffered read reaches the drive a readahead
-    window (128 KiB by default) at a time; announcing the whole piece lets the kernel queue it
-    at once. On the H100's virtio disk it measured the same as no hint, within noise
-    (bench/RESULTS.md, "Hybrid models"). Only a hint: a file system that refuses it must not
-    fail the read."""
-    if f.direct or nbytes <= READAHEAD_HINT_BYTES:
-        return
-    try:
-        os.posix_fadvise(f.fd, offset, nbytes, os.POSIX_FADV_WILLNEED)
-    except OSError:
-        pass
-
-
-def _vector_io(call, op: str, f: SlabFile, iov: Sequence, offset: int, *,
-               hint: bool = True) -> int:
+def _vector_io(call, op: str, f: SlabFile, iov: Sequence, offset: int) -> int:
     """All of ``iov`` to or from ``f`` at ``offset`` with ``call`` (os.pwritev/preadv), going
-    on after partial transfers; ShortIOError when the file gives no more. ``hint``: announce a
-    buffered read's range first (:func:`_readahead`)."""
+    on after partial transfers; ShortIOError when the file gives no more."""
     bufs = [mv for mv in (memoryview(b).cast("B") for b in iov) if len(mv)]
     total = sum(len(b) for b in bufs)
-    if hint and call is os.preadv:
-        _readahead(f, offset, total)
+    if call is os.preadv and not f.direct and total > READAHEAD_HINT_BYTES:
+        # A cold buffered read reaches the drive a readahead window (128 KiB by default) at a
+        # time; announcing the whole piece lets the kernel queue it at once. On the H100's
+        # virtio disk it measured the same as no hint, within noise (bench/RESULTS.md, "Hybrid
+        # models"). Only a hint: a file system that refuses it must not fail the read.
+        try:
+            os.posix_fadvise(f.fd, offset, total, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            pass
     done = first = 0
     while first < len(bufs):
         n = call(f.fd, bufs[first:first + IOV_MAX], offset + done)
