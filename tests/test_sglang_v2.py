@@ -648,6 +648,103 @@ def test_injected_failures_never_give_a_wrong_hit(tmp_path, monkeypatch):
     assert checked["kv"] > 0 and checked["mamba"] > 0 and checked["short"] > 0
 
 
+# -- 5b. KV-derived pools read alongside their KV batch (gdskv/adapters/sglang/derived_reads.py)
+def _record_pool_reads(monkeypatch):
+    """(pool, thread name, keys) of every sidecar pool read the adapter makes."""
+    reads = []
+    real = GdskvHiCacheStorage._read_pool
+
+    def recording(self, side, keys, host_indices):
+        reads.append((str(side.pool.name.value), threading.current_thread().name, len(keys)))
+        return real(self, side, keys, host_indices)
+
+    monkeypatch.setattr(GdskvHiCacheStorage, "_read_pool", recording)
+    return reads
+
+
+@pytest.mark.parametrize("alongside", [True, False], ids=["alongside", "off"])
+def test_controller_reads_kv_derived_pool_with_its_kv_batch(tmp_path, monkeypatch, alongside):
+    """SGLang's controller reads a KV-derived pool (draft KV) with batch_get_v2 right after each
+    KV batch's batch_get_v1, same keys, same host indices. gdskv reads it beside the KV read
+    (on its sidecar threads) and answers batch_get_v2 from that; with sidecar_with_kv off, in
+    batch_get_v2 itself. Bit-exact either way."""
+    n = 150   # two controller batches
+    g = torch.Generator().manual_seed(30)
+    tokens = torch.randint(0, 32000, (n * PAGE,), generator=g).tolist()
+    src = {PoolName.KV: kv_host(), PoolName.DRAFT: kv_host()}
+    for pool in src.values():
+        fill_random(pool, seed=31)
+    draft = [PoolTransfer(name=PoolName.DRAFT, indices_from_pool=PoolName.KV, hit_policy=ALL)]
+    with hybrid_controller(tmp_path, src) as ctrl:
+        from sglang.srt.mem_cache.utils import get_hash_str
+        host = ctrl.mem_pool_host.alloc(n * PAGE)
+        op = controller_backup(ctrl, tokens, get_hash_str(tokens, None, page_size=PAGE), host,
+                               draft)
+        assert op.completed_tokens == n * PAGE
+    dst = {PoolName.KV: kv_host(), PoolName.DRAFT: kv_host()}
+    reads = _record_pool_reads(monkeypatch)
+    with hybrid_controller(tmp_path, dst, sidecar_with_kv=alongside) as ctrl:
+        op, host2, completed, hits = controller_prefetch(ctrl, tokens, [
+            PoolTransfer(name=PoolName.DRAFT, indices_from_pool=PoolName.KV, hit_policy=ALL)])
+        assert completed == n * PAGE
+        for kv in (PoolName.KV, PoolName.DRAFT):
+            for a, b in zip(host[::PAGE].tolist(), host2[::PAGE].tolist()):
+                assert torch.equal(page_of(src[kv], a), page_of(dst[kv], b))
+        backend = ctrl.storage_backend
+        assert backend._derived.pools == {"draft"}
+    # one read of the pool per controller batch, on gdskv's sidecar threads when alongside
+    assert [k for _, _, k in reads] == [STORAGE_BATCH_SIZE, n - STORAGE_BATCH_SIZE]
+    assert all(name == "draft" and thread.startswith("gdskv-sidecar") == alongside
+               for name, thread, _ in reads)
+
+
+def test_read_alongside_answers_only_the_same_keys_and_slots(tmp_path, monkeypatch):
+    """DeepSeek V3.2 (MLA KV + DSA indexer): an answer prepared beside the KV batch serves only
+    a batch_get_v2 of the same keys into the same host indices, once; other slots are read into
+    then. A page evicted from the indexer store while its KV stays is a miss in the prepared
+    answer too."""
+    kv = kv_host(mla=True, page_size=DSA_PAGE)
+    idx_pool = indexer_host(kv)
+    fill_random(kv, seed=32)
+    fill_random(idx_pool, seed=33)
+    keys = page_hashes(6, seed=34)
+    b = attach(storage_config(tmp_path, mla=True), kv, {PoolName.INDEXER: idx_pool})
+    reads = _record_pool_reads(monkeypatch)
+    try:
+        write_kv(b, keys, kv, list(range(6)))
+        res = b.batch_set_v2([PoolTransfer(name=PoolName.INDEXER, keys=keys,
+                                           host_indices=slots(idx_pool, list(range(6))),
+                                           indices_from_pool=PoolName.KV)])
+        assert res[PoolName.INDEXER] == [True] * 6 and b._derived.pools == {"indexer"}
+        want_kv = [page_of(kv, p * DSA_PAGE) for p in range(6)]
+        want_idx = [page_of(idx_pool, p * DSA_PAGE) for p in range(6)]
+        assert b.sidecars["indexer"].store.tier.evict(
+            b.sidecars["indexer"].storage_keys([keys[4]])) == 1
+        dst = slots(kv, list(range(10, 16)))
+        assert b.batch_get_v1(keys, dst) == [True] * 6
+        # the indexer pages are in their slots already, read beside the KV batch
+        assert len(reads) == 1 and reads[0][1].startswith("gdskv-sidecar")
+        for j in range(6):
+            assert torch.equal(page_of(kv, (10 + j) * DSA_PAGE), want_kv[j])
+            if j != 4:
+                assert torch.equal(page_of(idx_pool, (10 + j) * DSA_PAGE), want_idx[j])
+        got = b.batch_get_v2([PoolTransfer(name=PoolName.INDEXER, keys=keys, host_indices=dst)])
+        assert got == {PoolName.INDEXER: [True] * 4 + [False, True]} and len(reads) == 1
+        # taken once: the same call again reads
+        got = b.batch_get_v2([PoolTransfer(name=PoolName.INDEXER, keys=keys, host_indices=dst)])
+        assert got == {PoolName.INDEXER: [True] * 4 + [False, True]} and len(reads) == 2
+        # other host indices than the KV batch's: read into them, never answered from the old
+        assert b.batch_get_v1(keys[:3], slots(kv, [20, 21, 22])) == [True] * 3
+        other = slots(idx_pool, [30, 31, 32])
+        got = b.batch_get_v2([PoolTransfer(name=PoolName.INDEXER, keys=keys[:3],
+                                           host_indices=other)])
+        assert got == {PoolName.INDEXER: [True] * 3} and len(reads) == 4
+        for j in range(3):
+            assert torch.equal(page_of(idx_pool, (30 + j) * DSA_PAGE), want_idx[j])
+    finally:
+        b.close()
+
+
 # -- 6. refusals and bad transfers ---------------------------------------------------------------
 def test_controller_batch_is_sglangs():
     from gdskv.adapters.sglang.sidecar import CONTROLLER_BATCH_PAGES
