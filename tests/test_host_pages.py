@@ -339,31 +339,6 @@ def test_hash_tasks_cover_every_page_once(pages):
                           for k in range(pages)]
 
 
-def test_posix_tiers_share_their_io_threads(tmp_path):
-    # two posix tiers with the same io_threads queue on one pool (a rank's KV and sidecar
-    # tiers reading at once share the cores); closing one leaves the other's I/O working
-    layout = BytePageLayout(page_bytes=8192, kind=KIND)
-    data = contents(6, 8192, seed=13)
-    keys = [f"t{i}" for i in range(6)]
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
-    with Tier(layout, config(tmp_path / "a"), device="cpu") as a:
-        b = Tier(layout, config(tmp_path / "b"), device="cpu")
-        try:
-            assert a.backend._pool is b.backend._pool
-            assert all(a.put_pages(keys, [as_regions(d, [8192]) for d in data]))
-            assert all(b.put_pages(keys, [as_regions(d, [8192]) for d in data]))
-        finally:
-            b.close()
-        assert b.backend._pool is None and not a.backend._pool._shutdown
-        out = [[host(8192)] for _ in data]
-        assert all(a.get_pages(keys, out))
-        assert all(torch.equal(d, o[0]) for d, o in zip(data, out))
-    other = config(tmp_path / "a", io_threads=3)
-    with Tier(layout, other, device="cpu") as c:   # another thread count: a pool of its own
-        assert c.backend._pool._max_workers == 3
-
-
 def test_streamed_xxh3_equals_one_shot():
     raw = np.random.default_rng(10).integers(0, 256, 300_000, dtype=np.uint8)
     assert page_xxh3([raw[:70_000], raw[70_000:70_001], raw[70_001:]]) == \

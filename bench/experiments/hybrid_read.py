@@ -2,10 +2,8 @@
 
 What SGLang's cache controller does for each 128-page batch of a prefetch of a model with a
 KV-derived sidecar pool (``CacheController._page_transfer_kv_batch``): ``batch_get_v1`` of the KV
-pages, then ``batch_get_v2`` of the sidecar's pages for the same keys. The adapter reads the
-sidecar's pages beside the KV read (``--sidecar-with-kv on``, its default; :mod:`gdskv.adapters.
-sglang.derived_reads`, driven here as the adapter drives it), or one after the other (``off``).
-This drives the SGLang adapter's data path through gdskv alone (no sglang needed): the KV tier reads page-format regions
+pages, then ``batch_get_v2`` of the sidecar's pages for the same keys. This drives the SGLang
+adapter's data path through gdskv alone (no sglang needed): the KV tier reads page-format regions
 of a ``page_first_direct`` host pool (``Tier.get_pages``, as the adapter's v1 path does), the
 sidecar tier (:class:`gdskv.layout.BytePageLayout`, set up by the adapter's own
 :func:`gdskv.adapters.sglang.sidecar.store_config`) reads each page into its page-first region of
@@ -41,7 +39,6 @@ import time
 import torch
 
 import experiment_helpers
-from gdskv.adapters.sglang.derived_reads import DerivedReads
 from gdskv.adapters.sglang.sidecar import CONTROLLER_BATCH_PAGES, store_config
 from gdskv.bench.cache import drop_page_cache
 from gdskv.backends import posix
@@ -77,9 +74,6 @@ def _args(argv=None):
     ap.add_argument("--no-readahead-hint", action="store_true", help="posix buffered reads "
                     "without their POSIX_FADV_WILLNEED hint (to compare)")
     ap.add_argument("--staging-size", default="256MiB", help="KV tier staging (GDSKV_STAGING_SIZE)")
-    ap.add_argument("--sidecar-with-kv", choices=["on", "off"], default="on",
-                    help="read the sidecar's pages beside the KV read, as the adapter does "
-                    "(on, its default), or after it (off: sidecar_with_kv false)")
     return ap.parse_args(argv)
 
 
@@ -89,23 +83,6 @@ def _host_pool(num_pages: int, page_bytes: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     buf = torch.randint(0, 256, (num_pages, page_bytes), dtype=torch.uint8, generator=g)
     return buf.pin_memory() if torch.cuda.is_available() else buf
-
-
-def hybrid_batch(kv: Tier, side: Tier, keys: list, pages: range, kv_dst, sd_dst,
-                 derived: DerivedReads) -> tuple[list, float]:
-    """One hybrid batch as the adapter runs it: ``batch_get_v1`` (the KV read, with the sidecar
-    read beside it when ``derived`` is on), then ``batch_get_v2`` of the sidecar (answered from
-    that read, or read now). Returns every page's hit and when the KV call returned."""
-    host_indices = torch.tensor(list(pages))
-    derived.learn("sidecar")
-    got = derived.read_with_kv(keys, host_indices,
-                               lambda: kv.get_pages(keys, [[kv_dst[i]] for i in pages]),
-                               {"sidecar": lambda: side.get_pages(keys, [[sd_dst[i]]
-                                                                         for i in pages])})
-    t_kv = time.perf_counter()
-    ready = derived.take("sidecar", keys, host_indices)
-    return got + (ready if ready is not None else
-                  side.get_pages(keys, [[sd_dst[i]] for i in pages])), t_kv
 
 
 def main(args) -> dict:
@@ -142,9 +119,7 @@ def main(args) -> dict:
               "kv_page_bytes": kv_layout.page_bytes, "sidecar": side_name,
               "sidecar_page_bytes": side_layout.page_bytes, "device": args.device,
               "dir": args.dir, "host": platform.node(),
-              "torch": torch.__version__, "sidecar_with_kv": args.sidecar_with_kv,
-              "passes": []}
-    derived = DerivedReads(enabled=args.sidecar_with_kv == "on")
+              "torch": torch.__version__, "passes": []}
     pairs, per_kind = [], {"kv": [0.0, 0], "kv+sidecar": [0.0, 0]}  # seconds, bytes
     sidecar_calls = []  # in a hybrid batch: the sidecar call's time over its KV call's
     try:
@@ -173,9 +148,10 @@ def main(args) -> dict:
                     hybrid = (j + p) % 2 == 1
                     ks = [keys[i] for i in b]
                     t0 = time.perf_counter()
-                    ok, t_kv = hybrid_batch(kv, side, ks, b, kv_dst, sd_dst, derived) if hybrid \
-                        else (kv.get_pages(ks, [[kv_dst[i]] for i in b]), None)
-                    t_kv = t_kv or time.perf_counter()
+                    ok = kv.get_pages(ks, [[kv_dst[i]] for i in b])
+                    t_kv = time.perf_counter()
+                    if hybrid:
+                        ok += side.get_pages(ks, [[sd_dst[i]] for i in b])
                     dt = time.perf_counter() - t0
                     if not all(ok):
                         raise RuntimeError(f"a page read failed (pass {p}, batch {j})")
@@ -203,7 +179,6 @@ def main(args) -> dict:
                 result[f"{name}_pages_read_in_place"] = st.get("pages_read_in_place", 0)
                 result[f"{name}_pages_read_staged"] = st.get("region_pages_read_staged", 0)
     finally:
-        derived.close()
         shutil.rmtree(root, ignore_errors=True)
     if not pairs:
         raise RuntimeError(f"no pair of {bp}-page batches: use --pages >= {2 * bp}")
@@ -221,8 +196,7 @@ def main(args) -> dict:
 def report(r: dict) -> str:
     return "\n".join([
         f"{r['model']}: {r['pages']} pages, {r['batch_pages']}-page batches, backend "
-        f"{r['backend']}, staging on {r['device']}, {r['dir']}, sidecar read beside the KV "
-        f"read: {r['sidecar_with_kv']}",
+        f"{r['backend']}, staging on {r['device']}, {r['dir']}",
         "| read | GB/s (all bytes read) |", "|---|---|",
         f"| KV alone | {r['kv_GBps']:.2f} |",
         f"| KV + {r['sidecar']} | {r['kv+sidecar_GBps']:.2f} |",
@@ -231,7 +205,7 @@ def report(r: dict) -> str:
         f"{100 * r['sidecar_time_fraction_range'][1]:+.1f} %) for "
         f"{100 * r['sidecar_byte_fraction']:+.1f} % bytes "
         f"({'within' if r['sidecar_within_its_share'] else 'OVER'} its share); the sidecar call "
-        f"alone (batch_get_v2): {100 * r['sidecar_call_over_kv_call']:.1f} % of the KV call before it"])
+        f"alone: {100 * r['sidecar_call_over_kv_call']:.1f} % of the KV call before it"])
 
 
 if __name__ == "__main__":

@@ -1,5 +1,4 @@
-"""POSIX backend: ``os.pwritev/preadv`` from aligned host memory in a thread pool (one pool per
-process and ``io_threads``, shared by every posix backend).
+"""POSIX backend: ``os.pwritev/preadv`` from aligned host memory in a thread pool.
 
 The backend that runs anywhere (CI has no GPU). GPU buffers go through a pinned host mirror.
 Each call's extents are cut into pieces (at most ``io_chunk_size``, smaller for small calls) so
@@ -10,10 +9,8 @@ moved in place) is one ``pwritev``/``preadv`` of its I/O vector per piece.
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import os
-import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -37,37 +34,6 @@ MIN_PIECE_BYTES = 4 << 20
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 
 
-class _SharedThreads:
-    """The process's posix I/O threads: every posix backend with the same ``io_threads`` (the
-    KV tier and the sidecar tiers of one SGLang rank, say) queues its pieces on one pool, so
-    tiers whose calls run at once share the cores instead of each bringing its own threads."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._pools: dict[int, list] = {}   # threads -> [pool, users]
-
-    def acquire(self, threads: int) -> ThreadPoolExecutor:
-        with self._lock:
-            entry = self._pools.get(threads)
-            if entry is None:
-                entry = self._pools[threads] = [
-                    ThreadPoolExecutor(threads, thread_name_prefix="gdskv-posix"), 0]
-            entry[1] += 1
-            return entry[0]
-
-    def release(self, threads: int) -> None:
-        with self._lock:
-            entry = self._pools[threads]
-            entry[1] -= 1
-            if entry[1]:
-                return
-            del self._pools[threads]
-        entry[0].shutdown(wait=True)
-
-
-_THREADS = _SharedThreads()
-
-
 class PosixBackend(Backend):
     name = "posix"
     in_place_host_memory = True
@@ -75,9 +41,8 @@ class PosixBackend(Backend):
     def __init__(self, config: TierConfig, device: torch.device | str = "cpu") -> None:
         self._threads = config.io_threads
         self._chunk = config.io_chunk_size
-        self._pool: ThreadPoolExecutor | None = _THREADS.acquire(self._threads)
-        self._inflight: set[Future] = set()   # this backend's pieces (the pool is shared)
-        self._inflight_lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(
+            self._threads, thread_name_prefix="gdskv-posix")
         self._files: list[SlabFile] = []
         self._mirrors = HostMirrors()
 
@@ -110,25 +75,13 @@ class PosixBackend(Backend):
         for idx, piece in io_pieces(extents, self._threads, self._chunk, MIN_PIECE_BYTES):
             f = self._files[piece.file]
             iov = piece.memory or (view[piece.buffer_offset:piece.buffer_offset + piece.length],)
-            fut = self._pool.submit(_move_piece, call, op, f, iov, piece)
-            with self._inflight_lock:
-                self._inflight.add(fut)
-            fut.add_done_callback(self._piece_done)
-            futures.append((idx, piece, fut))
+            futures.append((idx, piece, self._pool.submit(_move_piece, call, op, f, iov, piece)))
         return combine(futures, after=after)
-
-    def _piece_done(self, fut: Future) -> None:
-        with self._inflight_lock:
-            self._inflight.discard(fut)
 
     def close(self) -> None:
         if self._pool is not None:
-            # the threads are shared: wait for this backend's own pieces, then let go of them
-            with self._inflight_lock:
-                mine = list(self._inflight)
-            concurrent.futures.wait(mine)
+            self._pool.shutdown(wait=True)
             self._pool = None
-            _THREADS.release(self._threads)
         self._mirrors.clear()
 
 

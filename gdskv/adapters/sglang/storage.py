@@ -85,7 +85,6 @@ from ...tier import Tier
 from .. import safe_name
 from . import hit_policy
 from .rank_store import RankStore
-from .derived_reads import DerivedReads
 from .sidecar import SidecarPool, page_starts, store_config
 
 log = logging.getLogger("gdskv.sglang")
@@ -93,7 +92,7 @@ log = logging.getLogger("gdskv.sglang")
 #: extra_config keys that SGLang's dynamic loader itself reads.
 LOADER_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1"})
 #: extra_config keys this adapter reads besides TierConfig fields.
-ADAPTER_KEYS = frozenset({"device", "create_directories", "pool_capacity", "sidecar_with_kv"})
+ADAPTER_KEYS = frozenset({"device", "create_directories", "pool_capacity"})
 #: extra_config keys SGLang itself adds for every backend (``--file-storage-path``, 0.5.23).
 SGLANG_KEYS = frozenset({"file_storage_path"})
 _TIER_FIELDS = frozenset(f.name for f in dataclasses.fields(TierConfig))
@@ -167,9 +166,6 @@ class GdskvHiCacheStorage(HiCacheStorage):
                                              "create_directories")
         self._check_directories()
         self.pool_capacity = _parse_pool_capacity(extra.get("pool_capacity"))
-        #: KV-derived sidecar pools, read alongside their KV batch (:mod:`.derived_reads`)
-        self._derived = DerivedReads(parse_bool(extra.get("sidecar_with_kv", True),
-                                                "sidecar_with_kv"))
 
         sc = storage_config
         self.model_name = safe_name(sc.model_name or "")
@@ -351,9 +347,7 @@ class GdskvHiCacheStorage(HiCacheStorage):
         return self._transfer("set", keys, host_indices)
 
     def _transfer(self, op: str, keys: List[str], host_indices: torch.Tensor) -> List[bool]:
-        """One v1 batch through the tier; any failure is a miss / not stored, never raised. A
-        read also reads the KV-derived sidecar pools' pages for these keys beside it
-        (:mod:`.derived_reads`), for the ``batch_get_v2`` SGLang sends next."""
+        """One v1 batch through the tier; any failure is a miss / not stored, never raised."""
         n = len(keys)
         try:
             tier = self._kv_tier()
@@ -361,19 +355,12 @@ class GdskvHiCacheStorage(HiCacheStorage):
                 return [False] * n
             t0 = time.perf_counter()
             skeys = self._storage_keys(keys)
-
-            def move() -> list:
-                if self._pool_views is None:
-                    pages = self._page_regions(host_indices, n)
-                    return (tier.get_pages if op == "get" else tier.put_pages)(skeys, pages)
-                return (tier.get if op == "get" else tier.put)(skeys, self._pool_views,
-                                                               host_indices)
-
-            if op == "get":
-                res = self._derived.read_with_kv(keys, host_indices, move,
-                                                 self._derived_reads(keys, host_indices))
+            if self._pool_views is None:
+                pages = self._page_regions(host_indices, n)
+                res = (tier.get_pages if op == "get" else tier.put_pages)(skeys, pages)
             else:
-                res = move()
+                res = (tier.get if op == "get" else tier.put)(
+                    skeys, self._pool_views, host_indices)
             self._record("prefetch" if op == "get" else "backup", sum(res),
                          self.kv_layout.page_bytes, time.perf_counter() - t0)
             return [bool(r) for r in res]
@@ -381,12 +368,6 @@ class GdskvHiCacheStorage(HiCacheStorage):
             self._log_once(op, "batch_%s_v1 of %d pages failed, reported as %s: %r", op, n,
                            "misses" if op == "get" else "not stored", exc)
             return [False] * n
-
-    def _derived_reads(self, keys: List[str], host_indices: torch.Tensor) -> dict:
-        """The reads of every registered KV-derived sidecar pool for this KV batch."""
-        return {name: (lambda side=self.sidecars[name]: self._read_pool(side, keys,
-                                                                        host_indices))
-                for name in self._derived.pools if name in self.sidecars}
 
     # -- the older per-page interface (SGLang's generic path) -----------------------------------
     def exists(self, key: str) -> bool:
@@ -499,7 +480,6 @@ class GdskvHiCacheStorage(HiCacheStorage):
             tier = self._kv_tier()
             kv_pages = int(tier.match_prefix(self._storage_keys(keys))) if tier is not None \
                 else 0
-            self._learn_derived(pool_transfers)
             pools = [self._presence(t, keys, kv_pages) for t in pool_transfers or []] \
                 if kv_pages else []
             v = hit_policy.fold(kv_pages, len(keys), pools, kv_name=PoolName.KV)
@@ -507,13 +487,6 @@ class GdskvHiCacheStorage(HiCacheStorage):
         except Exception as exc:  # noqa: BLE001 - the data path never raises
             self._log_once("exists-v2", "batch_exists_v2 failed, reported as a miss: %r", exc)
             return PoolTransferResult(0, {}, [])
-
-    def _learn_derived(self, transfers) -> None:
-        """Note the pools whose transfers take the KV batch's host indices."""
-        kv = _pool_name(PoolName.KV)
-        for t in transfers or []:
-            if _pool_name(getattr(t, "indices_from_pool", None)) == kv:
-                self._derived.learn(_pool_name(t.name))
 
     def _presence(self, transfer, keys: List[str], kv_pages: int) -> hit_policy.PoolPresence:
         policy = _pool_name(transfer.hit_policy)
@@ -548,7 +521,6 @@ class GdskvHiCacheStorage(HiCacheStorage):
     def _transfers_v2(self, op: str, transfers) -> dict:
         """Every transfer's pool gets its list: SGLang takes a pool missing from the result as
         having nothing to say, which for a KV-derived pool would let its KV pages count."""
-        self._learn_derived(transfers)
         results: dict = {}
         for t in transfers or []:
             name = getattr(t, "name", None)
@@ -572,38 +544,26 @@ class GdskvHiCacheStorage(HiCacheStorage):
                 return [False] * n
             if op == "set" and side.store.follower:
                 return [True] * n  # the writer rank stores this (identical) page
-            if transfer.host_indices is None:
-                raise ValueError("the transfer has no host indices")
-            keys = list(transfer.keys)
-            if op == "get":
-                ready = self._derived.take(name, keys, transfer.host_indices)
-                return ready if ready is not None else \
-                    self._read_pool(side, keys, transfer.host_indices)
             tier = side.store.open()
             if tier is None:
                 return [False] * n
+            if transfer.host_indices is None:
+                raise ValueError("the transfer has no host indices")
             t0 = time.perf_counter()
-            res = tier.put_pages(side.storage_keys(keys),
-                                 side.pool.write_pages(transfer.host_indices, n))
-            self._record("backup", sum(res), side.pool.page_bytes, time.perf_counter() - t0)
+            skeys = side.storage_keys(list(transfer.keys))
+            if op == "set":
+                res = tier.put_pages(skeys, side.pool.write_pages(transfer.host_indices, n))
+            else:
+                targets, finish = side.pool.read_targets(transfer.host_indices, n)
+                res = tier.get_pages(skeys, targets)
+                finish(res)
+            self._record("prefetch" if op == "get" else "backup", sum(res),
+                         side.pool.page_bytes, time.perf_counter() - t0)
             return [bool(r) for r in res]
         except Exception as exc:  # noqa: BLE001 - the data path never raises
             self._log_once(f"{op}-v2:{name}", "batch_%s_v2 of %d %s pages failed, reported as "
                            "%s: %r", op, n, name, "misses" if op == "get" else "not stored", exc)
             return [False] * n
-
-    def _read_pool(self, side: _Sidecar, keys: List[str], host_indices: torch.Tensor) -> List[bool]:
-        """Read ``keys`` of one sidecar pool into its host slots at ``host_indices``."""
-        n = len(keys)
-        tier = side.store.open()
-        if tier is None:
-            return [False] * n
-        t0 = time.perf_counter()
-        targets, finish = side.pool.read_targets(host_indices, n)
-        res = tier.get_pages(side.storage_keys(keys), targets)
-        finish(res)
-        self._record("prefetch", sum(res), side.pool.page_bytes, time.perf_counter() - t0)
-        return [bool(r) for r in res]
 
     # -- management -----------------------------------------------------------------------------
     def _stores(self) -> list[RankStore]:
@@ -640,7 +600,6 @@ class GdskvHiCacheStorage(HiCacheStorage):
                 for name, side in self.sidecars.items()}
 
     def close(self) -> None:
-        self._derived.close()
         for store in self._stores():
             store.close()
 
