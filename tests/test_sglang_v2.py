@@ -81,16 +81,20 @@ def swa_host(layout="page_first_direct"):
                           head_dim=HEAD_DIM, mla_dim=MLA_DIM, pages=HOST_PAGES)
 
 
-def indexer_host(anchor):
-    """DSA (DeepSeek V3.2) indexer host pool over a CPU DSATokenToKVPool, slots as the MLA
-    anchor's (whose pages must be DSA_PAGE tokens)."""
-    page_size = anchor.page_size
+def dsa_device(page_size=DSA_PAGE, pages=4):
+    """SGLang's DSA (DeepSeek V3.2) device pool on CPU: MLA KV plus the indexer's buffers."""
     from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
+    return DSATokenToKVPool(size=pages * page_size, page_size=page_size, kv_lora_rank=16,
+                            dtype=torch.bfloat16, qk_rope_head_dim=8, layer_num=LAYERS,
+                            device="cpu", index_head_dim=128, enable_memory_saver=False,
+                            kv_cache_dim=MLA_DIM)
+
+
+def indexer_host(anchor, dev=None):
+    """DSA indexer host pool over a CPU DSATokenToKVPool, slots as the MLA anchor's (whose
+    pages must be DSA_PAGE tokens)."""
     from sglang.srt.mem_cache.pool_host.dsa import DSAIndexerPoolHost, make_dsa_indexer_pool_decl
-    dev = DSATokenToKVPool(size=4 * page_size, page_size=page_size, kv_lora_rank=16,
-                           dtype=torch.bfloat16, qk_rope_head_dim=8, layer_num=LAYERS,
-                           device="cpu", index_head_dim=128, enable_memory_saver=False,
-                           kv_cache_dim=MLA_DIM)
+    dev = dev if dev is not None else dsa_device(anchor.page_size)
     return DSAIndexerPoolHost(make_dsa_indexer_pool_decl(dev), anchor, pin_memory=False,
                               device="cpu")
 
@@ -224,6 +228,7 @@ def test_sidecar_round_trip_on_sglangs_pool_classes(tmp_path, case):
     src, dst = build(src_kv), build(dst_kv)
     assert type(src).__module__.startswith("sglang.")
     fill_random(src, seed=1)
+    fill_random(src_kv, seed=4)
     n = 150  # more than one controller batch
     g = torch.Generator().manual_seed(2)
     limit = src.size // src.page_size
@@ -241,15 +246,21 @@ def test_sidecar_round_trip_on_sglangs_pool_classes(tmp_path, case):
             res = writer.batch_set_v2([PoolTransfer(name=name, host_indices=idx, keys=batch)])
             assert res == {name: [True] * len(batch)}
         # What is stored is what SGLang's own backends move for the page: the zero-copy
-        # regions in regions mode, get_data_page in flat mode.
-        stored = torch.empty(3, side.pool.page_bytes, dtype=torch.uint8)
+        # regions in regions mode, get_data_page in flat mode. The DSA indexer in
+        # page_first_direct rides in the KV page: the stored page is the KV page, then it.
+        assert side.in_kv_page == (case == "indexer-page_first_direct")
         tier = side.store.tier
+        stored = torch.empty(3, tier.layout.page_bytes, dtype=torch.uint8)
+        kv_bytes = tier.layout.page_bytes - side.pool.page_bytes
+        assert kv_bytes == (writer.kv_layout.page_bytes if side.in_kv_page else 0)
         assert tier.get_pages(side.storage_keys(keys[:3]), [[stored[i]] for i in range(3)]) == \
             [True] * 3
         for i in range(3):
             start = src_pages[i] * src.page_size
             want = meta_page(src, start) if mode == "regions" else page_of(src, start)
-            assert torch.equal(stored[i], want)
+            assert torch.equal(stored[i, kv_bytes:], want)
+            if side.in_kv_page:
+                assert torch.equal(stored[i, :kv_bytes], meta_page(src_kv, start))
     finally:
         writer.close()
 
@@ -268,25 +279,27 @@ def test_sidecar_round_trip_on_sglangs_pool_classes(tmp_path, case):
 
 # -- 2. SGLang's real HybridCacheController drives backup and prefetch -------------------------
 @contextlib.contextmanager
-def hybrid_controller(tmp_path, entries, **extra):
+def hybrid_controller(tmp_path, entries, *, dev=None, **extra):
     """HybridCacheController built on CPU over a HostPoolGroup of SGLang's host pools (an MHA
-    device pool), storage attached at construction (``--hicache-storage-backend dynamic``);
-    detached on exit."""
+    device pool unless ``dev`` is given), storage attached at construction
+    (``--hicache-storage-backend dynamic``); detached on exit."""
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
     from sglang.srt.mem_cache.pool_host import HostPoolGroup, PoolEntry
-    dev = MHATokenToKVPool(size=64, page_size=PAGE, dtype=torch.bfloat16, head_num=HEADS,
-                           head_dim=HEAD_DIM, layer_num=LAYERS, device="cpu",
-                           enable_memory_saver=False, enable_alt_stream=False)
-    allocator = PagedTokenToKVPoolAllocator(64, PAGE, torch.bfloat16, "cpu", dev,
+    if dev is None:
+        dev = MHATokenToKVPool(size=64, page_size=PAGE, dtype=torch.bfloat16, head_num=HEADS,
+                               head_dim=HEAD_DIM, layer_num=LAYERS, device="cpu",
+                               enable_memory_saver=False, enable_alt_stream=False)
+    page = entries[PoolName.KV].page_size
+    allocator = PagedTokenToKVPoolAllocator(dev.size, page, torch.bfloat16, "cpu", dev,
                                             need_sort=False)
     group = HostPoolGroup([PoolEntry(name=name, host_pool=pool, device_pool=dev,
                                      layer_mapper=lambda i: i,
                                      is_primary_index_anchor=name == PoolName.KV)
                            for name, pool in entries.items()])
     cfg = storage_config(tmp_path, **extra).extra_config
-    ctrl = HybridCacheController(allocator, group, PAGE, None, threading.Event(),
+    ctrl = HybridCacheController(allocator, group, page, None, threading.Event(),
                                  io_backend="direct", storage_backend="dynamic",
                                  model_name="org/tiny-hybrid", storage_backend_extra_config=cfg,
                                  write_policy="write_through")
@@ -303,7 +316,7 @@ def controller_backup(ctrl, tokens, hashes, host_indices, extra_pools):
     return ctrl.ack_backup_queue.get(timeout=60)
 
 
-def controller_prefetch(ctrl, tokens, extra_pools, rid="r"):
+def controller_prefetch(ctrl, tokens, extra_pools, rid="r", page=PAGE):
     """HybridCacheController.prefetch, the scheduler's part (host slots for the hit, as the
     radix cache allocates them), then the controller's transfer; returns (operation, anchor
     host indices, completed tokens, per-pool hits)."""
@@ -318,7 +331,7 @@ def controller_prefetch(ctrl, tokens, extra_pools, rid="r"):
     for t in op.pool_transfers or []:
         if t.indices_from_pool is None:  # pools with slots of their own (Mamba, SWA)
             pool = ctrl.mem_pool_host.entry_map[t.name].host_pool
-            want = min(len(t.keys), hit // PAGE) * pool.page_size
+            want = min(len(t.keys), hit // page) * pool.page_size
             t.host_indices = pool.alloc(want)
     ctrl.prefetch_buffer.put(op)
     completed, pool_hits = 0, {}
@@ -373,6 +386,52 @@ def test_controller_mamba_and_draft_backup_restart_prefetch(tmp_path):
                 assert torch.equal(page_of(src[kv], a), page_of(dst[kv], b))
         assert torch.equal(page_of(src[PoolName.MAMBA], int(mslot[0])),
                            page_of(dst[PoolName.MAMBA], int(op.pool_transfers[0].host_indices[0])))
+
+
+def test_controller_dsa_indexer_rides_in_the_kv_page(tmp_path):
+    """DeepSeek V3.2 (MLA KV + the DSA indexer: KV-derived, ALL_PAGES) by the real controller:
+    the indexer's page is stored in its KV page (one store, one read, one checksum), written by
+    the controller's batch_set_v2 and read by its batch_get_v1; the batch_get_v2 that follows
+    each KV batch reads nothing more. Bit-exact across a restart."""
+    from sglang.srt.mem_cache.utils import get_hash_str
+    n = 150  # two controller batches
+    g = torch.Generator().manual_seed(30)
+    tokens = torch.randint(0, 32000, (n * DSA_PAGE,), generator=g).tolist()
+    hashes = get_hash_str(tokens, None, page_size=DSA_PAGE)
+    indexer = [PoolTransfer(name=PoolName.INDEXER, indices_from_pool=PoolName.KV,
+                            hit_policy=ALL)]
+
+    def entries():
+        dev = dsa_device()
+        kv = kv_host(mla=True, page_size=DSA_PAGE)
+        return dev, {PoolName.KV: kv, PoolName.INDEXER: indexer_host(kv, dev)}
+
+    dev, src = entries()
+    for pool in src.values():
+        fill_random(pool, seed=31)
+    with hybrid_controller(tmp_path, src, dev=dev) as ctrl:
+        b = ctrl.storage_backend
+        assert b.sidecars_in_kv_page() == ["indexer"] and b.is_mla
+        host = ctrl.mem_pool_host.alloc(n * DSA_PAGE)
+        op = controller_backup(ctrl, tokens, hashes, host, [PoolTransfer(**vars(t))
+                                                            for t in indexer])
+        assert op.completed_tokens == n * DSA_PAGE
+        assert op.pool_storage_result.extra_pool_hit_pages == {PoolName.INDEXER: n}
+        assert b.tier.stats()["pages_stored"] == n
+    model_dir = tmp_path / "l3" / "org-tiny-hybrid"
+    assert sorted(p.name for p in model_dir.iterdir()) == ["kv+indexer"]
+
+    dev, dst = entries()
+    with hybrid_controller(tmp_path, dst, dev=dev) as ctrl:  # a restarted server
+        tier = ctrl.storage_backend.tier
+        read_before = tier.stats().get("hits", 0)
+        op, host2, completed, hits = controller_prefetch(
+            ctrl, tokens, [PoolTransfer(**vars(t)) for t in indexer], page=DSA_PAGE)
+        assert completed == n * DSA_PAGE
+        assert tier.stats()["hits"] - read_before == n  # each page read once
+        for name in (PoolName.KV, PoolName.INDEXER):
+            for a, c in zip(host[::DSA_PAGE].tolist(), host2[::DSA_PAGE].tolist()):
+                assert torch.equal(page_of(src[name], a), page_of(dst[name], c))
 
 
 def test_controller_sliding_window_pool(tmp_path):
@@ -509,6 +568,100 @@ def test_sidecar_evicted_while_kv_stays_is_no_hit(tmp_path):
         b.close()
 
 
+def test_indexer_in_the_kv_page_edge_cases(tmp_path):
+    """The DSA indexer stored in its KV page: written whole by its batch_set_v2 (a KV page
+    written alone would carry whatever the indexer's slots held, so batch_set_v1 only reports
+    what is stored), evicted with its KV, and a batch_get_v2 answered from the KV read only
+    when that read was this thread's last one, of the same keys into the same slots."""
+    kv = kv_host(mla=True, page_size=DSA_PAGE)
+    idx = indexer_host(kv)
+    fill_random(kv, seed=32)
+    fill_random(idx, seed=33)
+    keys = page_hashes(6, seed=34)
+    b = attach(storage_config(tmp_path, mla=True), kv, {PoolName.INDEXER: idx})
+    try:
+        assert b.sidecars_in_kv_page() == ["indexer"]
+        tier = b.tier
+        assert b.batch_set_v1(keys, slots(kv, range(6))) == [False] * 6
+        assert tier.stats()["pages_stored"] == 0
+        assert b.batch_set_v2([PoolTransfer(name=PoolName.INDEXER, keys=keys,
+                                            host_indices=slots(idx, range(6)))]) == \
+            {PoolName.INDEXER: [True] * 6}
+        assert b.batch_set_v1(keys, slots(kv, range(6))) == [True] * 6
+        assert tier.stats()["pages_stored"] == 6
+        query = [PoolTransfer(name=PoolName.INDEXER, hit_policy=ALL)]
+        assert b.batch_exists_v2(keys, query).kv_hit_pages == 6
+
+        def reads():
+            return tier.stats().get("hits", 0)
+
+        def same(dst_pages, src_pages=range(6), pools=(kv, idx)):
+            return all(torch.equal(page_of(p, d * DSA_PAGE), page_of(p, s * DSA_PAGE))
+                       for p in pools for d, s in zip(dst_pages, src_pages))
+
+        def get_v2(keys_, pages):
+            return b.batch_get_v2([PoolTransfer(name=PoolName.INDEXER, keys=keys_,
+                                                host_indices=slots(idx, pages))])
+
+        # v1 then v2 of the same keys and slots: one read
+        r = reads()
+        assert b.batch_get_v1(keys, slots(kv, range(10, 16))) == [True] * 6
+        assert get_v2(keys, range(10, 16)) == {PoolName.INDEXER: [True] * 6}
+        assert reads() - r == 6 and same(range(10, 16))
+        # ...once: the next v2 call reads again
+        assert get_v2(keys, range(10, 16)) == {PoolName.INDEXER: [True] * 6}
+        assert reads() - r == 12
+        # other slots than the KV read's: read on its own, into those slots only
+        assert b.batch_get_v1(keys, slots(kv, range(20, 26))) == [True] * 6
+        r = reads()
+        assert get_v2(keys, range(30, 36)) == {PoolName.INDEXER: [True] * 6}
+        assert reads() - r == 6 and same(range(30, 36), pools=(idx,))
+        # a KV read of other keys in between: the earlier read answers nothing
+        assert b.batch_get_v1(keys[:3], slots(kv, range(40, 43))) == [True] * 3
+        assert b.batch_get_v1(keys[3:], slots(kv, range(43, 46))) == [True] * 3
+        r = reads()
+        assert get_v2(keys[:3], range(40, 43)) == {PoolName.INDEXER: [True] * 3}
+        assert reads() - r == 3
+        # another thread's KV read answers nothing for this one
+        assert b.batch_get_v1(keys, slots(kv, range(50, 56))) == [True] * 6
+        out = {}
+        worker = threading.Thread(target=lambda: out.update(get_v2(keys, range(50, 56))))
+        r = reads()
+        worker.start()
+        worker.join()
+        assert out == {PoolName.INDEXER: [True] * 6} and reads() - r == 6
+        # eviction takes the KV page and its indexer together
+        assert tier.evict(b._storage_keys([keys[2]])) == 1
+        assert b.batch_exists(keys) == 2 and b.batch_exists_v2(keys, query).kv_hit_pages == 2
+        assert b.batch_get_v1(keys, slots(kv, range(60, 66))) == [True, True, False] + [True] * 3
+        assert get_v2(keys, range(60, 66)) == {PoolName.INDEXER: [True, True, False, True, True,
+                                                                    True]}
+        # the per-page calls cannot take a KV page alone: refused, never a wrong page
+        assert b.batch_get(keys[:1], [kv.get_dummy_flat_data_page()]) == [None]
+        assert b.batch_set(keys[:1], [page_of(kv, 0)]) is False
+    finally:
+        b.close()
+
+
+def test_indexer_in_a_store_of_its_own_when_asked(tmp_path):
+    """"sidecar_in_kv_page": false (or a pool_capacity of its own, or a layout whose KV page
+    is not moved whole) keeps the indexer in a store of its own."""
+    for case, (extra, layout) in enumerate((
+            ({"sidecar_in_kv_page": False}, "page_first_direct"),
+            ({"pool_capacity": {"indexer": "4MiB"}}, "page_first_direct"),
+            ({}, "page_first"))):
+        kv = kv_host(layout, mla=True, page_size=DSA_PAGE)
+        (tmp_path / str(case)).mkdir()
+        b = attach(storage_config(tmp_path / str(case), mla=True, **extra), kv,
+                   {PoolName.INDEXER: indexer_host(kv)})
+        try:
+            assert b.sidecars_in_kv_page() == []
+            assert b.sidecars["indexer"].store is not b._kv_store
+            assert b.tier.layout == b.kv_layout
+        finally:
+            b.close()
+
+
 def test_block_groups_report_complete_groups_without_gating(tmp_path):
     """A compressed pool (DeepSeek-V4 style) with BLOCK_GROUPS: one key per group covering 2
     FULL pages. The pool's verdict is its leading complete groups; an incomplete group never
@@ -562,14 +715,17 @@ def test_mla_tp2_indexer_followed_mamba_per_rank(tmp_path):
                 {PoolName.INDEXER: idx1, PoolName.MAMBA: m1})
     try:
         assert r1.sidecars["indexer"].store.follower and not r1.sidecars["mamba"].store.follower
+        # the indexer rides in the MLA KV page (one store, followed by rank 1)
+        assert r1.sidecars["indexer"].store is r1._kv_store
         pages = slots(idx0, list(range(10)))
-        write_kv(r0, keys, kv0, list(range(10)))
+        fill_random(kv0, seed=24)
         for r, m in ((r0, m0), (r1, m1)):  # SGLang backs Mamba up on every rank
             assert r.batch_set_v2([
                 PoolTransfer(name=PoolName.INDEXER, host_indices=pages, keys=keys),
                 PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([0]),
                              keys=[keys[-1]])]) == {PoolName.INDEXER: [True] * 10,
                                                     PoolName.MAMBA: [True]}
+        write_kv(r0, keys, kv0, list(range(10)))  # the pages are stored: v1 reports them
         query = [PoolTransfer(name=PoolName.INDEXER, hit_policy=ALL),
                  PoolTransfer(name=PoolName.MAMBA, keys=["x"], hit_policy=TRAILING)]
         for r in (r0, r1):
@@ -583,6 +739,15 @@ def test_mla_tp2_indexer_followed_mamba_per_rank(tmp_path):
         assert got == {PoolName.INDEXER: [True] * 10, PoolName.MAMBA: [True]}
         for i in range(10):  # rank 1 reads rank 0's indexer pages (identical on every rank)
             assert torch.equal(page_of(idx1, (20 + i) * DSA_PAGE), page_of(idx0, i * DSA_PAGE))
+        # and with the KV pages: the v1 read brings both in, the v2 call that follows it is
+        # answered from that read
+        assert r1.batch_get_v1(keys, slots(kv1, list(range(30, 40)))) == [True] * 10
+        assert r1.batch_get_v2([PoolTransfer(name=PoolName.INDEXER, keys=keys,
+                                             host_indices=slots(idx1, list(range(30, 40))))]) \
+            == {PoolName.INDEXER: [True] * 10}
+        for i in range(10):
+            assert torch.equal(page_of(kv1, (30 + i) * DSA_PAGE), page_of(kv0, i * DSA_PAGE))
+            assert torch.equal(page_of(idx1, (30 + i) * DSA_PAGE), page_of(idx0, i * DSA_PAGE))
         # ...but its own Mamba state, never rank 0's
         assert torch.equal(page_of(m1, 5), page_of(m1, 0))
         assert not torch.equal(page_of(m1, 5), page_of(m0, 0))
@@ -646,6 +811,49 @@ def test_injected_failures_never_give_a_wrong_hit(tmp_path, monkeypatch):
             src[PoolName.MAMBA].free(mslot)
     # the run did check something on both paths, and failures did cut some prefetches short
     assert checked["kv"] > 0 and checked["mamba"] > 0 and checked["short"] > 0
+
+
+def test_injected_failures_dsa_indexer_in_the_kv_page(tmp_path, monkeypatch):
+    """The same injector around a DeepSeek-V3.2-shaped model whose indexer rides in the KV
+    page: whatever the real controller reports loaded is bit-exact in both pools."""
+    monkeypatch.setenv("SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILURE", "0.2")
+    monkeypatch.setenv("SGLANG_TEST_HICACHE_BACKEND_RANDOM_DELAY", "0.002")
+    from sglang.srt.mem_cache.utils import get_hash_str
+    dev = dsa_device()
+    kv = kv_host(mla=True, page_size=DSA_PAGE)
+    src = {PoolName.KV: kv, PoolName.INDEXER: indexer_host(kv, dev)}
+    for pool in src.values():
+        fill_random(pool, seed=35)
+    g = torch.Generator().manual_seed(36)
+    checked = {"pages": 0, "short": 0}
+
+    def indexer():
+        return [PoolTransfer(name=PoolName.INDEXER, indices_from_pool=PoolName.KV,
+                             hit_policy=ALL)]
+
+    with hybrid_controller(tmp_path, src, dev=dev) as ctrl:
+        assert ctrl.storage_backend._backend.sidecars_in_kv_page() == ["indexer"]
+        for round_ in range(10):
+            n = int(torch.randint(1, 12, (1,), generator=g))
+            tokens = torch.randint(0, 32000, (n * DSA_PAGE,), generator=g).tolist()
+            hashes = get_hash_str(tokens, None, page_size=DSA_PAGE)
+            host = ctrl.mem_pool_host.alloc(n * DSA_PAGE)
+            controller_backup(ctrl, tokens, hashes, host, indexer())
+            for attempt in range(3):
+                op, got, completed, _ = controller_prefetch(ctrl, tokens, indexer(),
+                                                            rid=f"d{round_}-{attempt}",
+                                                            page=DSA_PAGE)
+                done = completed // DSA_PAGE
+                checked["short"] += done < n
+                for a, c in zip(host[::DSA_PAGE][:done].tolist(),
+                                got[::DSA_PAGE][:done].tolist() if got is not None else []):
+                    for pool in src.values():
+                        assert torch.equal(page_of(pool, a), page_of(pool, c))
+                    checked["pages"] += 1
+                if got is not None:
+                    ctrl.mem_pool_host.free(got)
+            ctrl.mem_pool_host.free(host)
+    assert checked["pages"] > 0 and checked["short"] > 0
 
 
 # -- 6. refusals and bad transfers ---------------------------------------------------------------

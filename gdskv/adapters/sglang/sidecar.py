@@ -17,18 +17,25 @@ backends move one page of such a pool in one of two ways, and so does this modul
 The stored page is those bytes; the pool's name, class, host layout and mode are in the store's
 fingerprint, so pages written one way are never read another way. A page is
 ``get_dummy_flat_data_page()`` bytes (SGLang's own page size for the pool).
+
+A pool whose host slots SGLang declares to be the KV pool's own (:func:`rides_on_kv_slots`: the
+DSA indexer) can instead *ride in the KV page*: the KV store's page is then the KV page's bytes
+followed by each rider's page bytes (:func:`kv_slot_layout`), so one read, one checksum and one
+slot carry both, and the rider can never be evicted while its KV stays. :class:`LastRead`
+remembers what the KV read brought in, for the rider's ``batch_get_v2`` that follows it.
 """
 
 from __future__ import annotations
 
 import bisect
+import threading
 from collections.abc import Sequence
 from typing import Optional
 
 import torch
 
 from ...config import DirectIO, TierConfig
-from ...layout import ALIGNMENT, BytePageLayout
+from ...layout import ALIGNMENT, BytePageLayout, KVLayout
 
 REGIONS = "regions"
 FLAT = "flat"
@@ -221,3 +228,81 @@ class SidecarPool:
                              "pool's buffers")
         start = addr - found[0]
         return found[2][start:start + size]
+
+
+# -- riders: KV-derived pools stored in the KV page ------------------------------------------------
+def rides_on_kv_slots(host_pool) -> bool:
+    """Whether SGLang declares ``host_pool``'s host slots to be the KV pool's own
+    (``host_pool.decl.indices_from_pool`` is the KV pool; in SGLang 0.5.23 the DSA indexer):
+    every KV host page then has this pool's page at the same host indices, copied from the
+    device with it, and the cache controller reads and writes it with the KV's keys and host
+    indices."""
+    source = getattr(getattr(host_pool, "decl", None), "indices_from_pool", None)
+    return str(getattr(source, "value", source)) == "kv"
+
+
+def kv_slot_layout(kv_layout: KVLayout, kv_host_layout: str,
+                   riders: Sequence[SidecarPool]) -> BytePageLayout:
+    """The page of a KV store that carries ``riders``: the KV page (gdskv page format, as
+    ``page_first_direct`` holds it), then each rider's page in order. The KV geometry and
+    every rider's pool, class, host layout and mode are in the kind, so the store is never read
+    as a plain KV store or with other riders."""
+    kv = kv_layout
+    parts = [f"kv({'mla' if kv.mla else 'mha'},layers={kv.num_layers},heads={kv.kv_heads},"
+             f"head_dim={kv.head_dim},page={kv.page_size},dtype={kv.dtype},{kv_host_layout})"]
+    parts += [f"{_value(r.name)}({type(r.host_pool).__name__},{r.host_layout},{r.mode},"
+              f"{r.page_bytes})" for r in riders]
+    return BytePageLayout(page_bytes=kv.page_bytes + sum(r.page_bytes for r in riders),
+                          kind="sglang/" + "+".join(parts), model_name=kv.model_name,
+                          tp_rank=kv.tp_rank, tp_size=kv.tp_size, pp_rank=kv.pp_rank,
+                          pp_size=kv.pp_size)
+
+
+def kv_slot_config(base: TierConfig, layout: BytePageLayout, kv_page_bytes: int,
+                   riders: Sequence[SidecarPool], *, directories: Sequence[str]) -> TierConfig:
+    """The settings of a KV store that carries ``riders``: the KV tier's, in its own
+    directories, its capacity grown by the riders' share (the same number of pages as the KV
+    capacity holds), and buffered I/O where the KV tier's is ``auto`` and a rider's page is not
+    a whole number of 4 KiB blocks: its regions then start at unaligned addresses of SGLang's
+    page-first buffer, which O_DIRECT cannot move in place (as :func:`store_config`)."""
+    direct_io = base.direct_io
+    if direct_io == DirectIO.AUTO and any(r.page_bytes % ALIGNMENT for r in riders):
+        direct_io = DirectIO.OFF
+    return base.replace(directories=tuple(directories), direct_io=direct_io,
+                        capacity=base.capacity * layout.page_bytes // kv_page_bytes)
+
+
+def _value(name) -> str:
+    return str(getattr(name, "value", name))
+
+
+class LastRead:
+    """Each thread's last read of a KV store with riders: its keys, host indices and per-page
+    hits. SGLang's controller follows every KV batch's ``batch_get_v1`` with ``batch_get_v2`` of
+    the KV-derived pools for the same keys into the same host indices
+    (``CacheController._page_transfer_kv_batch``); the KV read already brought those pages in
+    and verified them, so the second call is answered from here. Only the very next call of the
+    same thread may use it: the adapter forgets it at the start of every KV read and at the end
+    of every ``batch_get_v2``."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def remember(self, keys: Sequence[str], host_indices: torch.Tensor,
+                 hits: Sequence[bool]) -> None:
+        self._local.read = (list(keys), torch.as_tensor(host_indices).clone(),
+                            [bool(h) for h in hits])
+
+    def forget(self) -> None:
+        self._local.read = None
+
+    def hits(self, keys: Sequence[str], host_indices: torch.Tensor) -> Optional[list[bool]]:
+        """The remembered hits if this thread's last KV read was of exactly these keys into
+        exactly these host indices, else None."""
+        read = getattr(self._local, "read", None)
+        if read is None or read[0] != list(keys):
+            return None
+        indices = torch.as_tensor(host_indices)
+        if read[1].shape != indices.shape or not torch.equal(read[1], indices.to(read[1].device)):
+            return None
+        return list(read[2])

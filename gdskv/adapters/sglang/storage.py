@@ -85,14 +85,23 @@ from ...tier import Tier
 from .. import safe_name
 from . import hit_policy
 from .rank_store import RankStore
-from .sidecar import SidecarPool, page_starts, store_config
+from .sidecar import (
+    REGIONS,
+    LastRead,
+    SidecarPool,
+    kv_slot_config,
+    kv_slot_layout,
+    page_starts,
+    rides_on_kv_slots,
+    store_config,
+)
 
 log = logging.getLogger("gdskv.sglang")
 
 #: extra_config keys that SGLang's dynamic loader itself reads.
 LOADER_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1"})
 #: extra_config keys this adapter reads besides TierConfig fields.
-ADAPTER_KEYS = frozenset({"device", "create_directories", "pool_capacity"})
+ADAPTER_KEYS = frozenset({"device", "create_directories", "pool_capacity", "sidecar_in_kv_page"})
 #: extra_config keys SGLang itself adds for every backend (``--file-storage-path``, 0.5.23).
 SGLANG_KEYS = frozenset({"file_storage_path"})
 _TIER_FIELDS = frozenset(f.name for f in dataclasses.fields(TierConfig))
@@ -100,6 +109,9 @@ _LAYOUTS = ("page_first_direct", "page_first", "layer_first")
 # One-byte KV types SGLang stores as raw bytes (fp8 caches): copies are byte-wise, so they are
 # carried under gdskv's one-byte dtype name.
 _BYTE_DTYPES = (torch.uint8, torch.int8)
+#: pages a rider reads at a time when no KV read just brought them in (bounds the scratch that
+#: takes their KV bytes)
+RIDER_ALONE_PAGES = 8
 
 
 def _pool_name(name) -> str:
@@ -119,11 +131,13 @@ def _parse_pool_capacity(value) -> dict[str, int]:
 
 @dataclasses.dataclass
 class _Sidecar:
-    """A registered sidecar pool, its store on this rank and its key suffix."""
+    """A registered sidecar pool, its store on this rank and its key suffix. A pool that rides
+    in the KV page (``in_kv_page``) has the KV store as its store, set when that opens."""
 
     pool: SidecarPool
-    store: RankStore
+    store: Optional[RankStore]
     key_suffix: str
+    in_kv_page: bool = False
 
     def storage_keys(self, keys: List[str]) -> List[str]:
         return [f"{k}{self.key_suffix}" for k in keys]
@@ -166,6 +180,11 @@ class GdskvHiCacheStorage(HiCacheStorage):
                                              "create_directories")
         self._check_directories()
         self.pool_capacity = _parse_pool_capacity(extra.get("pool_capacity"))
+        # KV-derived pools ride in the KV page where SGLang moves KV pages whole and zero-copy
+        # (interface_v1 and page_first_direct, checked at registration); see _kv_page_riders.
+        self.sidecar_in_kv_page = parse_bool(extra.get("sidecar_in_kv_page", True),
+                                             "sidecar_in_kv_page")
+        self._interface_v1 = bool(extra.get("interface_v1", 0))  # as SGLang reads it
 
         sc = storage_config
         self.model_name = safe_name(sc.model_name or "")
@@ -185,7 +204,9 @@ class GdskvHiCacheStorage(HiCacheStorage):
         self.enable_metrics = bool(sc.enable_storage_metrics)
         self.kv_layout: Optional[KVLayout] = None
         self._kv_store: Optional[RankStore] = None
+        self._kv_store_lock = threading.Lock()
         self._kv_host_bytes = 0
+        self._last_read = LastRead()
         #: sidecar pools (register_mem_host_pool_v2) by name
         self.sidecars: dict[str, _Sidecar] = {}
         self.mem_pool_host = None
@@ -199,10 +220,17 @@ class GdskvHiCacheStorage(HiCacheStorage):
     def tier(self) -> Optional[Tier]:
         """The KV tier on this rank (None until open, or while a follower waits for the
         writer's store)."""
-        return self._kv_store.tier if self._kv_store is not None else None
+        store = self._open_kv_store()
+        return store.tier if store is not None else None
 
     def _kv_tier(self) -> Optional[Tier]:
-        return self._kv_store.open() if self._kv_store is not None else None
+        store = self._open_kv_store()
+        return store.open() if store is not None else None
+
+    @property
+    def _kv_page_riders(self) -> list[_Sidecar]:
+        """The sidecar pools stored in the KV page, in registration order."""
+        return [side for side in self.sidecars.values() if side.in_kv_page]
 
     def _shard_names(self, *, replicated: bool) -> tuple[str, str]:
         """(store directory name, key suffix) of a pool that is the same on every TP rank
@@ -287,13 +315,49 @@ class GdskvHiCacheStorage(HiCacheStorage):
             self._pool_views = self._as_pool(buf)
         self._kv_host_bytes = self.kv_layout.page_bytes * max(
             1, int(getattr(mem_pool_host, "size", 0) or 0) // self.page_size)
-        # On an MLA rank that does not write, nothing is written from here: the writer rank
-        # owns the store and this rank follows it read-only.
-        self._kv_store = RankStore(
-            f"{layout_name} {'MLA' if self.is_mla else 'MHA'} KV", self.kv_layout,
-            self.config.replace(directories=self._store_dirs(self.shard_dir)), self.device,
-            follower=self.is_mla and not self.is_writer, log_once=self._log_once,
-            node_ranks=self._node_ranks())
+        if not self._riders_possible():
+            self._open_kv_store()
+        # else the store opens at on_host_pools_registered (or first use), once the pools
+        # that ride in its pages are known
+
+    def _riders_possible(self) -> bool:
+        """Whether KV-derived pools may still join the KV page: the option is on, the KV store
+        is not open yet, and SGLang moves KV pages whole and zero-copy (interface_v1 calls on a
+        page_first_direct pool, the KV page being the tier's page)."""
+        return self.sidecar_in_kv_page and self._kv_store is None and self._interface_v1 and \
+            getattr(self, "layout_name", None) == "page_first_direct"
+
+    def _open_kv_store(self) -> Optional[RankStore]:
+        """This rank's KV store, opened on first need after register_mem_pool_host: a plain KV
+        store, or one whose pages carry the riders (:func:`.sidecar.kv_slot_layout`) in a
+        directory of its own (``<model>/kv+<riders>/<shard>``)."""
+        if self._kv_store is not None or self.kv_layout is None:
+            return self._kv_store
+        with self._kv_store_lock:
+            if self._kv_store is None:
+                riders = self._kv_page_riders
+                what = f"{self.layout_name} {'MLA' if self.is_mla else 'MHA'} KV"
+                if riders:
+                    names = "+".join(safe_name(_pool_name(side.pool.name)) for side in riders)
+                    layout = kv_slot_layout(self.kv_layout, self.layout_name,
+                                            [side.pool for side in riders])
+                    config = kv_slot_config(self.config, layout, self.kv_layout.page_bytes,
+                                            [side.pool for side in riders],
+                                            directories=self._store_dirs(f"kv+{names}",
+                                                                         self.shard_dir))
+                    what += f" + {names}"
+                else:
+                    layout = self.kv_layout
+                    config = self.config.replace(directories=self._store_dirs(self.shard_dir))
+                # On an MLA rank that does not write, nothing is written from here: the writer
+                # rank owns the store and this rank follows it read-only.
+                store = RankStore(what, layout, config, self.device,
+                                  follower=self.is_mla and not self.is_writer,
+                                  log_once=self._log_once, node_ranks=self._node_ranks())
+                for side in riders:
+                    side.store = store
+                self._kv_store = store
+        return self._kv_store
 
     def _as_pool(self, kv_layer_first: torch.Tensor):
         """(k, v) or the MLA tensor as the tier's KVPool takes it: [layers, tokens, heads, dim]."""
@@ -355,9 +419,19 @@ class GdskvHiCacheStorage(HiCacheStorage):
                 return [False] * n
             t0 = time.perf_counter()
             skeys = self._storage_keys(keys)
-            if self._pool_views is None:
-                pages = self._page_regions(host_indices, n)
+            riders = self._kv_page_riders
+            if riders and op == "get":
+                self._last_read.forget()
+            if riders and op == "set":
+                # A KV page carrying riders is written whole by a rider's batch_set_v2, which
+                # SGLang's hybrid controller sends first with these keys and host indices; a KV
+                # page written alone would carry whatever bytes the riders' slots held.
+                res = [tier.contains(k) for k in skeys]
+            elif self._pool_views is None:
+                pages = self._with_riders(self._page_regions(host_indices, n), host_indices, n)
                 res = (tier.get_pages if op == "get" else tier.put_pages)(skeys, pages)
+                if riders and op == "get":
+                    self._last_read.remember(skeys, host_indices, res)
             else:
                 res = (tier.get if op == "get" else tier.put)(
                     skeys, self._pool_views, host_indices)
@@ -368,6 +442,33 @@ class GdskvHiCacheStorage(HiCacheStorage):
             self._log_once(op, "batch_%s_v1 of %d pages failed, reported as %s: %r", op, n,
                            "misses" if op == "get" else "not stored", exc)
             return [False] * n
+
+    def _with_riders(self, pages: List[List[torch.Tensor]], host_indices: torch.Tensor,
+                     n: int) -> List[List[torch.Tensor]]:
+        """KV pages' regions followed by each rider's regions at the same host indices."""
+        for side in self._kv_page_riders:
+            for page, extra in zip(pages, side.pool.write_pages(host_indices, n)):
+                page.extend(extra)
+        return pages
+
+    def _read_rider_alone(self, tier: Tier, side: _Sidecar, skeys: List[str],
+                          host_indices: torch.Tensor, n: int) -> List[bool]:
+        """One rider's pages when no KV read just brought them in: whole stored pages, the
+        rider's bytes into its regions and the rest (the KV page, other riders) into scratch,
+        ``RIDER_ALONE_PAGES`` pages at a time."""
+        riders = self._kv_page_riders
+        k = riders.index(side)
+        before = self.kv_layout.page_bytes + sum(r.pool.page_bytes for r in riders[:k])
+        after = sum(r.pool.page_bytes for r in riders[k + 1:])
+        regions = side.pool.write_pages(host_indices, n)  # regions mode: the pool's memory
+        res: List[bool] = []
+        for first in range(0, n, RIDER_ALONE_PAGES):
+            m = min(RIDER_ALONE_PAGES, n - first)
+            scratch = torch.empty((m, before + after), dtype=torch.uint8)
+            pages = [[scratch[j, :before], *regions[first + j]] +
+                     ([scratch[j, before:]] if after else []) for j in range(m)]
+            res += tier.get_pages(skeys[first:first + m], pages)
+        return res
 
     # -- the older per-page interface (SGLang's generic path) -----------------------------------
     def exists(self, key: str) -> bool:
@@ -391,7 +492,7 @@ class GdskvHiCacheStorage(HiCacheStorage):
         n = len(keys)
         try:
             tier = self._kv_tier()
-            if target_locations is None or tier is None:
+            if target_locations is None or tier is None or self._generic_refused():
                 return [None] * n
             views = [self._flat_page_view(t) for t in target_locations]
             # Read into contiguous page-format buffers, then into the (maybe strided) targets.
@@ -407,6 +508,20 @@ class GdskvHiCacheStorage(HiCacheStorage):
             self._log_once("get", "batch_get of %d pages failed, reported as misses: %r", n, exc)
             return [None] * n
 
+    def _generic_refused(self) -> bool:
+        """The per-page calls move KV pages alone, which a KV store whose pages carry riders
+        cannot take (it exists only with interface_v1, whose calls SGLang uses instead)."""
+        if self._kv_page_riders:
+            self._log_once("generic-riders", "the per-page get/set calls are refused: the KV "
+                           "pages carry %s; SGLang uses them with \"interface_v1\": 1",
+                           ", ".join(self.sidecars_in_kv_page()))
+            return True
+        return False
+
+    def sidecars_in_kv_page(self) -> list[str]:
+        """Names of the sidecar pools stored in the KV page."""
+        return [name for name, side in self.sidecars.items() if side.in_kv_page]
+
     def set(self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None,
             target_sizes: Optional[Any] = None) -> bool:
         return self.batch_set([key], [value])
@@ -419,7 +534,7 @@ class GdskvHiCacheStorage(HiCacheStorage):
             return True
         try:
             tier = self.tier
-            if tier is None or values is None:
+            if tier is None or values is None or self._generic_refused():
                 return False
             pages = [[self._flat_page_view(v).contiguous().view(-1)] for v in values]
             return all(tier.put_pages(self._storage_keys(keys), pages))
@@ -447,6 +562,12 @@ class GdskvHiCacheStorage(HiCacheStorage):
         # other sidecars of an MLA model are the same on every rank, like its KV.
         replicated = self.is_mla and name != _pool_name(PoolName.MAMBA) and \
             not hasattr(host_pool, "head_num")
+        if self._riders_possible() and rides_on_kv_slots(host_pool) and \
+                pool.mode == REGIONS and pool.page_size == self.page_size and \
+                replicated == self.is_mla and name not in self.pool_capacity:
+            # its page is stored after its KV page's, in the KV store (opened later)
+            self.sidecars[name] = _Sidecar(pool, None, self.key_suffix, in_kv_page=True)
+            return
         shard_dir, suffix = self._shard_names(replicated=replicated)
         sc = self.storage_config
         layout = pool.layout(model_name=self.model_name,
@@ -464,14 +585,18 @@ class GdskvHiCacheStorage(HiCacheStorage):
         self.sidecars[name] = _Sidecar(pool, store, suffix)
 
     def on_host_pools_registered(self) -> None:
-        """Log what each registered pool takes on disk (stores are open already)."""
+        """Open the KV store (its pages carry the pools that ride in them) and log what each
+        sidecar pool takes on disk. SGLang calls this once all pools are registered; a pool
+        registered later gets a store of its own."""
+        self._open_kv_store()
         for name, side in self.sidecars.items():
-            tier = side.store.tier
+            tier = side.store.tier if side.store is not None else None
             log.info("gdskv: sidecar pool %s: %d B pages (%s), %s; store %s", name,
                      side.pool.page_bytes, side.pool.mode,
+                     "in the KV page" if side.in_kv_page else
                      f"{tier.store.num_slots} slots of {tier.layout.slot_bytes} B"
                      if tier is not None and tier.store is not None else "read-only follower",
-                     side.store.layout.fingerprint)
+                     side.store.layout.fingerprint if side.store is not None else "-")
 
     def batch_exists_v2(self, keys: List[str], pool_transfers=None,
                         extra_info=None) -> PoolTransferResult:
@@ -522,12 +647,20 @@ class GdskvHiCacheStorage(HiCacheStorage):
         """Every transfer's pool gets its list: SGLang takes a pool missing from the result as
         having nothing to say, which for a KV-derived pool would let its KV pages count."""
         results: dict = {}
-        for t in transfers or []:
-            name = getattr(t, "name", None)
-            res = self._transfer_v2(op, t)
-            # Two transfers of one pool: one list, in order, so a failure in the first is
-            # never hidden behind the second's success.
-            results[name] = results.get(name, []) + res
+        try:
+            self._open_kv_store()  # riders use it (a failure to open: their transfers miss)
+        except Exception as exc:  # noqa: BLE001 - the data path never raises
+            self._log_once("open-kv", "the KV store did not open: %r", exc)
+        try:
+            for t in transfers or []:
+                name = getattr(t, "name", None)
+                res = self._transfer_v2(op, t)
+                # Two transfers of one pool: one list, in order, so a failure in the first is
+                # never hidden behind the second's success.
+                results[name] = results.get(name, []) + res
+        finally:
+            if op == "get":  # what the last KV read brought in serves this call only
+                self._last_read.forget()
         return results
 
     def _transfer_v2(self, op: str, transfer) -> List[bool]:
@@ -551,7 +684,14 @@ class GdskvHiCacheStorage(HiCacheStorage):
                 raise ValueError("the transfer has no host indices")
             t0 = time.perf_counter()
             skeys = side.storage_keys(list(transfer.keys))
-            if op == "set":
+            if side.in_kv_page and op == "set":  # the whole page: KV, then every rider
+                res = tier.put_pages(skeys, self._with_riders(
+                    self._page_regions(transfer.host_indices, n), transfer.host_indices, n))
+            elif side.in_kv_page:
+                res = self._last_read.hits(skeys, transfer.host_indices)
+                if res is None:
+                    res = self._read_rider_alone(tier, side, skeys, transfer.host_indices, n)
+            elif op == "set":
                 res = tier.put_pages(skeys, side.pool.write_pages(transfer.host_indices, n))
             else:
                 targets, finish = side.pool.read_targets(transfer.host_indices, n)
@@ -568,7 +708,8 @@ class GdskvHiCacheStorage(HiCacheStorage):
     # -- management -----------------------------------------------------------------------------
     def _stores(self) -> list[RankStore]:
         return ([self._kv_store] if self._kv_store is not None else []) + \
-            [side.store for side in self.sidecars.values()]
+            [side.store for side in self.sidecars.values()
+             if side.store is not None and not side.in_kv_page]
 
     def clear(self) -> None:
         for store in self._stores():
@@ -595,8 +736,10 @@ class GdskvHiCacheStorage(HiCacheStorage):
         return self.tier.stats() if self.tier is not None else {}
 
     def pool_stats(self) -> dict:
-        """Each sidecar pool's tier counters (empty while a follower waits for its store)."""
-        return {name: side.store.tier.stats() if side.store.tier is not None else {}
+        """Each sidecar pool's tier counters (empty while a follower waits for its store); a
+        pool that rides in the KV page has the KV store's."""
+        return {name: side.store.tier.stats()
+                if side.store is not None and side.store.tier is not None else {}
                 for name, side in self.sidecars.items()}
 
     def close(self) -> None:
