@@ -8,20 +8,26 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_hybrid_read_runs_and_reports(tmp_path):
+@pytest.mark.parametrize("store", ["kv-page", "own"])
+def test_hybrid_read_runs_and_reports(tmp_path, store):
     out = tmp_path / "hybrid.json"
     env = dict(os.environ, PYTHONPATH=REPO)
     proc = subprocess.run([sys.executable, os.path.join(REPO, "bench", "experiments",
                                                         "hybrid_read.py"),
                            "--dir", str(tmp_path), "--pages", "5", "--batch-pages", "2", "--passes", "1",
-                           "--staging-size", "20MiB", "--out", str(out)],
+                           "--staging-size", "20MiB", "--sidecar-store", store, "--out", str(out)],
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     r = json.loads(out.read_text())
     assert r["sidecar"] == "indexer" and r["sidecar_page_bytes"] == 61 * 132 * 64
+    assert r["sidecar_store"] == store
+    # kv-page: one read of whole pages (KV + indexer) in the hybrid tier; own: its own pages
+    assert r["sidecar_pages_read_in_place"] == 2
     kinds = [b["kind"] for b in r["passes"][0]["batches"]]
     assert kinds == ["kv", "kv+sidecar", "kv"] and r["pairs"] == 1  # the 1-page tail: no pair
     assert r["kv_GBps"] > 0 and r["kv+sidecar_GBps"] > 0

@@ -3,11 +3,19 @@
 What SGLang's cache controller does for each 128-page batch of a prefetch of a model with a
 KV-derived sidecar pool (``CacheController._page_transfer_kv_batch``): ``batch_get_v1`` of the KV
 pages, then ``batch_get_v2`` of the sidecar's pages for the same keys. This drives the SGLang
-adapter's data path through gdskv alone (no sglang needed): the KV tier reads page-format regions
-of a ``page_first_direct`` host pool (``Tier.get_pages``, as the adapter's v1 path does), the
-sidecar tier (:class:`gdskv.layout.BytePageLayout`, set up by the adapter's own
-:func:`gdskv.adapters.sglang.sidecar.store_config`) reads each page into its page-first region of
-the sidecar host buffer (the adapter's zero-copy ``regions`` mode).
+adapter's data path through gdskv alone (no sglang needed), the KV read alone being a plain
+model's: its tier reads page-format regions of a ``page_first_direct`` host pool
+(``Tier.get_pages``, as the adapter's v1 path does). The hybrid read is, with
+``--sidecar-store``:
+
+- ``kv-page`` (the adapter's default for a pool SGLang declares KV-derived): the sidecar's page
+  rides in its KV page (:func:`gdskv.adapters.sglang.sidecar.kv_slot_layout` and
+  ``kv_slot_config``), so ``batch_get_v1`` reads each page's KV region and sidecar region in
+  one read, and ``batch_get_v2`` is answered from that read
+  (:class:`gdskv.adapters.sglang.sidecar.LastRead`, timed);
+- ``own``: the sidecar in a store of its own (:class:`gdskv.layout.BytePageLayout`, set up by
+  the adapter's :func:`gdskv.adapters.sglang.sidecar.store_config`), read by a second call into
+  its page-first regions of the sidecar host buffer (the adapter's zero-copy ``regions`` mode).
 
 Model: DeepSeek-V3.2 (DSA) by default: MLA KV, 61 layers x 576 bf16 per token, and the DSA
 indexer (``INDEXER``, ``ALL_PAGES``), 61 layers x 132 B per token (128 fp8 key bytes + one fp32
@@ -24,7 +32,8 @@ one, against its share of the bytes (sidecar bytes over KV bytes): it should cos
     python bench/experiments/hybrid_read.py --dir /mnt/nvme/bench --out hybrid.json
 
 Result it produced (bench/RESULTS.md, "Hybrid models"), under bench/results/:
-``cpu-2026-11-23/hybrid-read/`` (the development machine, /dev/shm, under load: noise-bound).
+``cpu-2026-11-23/hybrid-read/`` (the development machine, /dev/shm, under load: noise-bound;
+``own``, then the only way) and ``h100-2026-11-25/kv-page/`` (both ways, the H100 machine).
 """
 
 from __future__ import annotations
@@ -39,7 +48,13 @@ import time
 import torch
 
 import experiment_helpers
-from gdskv.adapters.sglang.sidecar import CONTROLLER_BATCH_PAGES, store_config
+from gdskv.adapters.sglang.sidecar import (
+    CONTROLLER_BATCH_PAGES,
+    LastRead,
+    kv_slot_config,
+    kv_slot_layout,
+    store_config,
+)
 from gdskv.bench.cache import drop_page_cache
 from gdskv.backends import posix
 from gdskv.config import DirectIO, TierConfig
@@ -68,6 +83,9 @@ def _args(argv=None):
                     "tier stages on CUDA, posix otherwise)")
     ap.add_argument("--device", default="cpu", help="where the tiers stage pages: cpu (the "
                     "adapter's default) or cuda")
+    ap.add_argument("--sidecar-store", choices=["kv-page", "own"], default="kv-page",
+                    help="the sidecar's page in its KV page (the adapter's default for a "
+                    "KV-derived pool) or in a store of its own")
     ap.add_argument("--sidecar-direct-io", choices=["adapter", "on", "off"], default="adapter",
                     help="the sidecar store's O_DIRECT: as the SGLang adapter sets it (default), "
                     "or forced (to compare)")
@@ -100,24 +118,44 @@ def main(args) -> dict:
     base = TierConfig.from_env(directories=(kv_dir,), backend=args.backend,
                                staging_size=args.staging_size,
                                capacity=(n + 256) * kv_layout.slot_bytes)
-    side_config = store_config(base, side_layout, directories=(side_dir,),
-                               kv_capacity=base.capacity, pool_host_bytes=side_layout.page_bytes,
-                               kv_host_bytes=kv_layout.page_bytes,
-                               capacity=(n + 256) * side_layout.slot_bytes)
+    in_kv_page = args.sidecar_store == "kv-page"
+    if in_kv_page:  # the hybrid tier's page: the KV page, then the sidecar's (as the adapter)
+        side_bytes = side_layout.page_bytes
+        side_layout = kv_slot_layout(kv_layout, "page_first_direct", [(
+            f"{side_name}(bench,page_first_direct,regions,{side_bytes})", side_bytes)])
+        side_config = kv_slot_config(base, side_layout, kv_layout.page_bytes, [side_bytes],
+                                     directories=(side_dir,))
+    else:
+        side_config = store_config(base, side_layout, directories=(side_dir,),
+                                   kv_capacity=base.capacity,
+                                   pool_host_bytes=side_layout.page_bytes,
+                                   kv_host_bytes=kv_layout.page_bytes)
+    side_config = side_config.replace(capacity=(n + 256) * side_layout.slot_bytes)
+    sidecar_page_bytes = side_layout.page_bytes - (kv_layout.page_bytes if in_kv_page else 0)
     if args.no_readahead_hint:
         posix.READAHEAD_HINT_BYTES = 1 << 62
     if args.sidecar_direct_io != "adapter":
         side_config = side_config.replace(direct_io=DirectIO(args.sidecar_direct_io))
     # host pools: what SGLang's page_first_direct pools hold, written from `src`, read to `dst`
     kv_src, kv_dst = _host_pool(n, kv_layout.page_bytes, 1), _host_pool(n, kv_layout.page_bytes, 2)
-    sd_src = _host_pool(n, side_layout.page_bytes, 3)
-    sd_dst = _host_pool(n, side_layout.page_bytes, 4)
+    sd_src = _host_pool(n, sidecar_page_bytes, 3)
+    sd_dst = _host_pool(n, sidecar_page_bytes, 4)
     keys = [f"{i:064x}" for i in range(n)]
     bp = args.batch_pages
     batches = [range(i, min(i + bp, n)) for i in range(0, n, bp)]
+    # each batch's host indices, as SGLang hands them to both calls (page_size slots a page)
+    slots = [torch.arange(b.start * kv_layout.page_size, b.stop * kv_layout.page_size)
+             for b in batches]
+    last_read = LastRead()
+
+    def sidecar_regions(i: int) -> list:
+        """Page i's regions in the hybrid tier: the KV page's, then the sidecar's."""
+        return [kv_dst[i], sd_dst[i]] if in_kv_page else [sd_dst[i]]
+
     result = {"model": args.model, "pages": n, "batch_pages": bp,
               "kv_page_bytes": kv_layout.page_bytes, "sidecar": side_name,
-              "sidecar_page_bytes": side_layout.page_bytes, "device": args.device,
+              "sidecar_store": args.sidecar_store,
+              "sidecar_page_bytes": sidecar_page_bytes, "device": args.device,
               "dir": args.dir, "host": platform.node(),
               "torch": torch.__version__, "passes": []}
     pairs, per_kind = [], {"kv": [0.0, 0], "kv+sidecar": [0.0, 0]}  # seconds, bytes
@@ -132,8 +170,9 @@ def main(args) -> dict:
             result["readahead_hint"] = not args.no_readahead_hint
             for b in batches:  # write once (untimed)
                 ks = [keys[i] for i in b]
+                sources = [[kv_src[i], sd_src[i]] if in_kv_page else [sd_src[i]] for i in b]
                 if not (all(kv.put_pages(ks, [[kv_src[i]] for i in b])) and
-                        all(side.put_pages(ks, [[sd_src[i]] for i in b]))):
+                        all(side.put_pages(ks, sources))):
                     raise RuntimeError("a page write failed")
             slabs = [f.path for f in kv.store.files] + [f.path for f in side.store.files]
             for p in range(args.passes):
@@ -148,10 +187,17 @@ def main(args) -> dict:
                     hybrid = (j + p) % 2 == 1
                     ks = [keys[i] for i in b]
                     t0 = time.perf_counter()
-                    ok = kv.get_pages(ks, [[kv_dst[i]] for i in b])
-                    t_kv = time.perf_counter()
-                    if hybrid:
-                        ok += side.get_pages(ks, [[sd_dst[i]] for i in b])
+                    if hybrid and in_kv_page:  # batch_get_v1 reads both; batch_get_v2 asks
+                        ok = side.get_pages(ks, [sidecar_regions(i) for i in b])
+                        last_read.remember(ks, slots[j], ok)
+                        t_kv = time.perf_counter()
+                        ok = ok + (last_read.hits(ks, slots[j]) or [False])
+                        last_read.forget()
+                    else:
+                        ok = kv.get_pages(ks, [[kv_dst[i]] for i in b])
+                        t_kv = time.perf_counter()
+                        if hybrid:
+                            ok += side.get_pages(ks, [sidecar_regions(i) for i in b])
                     dt = time.perf_counter() - t0
                     if not all(ok):
                         raise RuntimeError(f"a page read failed (pass {p}, batch {j})")
@@ -161,7 +207,7 @@ def main(args) -> dict:
                     kind = per_kind["kv+sidecar" if hybrid else "kv"]
                     kind[0] += dt
                     kind[1] += len(b) * (kv_layout.page_bytes +
-                                         (side_layout.page_bytes if hybrid else 0))
+                                         (sidecar_page_bytes if hybrid else 0))
                 hybrid_pages = [i for (h, *_), b in zip(times, batches) if h for i in b]
                 if not torch.equal(kv_dst, kv_src) or not torch.equal(
                         sd_dst[hybrid_pages], sd_src[hybrid_pages]):
@@ -182,7 +228,7 @@ def main(args) -> dict:
         shutil.rmtree(root, ignore_errors=True)
     if not pairs:
         raise RuntimeError(f"no pair of {bp}-page batches: use --pages >= {2 * bp}")
-    share = side_layout.page_bytes / kv_layout.page_bytes
+    share = sidecar_page_bytes / kv_layout.page_bytes
     extra = statistics.median(pairs) - 1
     result.update({f"{k}_GBps": nbytes / sec / 1e9 for k, (sec, nbytes) in per_kind.items()})
     result.update(sidecar_call_over_kv_call=statistics.median(sidecar_calls))
@@ -196,7 +242,8 @@ def main(args) -> dict:
 def report(r: dict) -> str:
     return "\n".join([
         f"{r['model']}: {r['pages']} pages, {r['batch_pages']}-page batches, backend "
-        f"{r['backend']}, staging on {r['device']}, {r['dir']}",
+        f"{r['backend']}, staging on {r['device']}, {r['dir']}, sidecar store "
+        f"{r['sidecar_store']}",
         "| read | GB/s (all bytes read) |", "|---|---|",
         f"| KV alone | {r['kv_GBps']:.2f} |",
         f"| KV + {r['sidecar']} | {r['kv+sidecar_GBps']:.2f} |",

@@ -92,6 +92,11 @@ def page_starts(host_indices: torch.Tensor, num_pages: int, page_size: int, *,
     return first.tolist()
 
 
+def _value(name) -> str:
+    """A pool name (SGLang's ``PoolName``, a str enum) as its plain value."""
+    return str(getattr(name, "value", name))
+
+
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
 
@@ -126,6 +131,11 @@ class SidecarPool:
         self.mode = REGIONS if self._regions_work() else FLAT
         #: host memory the pool holds (its pages x page bytes): the basis of its disk share
         self.host_bytes = self.page_bytes * max(1, self.num_slots // self.page_size)
+
+    def describe(self) -> str:
+        """The pool, its SGLang class, host layout, mode and page size (a store's kind)."""
+        return f"{_value(self.name)}({type(self.host_pool).__name__},{self.host_layout}," \
+               f"{self.mode},{self.page_bytes})"
 
     def layout(self, *, model_name: str, tp_rank: int, tp_size: int, pp_rank: int,
                pp_size: int) -> BytePageLayout:
@@ -242,38 +252,34 @@ def rides_on_kv_slots(host_pool) -> bool:
 
 
 def kv_slot_layout(kv_layout: KVLayout, kv_host_layout: str,
-                   riders: Sequence[SidecarPool]) -> BytePageLayout:
-    """The page of a KV store that carries ``riders``: the KV page (gdskv page format, as
-    ``page_first_direct`` holds it), then each rider's page in order. The KV geometry and
-    every rider's pool, class, host layout and mode are in the kind, so the store is never read
-    as a plain KV store or with other riders."""
+                   riders: Sequence[tuple[str, int]]) -> BytePageLayout:
+    """The page of a KV store that carries ``riders`` (each ``(what, page_bytes)``, ``what``
+    from :meth:`SidecarPool.describe`): the KV page (gdskv page format, as ``page_first_direct``
+    holds it), then each rider's page in order. The KV geometry and every rider's description
+    are in the kind, so the store is never read as a plain KV store or with other riders."""
     kv = kv_layout
     parts = [f"kv({'mla' if kv.mla else 'mha'},layers={kv.num_layers},heads={kv.kv_heads},"
              f"head_dim={kv.head_dim},page={kv.page_size},dtype={kv.dtype},{kv_host_layout})"]
-    parts += [f"{_value(r.name)}({type(r.host_pool).__name__},{r.host_layout},{r.mode},"
-              f"{r.page_bytes})" for r in riders]
-    return BytePageLayout(page_bytes=kv.page_bytes + sum(r.page_bytes for r in riders),
+    parts += [what for what, _ in riders]
+    return BytePageLayout(page_bytes=kv.page_bytes + sum(n for _, n in riders),
                           kind="sglang/" + "+".join(parts), model_name=kv.model_name,
                           tp_rank=kv.tp_rank, tp_size=kv.tp_size, pp_rank=kv.pp_rank,
                           pp_size=kv.pp_size)
 
 
 def kv_slot_config(base: TierConfig, layout: BytePageLayout, kv_page_bytes: int,
-                   riders: Sequence[SidecarPool], *, directories: Sequence[str]) -> TierConfig:
+                   rider_page_bytes: Sequence[int], *,
+                   directories: Sequence[str]) -> TierConfig:
     """The settings of a KV store that carries ``riders``: the KV tier's, in its own
     directories, its capacity grown by the riders' share (the same number of pages as the KV
     capacity holds), and buffered I/O where the KV tier's is ``auto`` and a rider's page is not
     a whole number of 4 KiB blocks: its regions then start at unaligned addresses of SGLang's
     page-first buffer, which O_DIRECT cannot move in place (as :func:`store_config`)."""
     direct_io = base.direct_io
-    if direct_io == DirectIO.AUTO and any(r.page_bytes % ALIGNMENT for r in riders):
+    if direct_io == DirectIO.AUTO and any(n % ALIGNMENT for n in rider_page_bytes):
         direct_io = DirectIO.OFF
     return base.replace(directories=tuple(directories), direct_io=direct_io,
                         capacity=base.capacity * layout.page_bytes // kv_page_bytes)
-
-
-def _value(name) -> str:
-    return str(getattr(name, "value", name))
 
 
 class LastRead:

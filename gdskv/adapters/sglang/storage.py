@@ -340,9 +340,10 @@ class GdskvHiCacheStorage(HiCacheStorage):
                 if riders:
                     names = "+".join(safe_name(_pool_name(side.pool.name)) for side in riders)
                     layout = kv_slot_layout(self.kv_layout, self.layout_name,
-                                            [side.pool for side in riders])
+                                            [(side.pool.describe(), side.pool.page_bytes)
+                                             for side in riders])
                     config = kv_slot_config(self.config, layout, self.kv_layout.page_bytes,
-                                            [side.pool for side in riders],
+                                            [side.pool.page_bytes for side in riders],
                                             directories=self._store_dirs(f"kv+{names}",
                                                                          self.shard_dir))
                     what += f" + {names}"
