@@ -39,6 +39,7 @@ Result it produced (bench/RESULTS.md, "Hybrid models"), under bench/results/:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import platform
 import shutil
@@ -86,6 +87,9 @@ def _args(argv=None):
     ap.add_argument("--sidecar-store", choices=["kv-page", "own"], default="kv-page",
                     help="the sidecar's page in its KV page (the adapter's default for a "
                     "KV-derived pool) or in a store of its own")
+    ap.add_argument("--hybrid-store-first", action="store_true", help="create (and so "
+                    "preallocate) the hybrid read's store before the KV-alone store: where on the "
+                    "drive each store lands, checked")
     ap.add_argument("--sidecar-direct-io", choices=["adapter", "on", "off"], default="adapter",
                     help="the sidecar store's O_DIRECT: as the SGLang adapter sets it (default), "
                     "or forced (to compare)")
@@ -161,8 +165,13 @@ def main(args) -> dict:
     pairs, per_kind = [], {"kv": [0.0, 0], "kv+sidecar": [0.0, 0]}  # seconds, bytes
     sidecar_calls = []  # in a hybrid batch: the sidecar call's time over its KV call's
     try:
-        with Tier(kv_layout, base, device=args.device) as kv, \
-                Tier(side_layout, side_config, device=args.device) as side:
+        with contextlib.ExitStack() as stack:
+            order = [(kv_layout, base), (side_layout, side_config)]
+            if args.hybrid_store_first:
+                order.reverse()
+            tiers = [stack.enter_context(Tier(lay, cfg, device=args.device)) for lay, cfg in order]
+            kv, side = tiers[::-1] if args.hybrid_store_first else tiers
+            result["hybrid_store_first"] = args.hybrid_store_first
             result["backend"] = kv.backend.name
             result["backend_detail"] = kv.backend.describe()
             result["o_direct"] = kv.store.direct
