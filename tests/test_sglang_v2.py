@@ -902,6 +902,8 @@ def test_registration_refusals(tmp_path):
         GdskvHiCacheStorage(storage_config(tmp_path, pool_capacity="8GiB"), {})
     with pytest.raises(ConfigError, match=r"pool_capacity\['mamba'\]"):
         GdskvHiCacheStorage(storage_config(tmp_path, pool_capacity={"mamba": "lots"}), {})
+    with pytest.raises(ConfigError, match="sidecar_in_kv_page"):
+        GdskvHiCacheStorage(storage_config(tmp_path, sidecar_in_kv_page="sometimes"), {})
 
 
 def test_bad_transfers_are_misses_never_exceptions(tmp_path, caplog):

@@ -51,7 +51,18 @@ A sidecar store's ``capacity`` is the KV ``capacity`` times the pool's host memo
 host pool's (``pool_capacity`` overrides it per pool). Stores evict independently; what keeps a
 KV page whose sidecar pages were evicted from counting as a hit is ``batch_exists_v2``, which
 checks every pool under its hit policy (:mod:`.hit_policy`), and every read, which reports each
-page it did not read and verify as a miss. For MLA models a sidecar pool that is the same on
+page it did not read and verify as a miss.
+
+The exception: a pool whose host slots SGLang declares to be the KV's own
+(:func:`.sidecar.rides_on_kv_slots`: the DSA indexer) *rides in the KV page* where the KV page
+moves whole and zero-copy (``interface_v1``, ``page_first_direct``) and the pool is registered
+before the KV store opens (:meth:`on_host_pools_registered`, or the first call): the KV store's
+page is then the KV page followed by the rider's (``<directory>/<model>/kv+<riders>/<shard>``),
+``batch_set_v2`` of the rider writes the whole page (SGLang sends it before the KV's
+``batch_set_v1``, which then reports what is stored), ``batch_get_v1`` reads it whole into both
+pools' host slots, and the rider's ``batch_get_v2`` that follows on the same thread is answered
+from that read (:class:`.sidecar.LastRead`). One slot, one checksum: the rider is never evicted
+apart from its KV, and a prefetch reads each page once. For MLA models a sidecar pool that is the same on
 every TP rank (everything but Mamba states and MHA-shaped pools) is written by the writer rank
 and followed by the others, like MLA KV.
 
