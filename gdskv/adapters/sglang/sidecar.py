@@ -209,8 +209,8 @@ class SidecarPool:
     def _regions(self, starts: list[int]) -> list[list[torch.Tensor]]:
         if not starts:
             return []
-        idx = torch.tensor([s + j for s in starts for j in range(self.page_size)],
-                           dtype=torch.int64)
+        idx = (torch.tensor(starts, dtype=torch.int64)[:, None] +
+               torch.arange(self.page_size, dtype=torch.int64)).reshape(-1)
         ptrs, sizes = self.host_pool.get_page_buffer_meta(idx)
         if len(ptrs) != len(sizes) or len(ptrs) % len(starts):
             raise ValueError(f"{self.name!s}: {len(ptrs)} regions for {len(starts)} pages")
