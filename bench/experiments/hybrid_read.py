@@ -162,7 +162,9 @@ def main(args) -> dict:
               "sidecar_page_bytes": sidecar_page_bytes, "device": args.device,
               "dir": args.dir, "host": platform.node(),
               "torch": torch.__version__, "passes": []}
-    pairs, per_kind = [], {"kv": [0.0, 0], "kv+sidecar": [0.0, 0]}  # seconds, bytes
+    # seconds, bytes, CPU seconds (all the process's threads: a measure the machine's other
+    # load moves less than the wall time)
+    pairs, per_kind = [], {"kv": [0.0, 0, 0.0], "kv+sidecar": [0.0, 0, 0.0]}
     sidecar_calls = []  # in a hybrid batch: the sidecar call's time over its KV call's
     try:
         with contextlib.ExitStack() as stack:
@@ -195,7 +197,7 @@ def main(args) -> dict:
                     # apart (the noise of a shared machine hits both alike)
                     hybrid = (j + p) % 2 == 1
                     ks = [keys[i] for i in b]
-                    t0 = time.perf_counter()
+                    c0, t0 = time.process_time(), time.perf_counter()
                     if hybrid and in_kv_page:  # batch_get_v1 reads both; batch_get_v2 asks
                         ok = side.get_pages(ks, [sidecar_regions(i) for i in b])
                         last_read.remember(ks, slots[j], ok)
@@ -208,6 +210,7 @@ def main(args) -> dict:
                         if hybrid:
                             ok += side.get_pages(ks, [sidecar_regions(i) for i in b])
                     dt = time.perf_counter() - t0
+                    cpu = time.process_time() - c0
                     if not all(ok):
                         raise RuntimeError(f"a page read failed (pass {p}, batch {j})")
                     times.append((hybrid, len(b), dt, t0 + dt - t_kv))
@@ -215,6 +218,7 @@ def main(args) -> dict:
                         sidecar_calls.append((t0 + dt - t_kv) / (t_kv - t0))
                     kind = per_kind["kv+sidecar" if hybrid else "kv"]
                     kind[0] += dt
+                    kind[2] += cpu
                     kind[1] += len(b) * (kv_layout.page_bytes +
                                          (sidecar_page_bytes if hybrid else 0))
                 hybrid_pages = [i for (h, *_), b in zip(times, batches) if h for i in b]
@@ -239,7 +243,11 @@ def main(args) -> dict:
         raise RuntimeError(f"no pair of {bp}-page batches: use --pages >= {2 * bp}")
     share = sidecar_page_bytes / kv_layout.page_bytes
     extra = statistics.median(pairs) - 1
-    result.update({f"{k}_GBps": nbytes / sec / 1e9 for k, (sec, nbytes) in per_kind.items()})
+    result.update({f"{k}_GBps": nbytes / sec / 1e9 for k, (sec, nbytes, _) in per_kind.items()})
+    # CPU time per byte read, the hybrid read's over the KV read's: 1.0 when the sidecar's
+    # bytes cost what the KV's do
+    cpu_per_byte = {k: cpu / nbytes for k, (_, nbytes, cpu) in per_kind.items()}
+    result.update(cpu_per_byte_hybrid_over_kv=cpu_per_byte["kv+sidecar"] / cpu_per_byte["kv"])
     result.update(sidecar_call_over_kv_call=statistics.median(sidecar_calls))
     result.update(pairs=len(pairs), hybrid_over_kv_per_pair=pairs,
                   sidecar_time_fraction=extra, sidecar_time_fraction_range=[min(pairs) - 1,
@@ -261,7 +269,8 @@ def report(r: dict) -> str:
         f"{100 * r['sidecar_time_fraction_range'][1]:+.1f} %) for "
         f"{100 * r['sidecar_byte_fraction']:+.1f} % bytes "
         f"({'within' if r['sidecar_within_its_share'] else 'OVER'} its share); the sidecar call "
-        f"alone: {100 * r['sidecar_call_over_kv_call']:.1f} % of the KV call before it"])
+        f"alone: {100 * r['sidecar_call_over_kv_call']:.1f} % of the KV call before it; CPU time "
+        f"per byte, hybrid over KV alone: {r['cpu_per_byte_hybrid_over_kv']:.3f}"])
 
 
 if __name__ == "__main__":
