@@ -62,9 +62,10 @@ page is then the KV page followed by the rider's (``<directory>/<model>/kv+<ride
 ``batch_set_v1``, which then reports what is stored), ``batch_get_v1`` reads it whole into both
 pools' host slots, and the rider's ``batch_get_v2`` that follows on the same thread is answered
 from that read (:class:`.sidecar.LastRead`). One slot, one checksum: the rider is never evicted
-apart from its KV, and a prefetch reads each page once. For MLA models a sidecar pool that is the same on
-every TP rank (everything but Mamba states and MHA-shaped pools) is written by the writer rank
-and followed by the others, like MLA KV.
+apart from its KV, and a prefetch reads each page once.
+
+For MLA models a sidecar pool that is the same on every TP rank (everything but Mamba states and
+MHA-shaped pools) is written by the writer rank and followed by the others, like MLA KV.
 
 Data-path calls never raise and never return ``None``: a failure is logged once per kind and
 becomes a miss (``False`` / a shorter prefix), because an exception would kill SGLang's prefetch or
