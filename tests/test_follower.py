@@ -157,8 +157,9 @@ def test_follower_put_and_evict_write_nothing(store_dir, caplog):
         assert writer.match_prefix(keys("w", 2)) == 2
 
 
-def test_reused_slot_is_a_miss_never_wrong_bytes(store_dir):
-    cfg = config(store_dir, capacity=4 * LAYOUT.slot_bytes, files_per_dir=1)
+@pytest.mark.parametrize("in_place", [False, True])
+def test_reused_slot_is_a_miss_never_wrong_bytes(store_dir, in_place):
+    cfg = config(store_dir, capacity=4 * LAYOUT.slot_bytes, files_per_dir=1, in_place=in_place)
     with Tier(LAYOUT, cfg, device="cpu") as writer, \
             Tier(LAYOUT, cfg.replace(read_only=True), device="cpu") as follower:
         assert all(put(writer, keys("a", 4), pages(4, seed=8)))
@@ -171,7 +172,11 @@ def test_reused_slot_is_a_miss_never_wrong_bytes(store_dir):
         assert follower.match_prefix(keys("a", 4)) == 4  # stale entries
         hits, got = read(follower, keys("a", 4))
         assert hits == [False] * 4
-        assert not any(g.any() for g in got)
+        if not in_place:  # staged: a miss never reaches the caller's buffer
+            assert not any(g.any() for g in got)
+        # In place (where the buffers allow it: under O_DIRECT only 4 KiB-aligned ones, which
+        # the allocator hands out at random) the bytes land before they are verified, so a
+        # missed page's buffer is undefined (Tier.get_pages); the miss is what is guaranteed.
         assert follower.stats()["corrupt_pages"] == 4
         follower.refresh()
         hits, got = read(follower, keys("b", 4))
