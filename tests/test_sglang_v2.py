@@ -644,11 +644,12 @@ def test_indexer_in_the_kv_page_edge_cases(tmp_path):
 
 
 def test_indexer_in_a_store_of_its_own_when_asked(tmp_path):
-    """"sidecar_in_kv_page": false (or a pool_capacity of its own, or a layout whose KV page
-    is not moved whole) keeps the indexer in a store of its own."""
+    """"sidecar_in_kv_page": false (or a pool_capacity of its own, SGLang's per-page calls, or
+    a layout whose KV page is not moved whole) keeps the indexer in a store of its own."""
     for case, (extra, layout) in enumerate((
             ({"sidecar_in_kv_page": False}, "page_first_direct"),
             ({"pool_capacity": {"indexer": "4MiB"}}, "page_first_direct"),
+            ({"interface_v1": 0}, "page_first_direct"),  # SGLang's per-page calls: KV alone
             ({}, "page_first"))):
         kv = kv_host(layout, mla=True, page_size=DSA_PAGE)
         (tmp_path / str(case)).mkdir()
