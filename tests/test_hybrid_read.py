@@ -28,6 +28,9 @@ def test_hybrid_read_runs_and_reports(tmp_path, store):
     assert r["sidecar_store"] == store
     # kv-page: one read of whole pages (KV + indexer) in the hybrid tier; own: its own pages
     assert r["sidecar_pages_read_in_place"] == 2
+    # what the CPU and the storage spent per byte are reported for both reads
+    assert r["cpu_per_byte_hybrid_over_kv"] > 0
+    assert {"kv_storage_bytes_per_byte", "kv+sidecar_storage_bytes_per_byte"} <= set(r)
     kinds = [b["kind"] for b in r["passes"][0]["batches"]]
     assert kinds == ["kv", "kv+sidecar", "kv"] and r["pairs"] == 1  # the 1-page tail: no pair
     assert r["kv_GBps"] > 0 and r["kv+sidecar_GBps"] > 0

@@ -100,6 +100,19 @@ def _args(argv=None):
     return ap.parse_args(argv)
 
 
+def _storage_read_bytes() -> int:
+    """Bytes this process has had fetched from storage (``/proc/self/io`` ``read_bytes``: page
+    cache fills and O_DIRECT reads, not tmpfs); 0 where the kernel does not say."""
+    try:
+        with open("/proc/self/io") as f:
+            for line in f:
+                if line.startswith("read_bytes:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
 def _host_pool(num_pages: int, page_bytes: int, seed: int) -> torch.Tensor:
     """A page-first host buffer of random bytes, pinned where CUDA is there (SGLang pins its
     host pools)."""
@@ -164,8 +177,8 @@ def main(args) -> dict:
               "dir": args.dir, "host": platform.node(),
               "torch": torch.__version__, "passes": []}
     # seconds, bytes, CPU seconds (all the process's threads: a measure the machine's other
-    # load moves less than the wall time)
-    pairs, per_kind = [], {"kv": [0.0, 0, 0.0], "kv+sidecar": [0.0, 0, 0.0]}
+    # load moves less than the wall time), bytes fetched from storage
+    pairs, per_kind = [], {"kv": [0.0, 0, 0.0, 0], "kv+sidecar": [0.0, 0, 0.0, 0]}
     sidecar_calls = []  # in a hybrid batch: the sidecar call's time over its KV call's
     try:
         with contextlib.ExitStack() as stack:
@@ -198,7 +211,7 @@ def main(args) -> dict:
                     # apart (the noise of a shared machine hits both alike)
                     hybrid = (j + p) % 2 == 1
                     ks = [keys[i] for i in b]
-                    c0, t0 = time.process_time(), time.perf_counter()
+                    io0, c0, t0 = _storage_read_bytes(), time.process_time(), time.perf_counter()
                     if hybrid and in_kv_page:  # batch_get_v1 reads both; batch_get_v2 asks
                         ok = side.get_pages(ks, [sidecar_regions(i) for i in b])
                         last_read.remember(ks, slots[j], ok)
@@ -212,6 +225,7 @@ def main(args) -> dict:
                             ok += side.get_pages(ks, [sidecar_regions(i) for i in b])
                     dt = time.perf_counter() - t0
                     cpu = time.process_time() - c0
+                    fetched = _storage_read_bytes() - io0
                     if not all(ok):
                         raise RuntimeError(f"a page read failed (pass {p}, batch {j})")
                     times.append((hybrid, len(b), dt, t0 + dt - t_kv))
@@ -220,6 +234,7 @@ def main(args) -> dict:
                     kind = per_kind["kv+sidecar" if hybrid else "kv"]
                     kind[0] += dt
                     kind[2] += cpu
+                    kind[3] += fetched
                     kind[1] += len(b) * (kv_layout.page_bytes +
                                          (sidecar_page_bytes if hybrid else 0))
                 hybrid_pages = [i for (h, *_), b in zip(times, batches) if h for i in b]
@@ -244,10 +259,14 @@ def main(args) -> dict:
         raise RuntimeError(f"no pair of {bp}-page batches: use --pages >= {2 * bp}")
     share = sidecar_page_bytes / kv_layout.page_bytes
     extra = statistics.median(pairs) - 1
-    result.update({f"{k}_GBps": nbytes / sec / 1e9 for k, (sec, nbytes, _) in per_kind.items()})
+    result.update({f"{k}_GBps": nbytes / sec / 1e9 for k, (sec, nbytes, *_) in per_kind.items()})
     # CPU time per byte read, the hybrid read's over the KV read's: 1.0 when the sidecar's
     # bytes cost what the KV's do
-    cpu_per_byte = {k: cpu / nbytes for k, (_, nbytes, cpu) in per_kind.items()}
+    cpu_per_byte = {k: cpu / nbytes for k, (_, nbytes, cpu, _) in per_kind.items()}
+    # bytes fetched from storage per byte read (1.0: no readahead past what was asked; 0 on
+    # tmpfs, whose pages are the data)
+    result.update({f"{k}_storage_bytes_per_byte": fetched / nbytes
+                   for k, (_, nbytes, _, fetched) in per_kind.items()})
     result.update(cpu_per_byte_hybrid_over_kv=cpu_per_byte["kv+sidecar"] / cpu_per_byte["kv"])
     result.update(sidecar_call_over_kv_call=statistics.median(sidecar_calls))
     result.update(pairs=len(pairs), hybrid_over_kv_per_pair=pairs,
@@ -271,7 +290,9 @@ def report(r: dict) -> str:
         f"{100 * r['sidecar_byte_fraction']:+.1f} % bytes "
         f"({'within' if r['sidecar_within_its_share'] else 'OVER'} its share); the sidecar call "
         f"alone: {100 * r['sidecar_call_over_kv_call']:.1f} % of the KV call before it; CPU time "
-        f"per byte, hybrid over KV alone: {r['cpu_per_byte_hybrid_over_kv']:.3f}"])
+        f"per byte, hybrid over KV alone: {r['cpu_per_byte_hybrid_over_kv']:.3f}; bytes fetched "
+        f"from storage per byte read: KV {r['kv_storage_bytes_per_byte']:.3f}, hybrid "
+        f"{r['kv+sidecar_storage_bytes_per_byte']:.3f}"])
 
 
 if __name__ == "__main__":
