@@ -636,6 +636,14 @@ def test_indexer_in_the_kv_page_edge_cases(tmp_path):
         assert b.batch_get_v1(keys, slots(kv, range(60, 66))) == [True, True, False] + [True] * 3
         assert get_v2(keys, range(60, 66)) == {PoolName.INDEXER: [True, True, False, True, True,
                                                                     True]}
+        # SGLang's storage metrics count the bytes each call moved: the v2 answer moved none
+        b.enable_metrics = True
+        b.get_stats()  # drained
+        assert b.batch_get_v1(keys[:2], slots(kv, range(70, 72))) == [True, True]
+        assert get_v2(keys[:2], range(70, 72)) == {PoolName.INDEXER: [True, True]}
+        assert b.batch_set_v1(keys[:2], slots(kv, range(70, 72))) == [True, True]
+        m = b.get_stats()
+        assert m.prefetch_pgs == [2] and m.backup_pgs == []
         # the per-page calls cannot take a KV page alone: refused, never a wrong page
         assert b.batch_get(keys[:1], [kv.get_dummy_flat_data_page()]) == [None]
         assert b.batch_set(keys[:1], [page_of(kv, 0)]) is False

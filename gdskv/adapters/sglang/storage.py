@@ -448,8 +448,9 @@ class GdskvHiCacheStorage(HiCacheStorage):
             else:
                 res = (tier.get if op == "get" else tier.put)(
                     skeys, self._pool_views, host_indices)
-            self._record("prefetch" if op == "get" else "backup", sum(res),
-                         self.kv_layout.page_bytes, time.perf_counter() - t0)
+            if not (riders and op == "set"):  # that call moves no bytes
+                self._record("prefetch" if op == "get" else "backup", sum(res),
+                             self._kv_store.layout.page_bytes, time.perf_counter() - t0)
             return [bool(r) for r in res]
         except Exception as exc:  # noqa: BLE001 - the data path never raises
             self._log_once(op, "batch_%s_v1 of %d pages failed, reported as %s: %r", op, n,
@@ -697,12 +698,16 @@ class GdskvHiCacheStorage(HiCacheStorage):
                 raise ValueError("the transfer has no host indices")
             t0 = time.perf_counter()
             skeys = side.storage_keys(list(transfer.keys))
+            # a page as its store holds it (a rider's with its KV page)
+            moved_bytes = side.store.layout.page_bytes
             if side.in_kv_page and op == "set":  # the whole page: KV, then every rider
                 res = tier.put_pages(skeys, self._with_riders(
                     self._page_regions(transfer.host_indices, n), transfer.host_indices, n))
             elif side.in_kv_page:
                 res = self._last_read.hits(skeys, transfer.host_indices)
-                if res is None:
+                if res is not None:
+                    moved_bytes = 0  # the KV read brought them in (and counted them)
+                else:
                     res = self._read_rider_alone(tier, side, skeys, transfer.host_indices, n)
             elif op == "set":
                 res = tier.put_pages(skeys, side.pool.write_pages(transfer.host_indices, n))
@@ -710,8 +715,9 @@ class GdskvHiCacheStorage(HiCacheStorage):
                 targets, finish = side.pool.read_targets(transfer.host_indices, n)
                 res = tier.get_pages(skeys, targets)
                 finish(res)
-            self._record("prefetch" if op == "get" else "backup", sum(res),
-                         side.pool.page_bytes, time.perf_counter() - t0)
+            if moved_bytes:
+                self._record("prefetch" if op == "get" else "backup", sum(res), moved_bytes,
+                             time.perf_counter() - t0)
             return [bool(r) for r in res]
         except Exception as exc:  # noqa: BLE001 - the data path never raises
             self._log_once(f"{op}-v2:{name}", "batch_%s_v2 of %d %s pages failed, reported as "
