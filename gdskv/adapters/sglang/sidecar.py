@@ -92,8 +92,8 @@ def page_starts(host_indices: torch.Tensor, num_pages: int, page_size: int, *,
     return first.tolist()
 
 
-def _value(name) -> str:
-    """A pool name (SGLang's ``PoolName``, a str enum) as its plain value."""
+def pool_name(name) -> str:
+    """SGLang's pool name (a ``PoolName``, a str enum) as its plain value."""
     return str(getattr(name, "value", name))
 
 
@@ -134,7 +134,7 @@ class SidecarPool:
 
     def describe(self) -> str:
         """The pool, its SGLang class, host layout, mode and page size (a store's kind)."""
-        return f"{_value(self.name)}({type(self.host_pool).__name__},{self.host_layout}," \
+        return f"{pool_name(self.name)}({type(self.host_pool).__name__},{self.host_layout}," \
                f"{self.mode},{self.page_bytes})"
 
     def layout(self, *, model_name: str, tp_rank: int, tp_size: int, pp_rank: int,
@@ -247,8 +247,7 @@ def rides_on_kv_slots(host_pool) -> bool:
     every KV host page then has this pool's page at the same host indices, copied from the
     device with it, and the cache controller reads and writes it with the KV's keys and host
     indices."""
-    source = getattr(getattr(host_pool, "decl", None), "indices_from_pool", None)
-    return str(getattr(source, "value", source)) == "kv"
+    return pool_name(getattr(getattr(host_pool, "decl", None), "indices_from_pool", None)) == "kv"
 
 
 def kv_slot_layout(kv_layout: KVLayout, kv_host_layout: str,

@@ -104,6 +104,7 @@ from .sidecar import (
     kv_slot_config,
     kv_slot_layout,
     page_starts,
+    pool_name as _pool_name,
     rides_on_kv_slots,
     store_config,
 )
@@ -124,11 +125,6 @@ _BYTE_DTYPES = (torch.uint8, torch.int8)
 #: pages a rider reads at a time when no KV read just brought them in (bounds the scratch that
 #: takes their KV bytes)
 RIDER_ALONE_PAGES = 8
-
-
-def _pool_name(name) -> str:
-    """SGLang's pool name (a ``PoolName``, a str enum) as its plain value."""
-    return str(getattr(name, "value", name))
 
 
 def _parse_pool_capacity(value) -> dict[str, int]:
