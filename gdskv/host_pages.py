@@ -16,8 +16,12 @@ tier's own (``Tier._put`` / ``Tier._get``).
 When it applies (:meth:`HostPagePath.in_place`): the tier stages in host memory, its backend
 moves host memory itself (posix, kvikio; NIXL would have to register every call's regions with
 its agent, so it keeps staging), ``config.in_place`` is on, and -- where the slab files are
-opened with O_DIRECT -- every region starts on a 4 KiB boundary and all but the last are whole
-4 KiB blocks. Other pages go through staging as before, in the same call. ``Tier.stats()``
+opened with O_DIRECT -- every region but the last starts on a 4 KiB boundary and is whole 4 KiB
+blocks. The last region moves in place too if it starts on a boundary (its partial last block
+through the scratch row); if not, all of it goes through the scratch row, so a page whose last
+region sits at an unaligned address (SGLang's DSA indexer after its KV page) still reads its
+aligned bulk in place with O_DIRECT. A page with no aligned leading region goes through staging
+as before, in the same call. ``Tier.stats()``
 counts both (``pages_written_in_place``, ``pages_read_in_place``, ``region_pages_staged``) and
 says why in-place is off where it is (``in_place``).
 
@@ -74,14 +78,15 @@ class HostPagePath:
         self.direct = direct
         self._threads = max(1, min(threads, os.cpu_count() or 1))
         self._pool: ThreadPoolExecutor | None = None
+        self._local = threading.local()
 
     @property
     def enabled(self) -> bool:
         return not self.why_not
 
     def describe(self) -> dict:
-        rule = ("regions 4 KiB aligned, all but the last whole 4 KiB blocks (O_DIRECT)"
-                if self.direct else "any host regions (buffered I/O)")
+        rule = ("regions 4 KiB aligned and whole 4 KiB blocks but the last, which goes through "
+                "a scratch row where it is not aligned (O_DIRECT)" if self.direct else "any host regions (buffered I/O)")
         return {"enabled": self.enabled, "reason": self.why_not or rule}
 
     def in_place(self, regions: Sequence[torch.Tensor]) -> bool:
@@ -91,8 +96,32 @@ class HostPagePath:
         if not self.direct:
             return True
         regions = [r for r in regions if r.numel()]
-        return all(r.data_ptr() % ALIGNMENT == 0 for r in regions) and \
-            all(r.numel() % ALIGNMENT == 0 for r in regions[:-1])
+        *lead, last = regions
+        if not all(r.data_ptr() % ALIGNMENT == 0 and r.numel() % ALIGNMENT == 0 for r in lead):
+            return False
+        return bool(lead) or last.data_ptr() % ALIGNMENT == 0
+
+    def direct_bytes(self, regions: Sequence[torch.Tensor]) -> int:
+        """How many leading payload bytes of a page that passed :meth:`in_place` move in place;
+        the rest goes through its scratch row."""
+        regions = [r for r in regions if r.numel()]
+        total = sum(r.numel() for r in regions)
+        if not self.direct:
+            return total
+        last = regions[-1]
+        if last.data_ptr() % ALIGNMENT:     # all of it through the scratch row
+            return total - last.numel()
+        return total - last.numel() % ALIGNMENT
+
+    def scratch(self, nbytes: int) -> np.ndarray:
+        """This thread's scratch bytes for one call's rows, kept for its next call: a fresh
+        mapping per call would fault in every page of it (SGLang's indexer rows are 66 MB a
+        128-page call). A call uses them only until it returns (calls of one thread never
+        overlap)."""
+        buf = getattr(self._local, "scratch", None)
+        if buf is None or len(buf) < nbytes:
+            buf = self._local.scratch = host_numpy(alloc_host(nbytes, pin=False))
+        return buf[:nbytes]
 
     def call(self, pages: Sequence[Sequence[torch.Tensor]]) -> "InPlacePages":
         """The per-call object moving these pages (each one passed :meth:`in_place`)."""
@@ -137,16 +166,25 @@ class InPlacePages:
         self.path = path
         self.slot_bytes = lay.slot_bytes
         self.pages = [[host_numpy(r) for r in regions if r.numel()] for regions in pages]
-        # payload bytes moved in place; the rest of the slot is the page's scratch row
-        self.direct_bytes = lay.page_bytes - lay.page_bytes % ALIGNMENT if path.direct \
-            else lay.page_bytes
+        # payload bytes moved in place (the same for every page of the call, so each page's
+        # scratch row is one size); the rest of the slot is the page's scratch row
+        self.direct_bytes = min((path.direct_bytes(r) for r in pages), default=lay.page_bytes)
         self.rest = lay.page_bytes - self.direct_bytes   # payload bytes in the scratch row
-        tail = lay.slot_bytes - self.direct_bytes
-        self._scratch = host_numpy(alloc_host(len(pages) * tail, pin=False))[
-            :len(pages) * tail].reshape(len(pages), tail)
+        self._tail = lay.slot_bytes - self.direct_bytes
+        self._rows: np.ndarray | None = None    # the scratch rows, taken when the call runs
         self._direct_iovs: list = [None] * len(self.pages)   # each page's, made once
         self._read_sums: dict[int, int] = {}   # page -> xxh3 hashed by the thread that read it
+        self._rest_copied: set[int] = set()    # pages whose scratch end is in their regions
         self._lock = threading.Lock()
+
+    @property
+    def _scratch(self) -> np.ndarray:
+        """One scratch row per page, from the thread running the call (its first use is there:
+        an ``_async`` call is made on the caller's thread but runs on a tier worker)."""
+        if self._rows is None:
+            n = len(self.pages)
+            self._rows = self.path.scratch(n * self._tail).reshape(n, self._tail)
+        return self._rows
 
     def _direct(self, i: int) -> tuple:
         iov = self._direct_iovs[i]
@@ -186,6 +224,7 @@ class InPlacePages:
             row = self._scratch[i]
             if self.rest:
                 np.concatenate(self._rest(i), out=row[:self.rest])
+            row[self.rest:-TRAILER_BYTES] = 0   # (a reused row: no earlier call's bytes)
             row[-TRAILER_BYTES:] = np.frombuffer(trailer, dtype=np.uint8)
         return self._extents(extents, page_idx)
 
@@ -204,10 +243,15 @@ class InPlacePages:
         return self._direct(i) + (self._scratch[i][:self.rest],)
 
     def _hash_read(self, i: int) -> None:
-        """Hash page ``i`` now that all its bytes are read, for :meth:`read_checksums`."""
+        """Hash page ``i`` now that all its bytes are read, for :meth:`read_checksums`, and put
+        its scratch end in its regions here too (the reading thread, not the caller's: for a
+        rider read through its row that is the rider's whole page). The regions of a page that
+        then fails its checksum hold undefined bytes, as a missed page's always do."""
         digest = page_xxh3(self._payload(i))
+        self._copy_rest(i)
         with self._lock:
             self._read_sums[i] = digest
+            self._rest_copied.add(i)
 
     def read_checksums(self, page_idx: list[int]) -> np.ndarray:
         """xxh3 of each page's payload as read (hashed by the thread that read it, or now)."""
@@ -230,14 +274,20 @@ class InPlacePages:
         return torch.from_numpy(slot)
 
     def complete(self, page_idx: list[int]) -> None:
-        """Copy the verified pages' payload ends from their scratch rows into their regions."""
+        """Copy the verified pages' payload ends from their scratch rows into their regions
+        (those the reading thread has not already)."""
         if not self.rest:
             return
-        for i in page_idx:
-            done = 0
-            for dst in self._rest(i):
-                dst[:] = self._scratch[i][done:done + len(dst)]
-                done += len(dst)
+        with self._lock:
+            todo = [i for i in page_idx if i not in self._rest_copied]
+        for i in todo:
+            self._copy_rest(i)
+
+    def _copy_rest(self, i: int) -> None:
+        done = 0
+        for dst in self._rest(i):
+            dst[:] = self._scratch[i][done:done + len(dst)]
+            done += len(dst)
 
 
 class _ReadHasher:

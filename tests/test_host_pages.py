@@ -20,6 +20,7 @@ from gdskv.config import TierConfig
 from gdskv.host_pages import PARALLEL_HASH_BYTES, HostPagePath, page_xxh3
 from gdskv.layout import BytePageLayout
 from gdskv.memory import alloc_host
+from gdskv.slot_trailer import TRAILER_BYTES
 from gdskv.tier import Tier
 
 KIND = "test/host-pages"
@@ -143,6 +144,84 @@ def test_multi_region_pages(tmp_path):
         assert s["pages_read_in_place"] == 8
         # the journal and directory were told about each page once, in one call
         assert tier.match_prefix(keys) == 8 and s["put_stored"] == 8
+
+
+def test_an_unaligned_last_region_reads_through_its_scratch_row(tmp_path):
+    """SGLang's DSA indexer after its KV page: whole aligned blocks, then a region at an
+    unaligned address. Under O_DIRECT the aligned regions move in place and the last one
+    through the page's scratch row, in the same read; bit-exact both ways, a flipped byte in
+    either part a miss, and the slot's padding written as zeros (scratch rows are reused)."""
+    kv_bytes, rider_bytes = 3 * 4096, 5000
+    page_bytes = kv_bytes + rider_bytes
+    layout = BytePageLayout(page_bytes=page_bytes, kind=KIND)
+    data = contents(10, page_bytes, seed=7)
+    keys = [f"r{i}" for i in range(10)]
+
+    def regions(d, skew):
+        return as_regions(d[:kv_bytes], [kv_bytes]) + as_regions(d[kv_bytes:], [rider_bytes],
+                                                                 skew=skew)
+
+    # the rider's start: unaligned for most pages, aligned for some (one read mixes both)
+    skews = [100 * (i % 4) for i in range(10)]
+    with Tier(layout, config(tmp_path), device="cpu") as tier:
+        if not direct(tier):
+            pytest.skip("no O_DIRECT on this file system: every host region goes in place")
+        # unaligned riders (their whole 5000 B in the row), then aligned ones (904 B in a
+        # shorter row) in the same, reused scratch memory, then a mix
+        assert tier.put_pages(keys[:2], [regions(d, 100) for d in data[:2]]) == [True] * 2
+        assert tier.put_pages(keys[2:6], [regions(d, 0) for d in data[2:6]]) == [True] * 4
+        assert tier.put_pages(keys[6:], [regions(d, k) for d, k in zip(data[6:], skews[6:])]) \
+            == [True] * 4
+        out = [regions(torch.zeros(page_bytes, dtype=torch.uint8), k + 8) for k in skews]
+        assert tier.get_pages(keys, out) == [True] * 10
+        assert all(torch.equal(d, joined(o)) for d, o in zip(data, out))
+        s = tier.stats()
+        assert s["pages_written_in_place"] == 10 and s["pages_read_in_place"] == 10
+        assert "region_pages_written_staged" not in s and "region_pages_read_staged" not in s
+        # the padding between the payload and the trailer is zeros on disk
+        for key in keys:
+            f, off = tier.store.location(tier.directory._index[key])
+            with open(tier.store.files[f].path, "rb") as fh:
+                pad = os.pread(fh.fileno(), layout.slot_bytes - TRAILER_BYTES - page_bytes,
+                               off + page_bytes)
+            assert pad == bytes(len(pad)), key
+        # a flipped byte in the KV part of r2 and in the rider part of r5: both misses
+        for key, at in (("r2", 10), ("r5", kv_bytes + 4000)):
+            f, off = tier.store.location(tier.directory._index[key])
+            fd = os.open(tier.store.files[f].path, os.O_RDWR)
+            try:
+                os.pwrite(fd, bytes([os.pread(fd, 1, off + at)[0] ^ 4]), off + at)
+            finally:
+                os.close(fd)
+        out = [regions(torch.zeros(page_bytes, dtype=torch.uint8), 300) for _ in data]
+        hits = tier.get_pages(keys, out)
+        assert hits == [k not in ("r2", "r5") for k in keys]
+        assert all(torch.equal(d, joined(o)) for d, o, h in zip(data, out, hits) if h)
+
+
+def test_async_calls_from_one_thread_keep_their_own_scratch_rows(tmp_path):
+    """Scratch rows are the running thread's, taken when the call runs: two ``_async`` calls
+    made back to back from one thread run on tier workers and never share rows."""
+    kv_bytes, rider_bytes = 2 * 4096, 3000
+    page_bytes = kv_bytes + rider_bytes
+    layout = BytePageLayout(page_bytes=page_bytes, kind=KIND)
+    data = contents(16, page_bytes, seed=8)
+    keys = [f"a{i}" for i in range(16)]
+
+    def regions(d):
+        return as_regions(d[:kv_bytes], [kv_bytes]) + as_regions(d[kv_bytes:], [rider_bytes],
+                                                                 skew=64)
+
+    with Tier(layout, config(tmp_path, capacity="64MiB"), device="cpu") as tier:
+        puts = [tier.put_pages_async(keys[h::2], [regions(d) for d in data[h::2]])
+                for h in (0, 1)]
+        assert all(all(f.result()) for f in puts)
+        outs = [[regions(torch.zeros(page_bytes, dtype=torch.uint8)) for _ in data[h::2]]
+                for h in (0, 1)]
+        gets = [tier.get_pages_async(keys[h::2], outs[h]) for h in (0, 1)]
+        assert all(all(f.result()) for f in gets)
+        for h in (0, 1):
+            assert all(torch.equal(d, joined(o)) for d, o in zip(data[h::2], outs[h]))
 
 
 def test_pages_written_either_way_read_either_way_after_restart(tmp_path):

@@ -61,6 +61,7 @@ from gdskv.bench.cache import drop_page_cache
 from gdskv.backends import posix
 from gdskv.config import DirectIO, TierConfig
 from gdskv.layout import BytePageLayout, KVLayout
+from gdskv.memory import alloc_host
 from gdskv.tier import Tier
 
 #: name: (KV layout fields, sidecar bytes per token, sidecar pool name)
@@ -114,11 +115,13 @@ def _storage_read_bytes() -> int:
 
 
 def _host_pool(num_pages: int, page_bytes: int, seed: int) -> torch.Tensor:
-    """A page-first host buffer of random bytes, pinned where CUDA is there (SGLang pins its
-    host pools)."""
+    """A page-first host buffer of random bytes, pinned where CUDA is there and 4 KiB aligned
+    (SGLang pins its host pools, and pinned buffers start on a page boundary: without CUDA, an
+    unaligned buffer would send the O_DIRECT KV reads through staging here but not there)."""
     g = torch.Generator().manual_seed(seed)
-    buf = torch.randint(0, 256, (num_pages, page_bytes), dtype=torch.uint8, generator=g)
-    return buf.pin_memory() if torch.cuda.is_available() else buf
+    buf = alloc_host(num_pages * page_bytes).view(num_pages, page_bytes)
+    buf.copy_(torch.randint(0, 256, (num_pages, page_bytes), dtype=torch.uint8, generator=g))
+    return buf
 
 
 def main(args) -> dict:
@@ -141,7 +144,7 @@ def main(args) -> dict:
         side_bytes = side_layout.page_bytes
         side_layout = kv_slot_layout(kv_layout, "page_first_direct", [(
             f"{side_name}(bench,page_first_direct,regions,{side_bytes})", side_bytes)])
-        side_config = kv_slot_config(base, side_layout, kv_layout.page_bytes, [side_bytes],
+        side_config = kv_slot_config(base, side_layout, kv_layout.page_bytes,
                                      directories=(side_dir,))
     else:
         side_config = store_config(base, side_layout, directories=(side_dir,),

@@ -266,18 +266,14 @@ def kv_slot_layout(kv_layout: KVLayout, kv_host_layout: str,
                           pp_size=kv.pp_size)
 
 
-def kv_slot_config(base: TierConfig, layout: BytePageLayout, kv_page_bytes: int,
-                   rider_page_bytes: Sequence[int], *,
+def kv_slot_config(base: TierConfig, layout: BytePageLayout, kv_page_bytes: int, *,
                    directories: Sequence[str]) -> TierConfig:
     """The settings of a KV store that carries ``riders``: the KV tier's, in its own
     directories, its capacity grown by the riders' share (the same number of pages as the KV
-    capacity holds), and buffered I/O where the KV tier's is ``auto`` and a rider's page is not
-    a whole number of 4 KiB blocks: its regions then start at unaligned addresses of SGLang's
-    page-first buffer, which O_DIRECT cannot move in place (as :func:`store_config`)."""
-    direct_io = base.direct_io
-    if direct_io == DirectIO.AUTO and any(n % ALIGNMENT for n in rider_page_bytes):
-        direct_io = DirectIO.OFF
-    return base.replace(directories=tuple(directories), direct_io=direct_io,
+    capacity holds). Its O_DIRECT setting is the KV tier's: under O_DIRECT the KV page moves in
+    place and the riders' pages, which start at unaligned addresses of SGLang's page-first
+    buffers, go through a scratch row in the same read (:mod:`gdskv.host_pages`)."""
+    return base.replace(directories=tuple(directories),
                         capacity=base.capacity * layout.page_bytes // kv_page_bytes)
 
 
