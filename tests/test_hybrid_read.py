@@ -31,6 +31,12 @@ def test_hybrid_read_runs_and_reports(tmp_path, store):
     # what the CPU and the storage spent per byte are reported for both reads
     assert r["cpu_per_byte_hybrid_over_kv"] > 0
     assert {"kv_storage_bytes_per_byte", "kv+sidecar_storage_bytes_per_byte"} <= set(r)
+    # plain preadv of the same slots: two passes of one pair (kv-page: one store to compare)
+    if store == "kv-page":
+        assert r["raw_pairs"] == 2 and len(r["raw_hybrid_over_kv_per_pair"]) == 2
+        assert "plain preadv of the same slots" in proc.stdout
+    else:
+        assert "raw_pairs" not in r
     kinds = [b["kind"] for b in r["passes"][0]["batches"]]
     assert kinds == ["kv", "kv+sidecar", "kv"] and r["pairs"] == 1  # the 1-page tail: no pair
     assert r["kv_GBps"] > 0 and r["kv+sidecar_GBps"] > 0

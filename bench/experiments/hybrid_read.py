@@ -45,7 +45,9 @@ import os
 import platform
 import shutil
 import statistics
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -60,8 +62,8 @@ from gdskv.adapters.sglang.sidecar import (
 from gdskv.bench.cache import drop_page_cache
 from gdskv.backends import posix
 from gdskv.config import DirectIO, TierConfig
-from gdskv.layout import BytePageLayout, KVLayout
-from gdskv.memory import alloc_host
+from gdskv.layout import BytePageLayout, KVLayout, align_up
+from gdskv.memory import alloc_host, host_numpy
 from gdskv.tier import Tier
 
 #: name: (KV layout fields, sidecar bytes per token, sidecar pool name)
@@ -98,6 +100,10 @@ def _args(argv=None):
     ap.add_argument("--no-readahead-hint", action="store_true", help="posix buffered reads "
                     "without their POSIX_FADV_WILLNEED hint (to compare)")
     ap.add_argument("--staging-size", default="256MiB", help="KV tier staging (GDSKV_STAGING_SIZE)")
+    ap.add_argument("--raw-passes", type=int, default=2, help="passes after the timed ones that "
+                    "read the same slots of the same files with plain preadv on as many threads "
+                    "(no gdskv): what the medium charges for the hybrid page's bytes (kv-page "
+                    "only)")
     return ap.parse_args(argv)
 
 
@@ -122,6 +128,49 @@ def _host_pool(num_pages: int, page_bytes: int, seed: int) -> torch.Tensor:
     buf = alloc_host(num_pages * page_bytes).view(num_pages, page_bytes)
     buf.copy_(torch.randint(0, 256, (num_pages, page_bytes), dtype=torch.uint8, generator=g))
     return buf
+
+
+def _raw_pass(tiers: dict, batches: list, keys: list, pass_no: int, threads: int) -> list:
+    """One pass of plain reads of the pages' slots (payload rounded up to 4 KiB, one ``preadv``
+    a page, on ``threads`` threads, the store's own file descriptors: O_DIRECT where it has
+    it), the batches' kinds alternating as in the timed passes: per batch (hybrid, pages, s)."""
+    local = threading.local()
+
+    def read(fd: int, offset: int, nbytes: int) -> None:
+        buf = getattr(local, "buf", None)
+        if buf is None or len(buf) < nbytes:
+            buf = local.buf = host_numpy(alloc_host(nbytes, pin=False))
+        if os.preadv(fd, [buf[:nbytes]], offset) != nbytes:
+            raise RuntimeError("a raw read came back short")
+
+    times = []
+    with ThreadPoolExecutor(threads) as pool:
+        for j, b in enumerate(batches):
+            hybrid = (j + pass_no) % 2 == 1
+            tier = tiers["kv+sidecar" if hybrid else "kv"]
+            ks = [keys[i] for i in b]
+            slots = tier.pin(ks)
+            try:
+                where = [tier.store.location(s) for s in slots]
+                nbytes = align_up(tier.layout.page_bytes)
+                t0 = time.perf_counter()
+                for f in [pool.submit(read, tier.store.files[fi].fd, off, nbytes)
+                          for fi, off in where]:
+                    f.result()
+                times.append((hybrid, len(b), time.perf_counter() - t0))
+            finally:
+                tier.unpin([s for s in slots if s is not None])
+    return times
+
+
+def _pairs(times: list) -> list:
+    """Hybrid time over KV-alone time for each pair of neighbouring batches of equal size."""
+    out = []
+    for a, b in zip(times[::2], times[1::2]):
+        if a[1] == b[1]:  # whole pairs of equal batches only
+            kv_t, hy_t = (b[2], a[2]) if a[0] else (a[2], b[2])
+            out.append(hy_t / kv_t)
+    return out
 
 
 def main(args) -> dict:
@@ -183,6 +232,7 @@ def main(args) -> dict:
     # load moves less than the wall time), bytes fetched from storage
     pairs, per_kind = [], {"kv": [0.0, 0, 0.0, 0], "kv+sidecar": [0.0, 0, 0.0, 0]}
     sidecar_calls = []  # in a hybrid batch: the sidecar call's time over its KV call's
+    raw_pairs = []      # the same pairs read with plain preadv (--raw-passes)
     try:
         with contextlib.ExitStack() as stack:
             order = [(kv_layout, base), (side_layout, side_config)]
@@ -244,14 +294,15 @@ def main(args) -> dict:
                 if not torch.equal(kv_dst, kv_src) or not torch.equal(
                         sd_dst[hybrid_pages], sd_src[hybrid_pages]):
                     raise RuntimeError(f"pass {p}: bytes read differ from bytes written")
-                for a, b in zip(times[::2], times[1::2]):
-                    if a[1] == b[1]:  # whole pairs of equal batches only
-                        kv_t, hy_t = (b[2], a[2]) if a[0] else (a[2], b[2])
-                        pairs.append(hy_t / kv_t)
+                pairs += _pairs(times)
                 result["passes"].append({"batches": [
                     {"kind": "kv+sidecar" if h else "kv", "pages": m, "ms": dt * 1e3,
                      **({"sidecar_ms": ds * 1e3} if h else {})}
                     for h, m, dt, ds in times], "cache": dropped.get("summary", "")})
+            for p in range(args.raw_passes if in_kv_page else 0):  # (own: two stores)
+                drop_page_cache(slabs)
+                raw_pairs += _pairs(_raw_pass({"kv": kv, "kv+sidecar": side}, batches, keys,
+                                              p, base.io_threads))
             for name, tier in (("kv", kv), ("sidecar", side)):  # which path the reads took
                 st = tier.stats()
                 result[f"{name}_pages_read_in_place"] = st.get("pages_read_in_place", 0)
@@ -276,6 +327,9 @@ def main(args) -> dict:
                   sidecar_time_fraction=extra, sidecar_time_fraction_range=[min(pairs) - 1,
                                                                             max(pairs) - 1],
                   sidecar_byte_fraction=share, sidecar_within_its_share=extra <= share)
+    if raw_pairs:  # what plain reads of the same slots pay for the hybrid page's bytes
+        result.update(raw_pairs=len(raw_pairs), raw_hybrid_over_kv_per_pair=raw_pairs,
+                      raw_sidecar_time_fraction=statistics.median(raw_pairs) - 1)
     return result
 
 
@@ -295,7 +349,9 @@ def report(r: dict) -> str:
         f"alone: {100 * r['sidecar_call_over_kv_call']:.1f} % of the KV call before it; CPU time "
         f"per byte, hybrid over KV alone: {r['cpu_per_byte_hybrid_over_kv']:.3f}; bytes fetched "
         f"from storage per byte read: KV {r['kv_storage_bytes_per_byte']:.3f}, hybrid "
-        f"{r['kv+sidecar_storage_bytes_per_byte']:.3f}"])
+        f"{r['kv+sidecar_storage_bytes_per_byte']:.3f}"] + ([
+        f"plain preadv of the same slots: hybrid {100 * r['raw_sidecar_time_fraction']:+.1f} % "
+        f"over KV alone (median of {r['raw_pairs']} pairs)"] if "raw_pairs" in r else []))
 
 
 if __name__ == "__main__":
