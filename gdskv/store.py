@@ -640,3 +640,33 @@ def _probe_direct(fd: int) -> str | None:
         return f"O_DIRECT read failed: {exc.strerror}"
     finally:
         buf.close()
+
+
+#: file systems whose files are their page cache: O_DIRECT reads there bypass nothing
+MEMORY_FILE_SYSTEMS = frozenset({"tmpfs", "ramfs"})
+
+
+def file_system_type(path: str, mountinfo: str = "/proc/self/mountinfo") -> str | None:
+    """The type of the file system ``path`` is (or would be created) on, from the longest mount
+    point above it in ``mountinfo``; None where that is unreadable (not Linux)."""
+    target = os.path.realpath(path)
+    best, best_type = "", None
+    try:
+        with open(mountinfo, encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                fields = line.split()
+                if "-" not in fields[6:]:
+                    continue
+                # octal escapes (\040 for a space) in the mount point
+                point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
+                inside = target == point or target.startswith(point.rstrip("/") + "/")
+                if inside and len(point) >= len(best):
+                    best, best_type = point, fields[fields.index("-", 6) + 1]
+    except (OSError, IndexError):
+        return None
+    return best_type
+
+
+def memory_backed(path: str) -> bool:
+    """Whether ``path`` is on a file system held in memory (tmpfs, ramfs), such as /dev/shm."""
+    return file_system_type(path) in MEMORY_FILE_SYSTEMS

@@ -44,6 +44,32 @@ def test_hybrid_read_runs_and_reports(tmp_path, store):
     assert os.listdir(tmp_path) == ["hybrid.json"]  # its store directories are gone
 
 
+def test_a_kv_store_with_riders_keeps_o_direct_except_in_memory():
+    """The KV store that carries the indexer takes the KV tier's O_DIRECT setting (its riders'
+    unaligned pages go through scratch rows); under ``auto`` on a file system held in memory
+    (O_DIRECT bypasses nothing there) it is buffered, so the riders move in place too."""
+    from unittest import mock
+
+    from gdskv.adapters.sglang import sidecar
+    from gdskv.config import DirectIO, TierConfig
+    from gdskv.layout import BytePageLayout
+
+    def cfg(rider_bytes, direct_io, in_memory):
+        base = TierConfig(directories=("/kv",), capacity=1 << 30, direct_io=direct_io)
+        layout = BytePageLayout(page_bytes=(1 << 20) + rider_bytes, kind="sglang/test")
+        with mock.patch.object(sidecar, "memory_backed", lambda d: in_memory):
+            return sidecar.kv_slot_config(base, layout, 1 << 20, [rider_bytes],
+                                          directories=("/side",))
+
+    indexer = 61 * 132 * 64
+    assert cfg(indexer, DirectIO.AUTO, in_memory=False).direct_io == DirectIO.AUTO
+    assert cfg(indexer, DirectIO.AUTO, in_memory=True).direct_io == DirectIO.OFF
+    assert cfg(indexer, DirectIO.ON, in_memory=True).direct_io == DirectIO.ON
+    assert cfg(8 << 10, DirectIO.AUTO, in_memory=True).direct_io == DirectIO.AUTO
+    c = cfg(indexer, DirectIO.AUTO, in_memory=False)
+    assert c.directories == ("/side",) and c.capacity == (1 << 30) * ((1 << 20) + indexer) >> 20
+
+
 def test_sidecar_pages_off_the_4k_grid_use_buffered_io_unless_asked():
     """A sidecar page that is not whole 4 KiB blocks sits at unaligned addresses of SGLang's
     page-first host buffer: with the KV tier's ``auto`` its store is buffered (in place),

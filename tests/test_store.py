@@ -98,6 +98,32 @@ def test_direct_io_off(tmp_path):
         s.close()
 
 
+def test_file_system_type_is_the_longest_mount_above_the_path(tmp_path):
+    """From mountinfo: the deepest mount point above a path (the later of two stacked on one
+    point), mount points with escaped spaces, and paths not made yet."""
+    info = tmp_path / "mountinfo"
+    info.write_text(
+        "22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/vda1 rw\n"
+        "30 22 0:26 / /dev/shm rw,nosuid shared:3 - tmpfs tmpfs rw\n"
+        "31 22 0:27 / /mnt/my\\040disk rw - xfs /dev/nvme0n1 rw\n"
+        "32 22 0:28 / /mnt rw - ext4 /dev/vdb rw\n"
+        "33 22 0:29 / /mnt rw - ramfs ramfs rw\n")
+    fs = store_mod.file_system_type
+    assert fs("/dev/shm", str(info)) == "tmpfs"
+    assert fs("/dev/shm/gdskv/not-yet/made", str(info)) == "tmpfs"
+    assert fs("/dev/shmem", str(info)) == "ext4"       # a name that only starts the same
+    assert fs("/mnt/my disk/store", str(info)) == "xfs"
+    assert fs("/mnt/other", str(info)) == "ramfs"      # stacked: the later mount is seen
+    assert fs("/var/tmp", str(info)) == "ext4"
+    assert fs("/x", str(tmp_path / "missing")) is None
+    # this machine's own: a tmpfs /dev/shm where it has one is memory-backed, its tmp_path is
+    # whatever it is
+    if store_mod.file_system_type("/dev/shm") == "tmpfs":
+        assert store_mod.memory_backed("/dev/shm/x")
+    assert store_mod.memory_backed(str(tmp_path)) == \
+        (store_mod.file_system_type(str(tmp_path)) in ("tmpfs", "ramfs"))
+
+
 def test_io_pieces_spread_a_small_call_over_the_threads():
     from gdskv.backends.base import MIN_PIECE_BYTES, io_pieces
 

@@ -193,7 +193,7 @@ def main(args) -> dict:
         side_bytes = side_layout.page_bytes
         side_layout = kv_slot_layout(kv_layout, "page_first_direct", [(
             f"{side_name}(bench,page_first_direct,regions,{side_bytes})", side_bytes)])
-        side_config = kv_slot_config(base, side_layout, kv_layout.page_bytes,
+        side_config = kv_slot_config(base, side_layout, kv_layout.page_bytes, [side_bytes],
                                      directories=(side_dir,))
     else:
         side_config = store_config(base, side_layout, directories=(side_dir,),

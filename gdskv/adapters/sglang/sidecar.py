@@ -36,6 +36,7 @@ import torch
 
 from ...config import DirectIO, TierConfig
 from ...layout import ALIGNMENT, BytePageLayout, KVLayout
+from ...store import memory_backed
 
 REGIONS = "regions"
 FLAT = "flat"
@@ -266,14 +267,22 @@ def kv_slot_layout(kv_layout: KVLayout, kv_host_layout: str,
                           pp_size=kv.pp_size)
 
 
-def kv_slot_config(base: TierConfig, layout: BytePageLayout, kv_page_bytes: int, *,
+def kv_slot_config(base: TierConfig, layout: BytePageLayout, kv_page_bytes: int,
+                   rider_page_bytes: Sequence[int], *,
                    directories: Sequence[str]) -> TierConfig:
     """The settings of a KV store that carries ``riders``: the KV tier's, in its own
     directories, its capacity grown by the riders' share (the same number of pages as the KV
     capacity holds). Its O_DIRECT setting is the KV tier's: under O_DIRECT the KV page moves in
-    place and the riders' pages, which start at unaligned addresses of SGLang's page-first
-    buffers, go through a scratch row in the same read (:mod:`gdskv.host_pages`)."""
-    return base.replace(directories=tuple(directories),
+    place and a rider's page that is not whole 4 KiB blocks (its regions start at unaligned
+    addresses of SGLang's page-first buffer) goes through a scratch row in the same read
+    (:mod:`gdskv.host_pages`). Except, under ``auto``, on a file system held in memory
+    (/dev/shm), where O_DIRECT bypasses no cache and the scratch copy is all it would add:
+    there the store is buffered and the riders move in place too."""
+    direct_io = base.direct_io
+    if direct_io == DirectIO.AUTO and any(n % ALIGNMENT for n in rider_page_bytes) and \
+            all(memory_backed(d) for d in directories):
+        direct_io = DirectIO.OFF
+    return base.replace(directories=tuple(directories), direct_io=direct_io,
                         capacity=base.capacity * layout.page_bytes // kv_page_bytes)
 
 

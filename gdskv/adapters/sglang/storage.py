@@ -351,6 +351,7 @@ class GdskvHiCacheStorage(HiCacheStorage):
                                             [(side.pool.describe(), side.pool.page_bytes)
                                              for side in riders])
                     config = kv_slot_config(self.config, layout, self.kv_layout.page_bytes,
+                                            [side.pool.page_bytes for side in riders],
                                             directories=self._store_dirs(f"kv+{names}",
                                                                          self.shard_dir))
                     what += f" + {names}"
