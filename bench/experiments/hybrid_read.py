@@ -34,7 +34,9 @@ one, against its share of the bytes (sidecar bytes over KV bytes): it should cos
 Result it produced (bench/RESULTS.md, "Hybrid models"), under bench/results/:
 ``cpu-2026-11-23/hybrid-read/`` (the development machine, /dev/shm, under load: noise-bound;
 ``own``, then the only way), ``h100-2026-11-25/kv-page/`` (both ways, the H100 machine) and
-``cpu-2026-11-25/kv-page/`` (both ways, the development machine, with CPU time per byte).
+``cpu-2026-11-25/kv-page/`` (both ways, the development machine, with CPU time per byte) and
+``h100-2026-11-25/kv-page-direct/`` (the KV page with its indexer under O_DIRECT, with plain
+``preadv`` of the same slots).
 """
 
 from __future__ import annotations
