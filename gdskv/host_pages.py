@@ -21,9 +21,9 @@ blocks. The last region moves in place too if it starts on a boundary (its parti
 through the scratch row); if not, all of it goes through the scratch row, so a page whose last
 region sits at an unaligned address (SGLang's DSA indexer after its KV page) still reads its
 aligned bulk in place with O_DIRECT. A page with no aligned leading region goes through staging
-as before, in the same call. ``Tier.stats()``
-counts both (``pages_written_in_place``, ``pages_read_in_place``, ``region_pages_staged``) and
-says why in-place is off where it is (``in_place``).
+as before, in the same call. ``Tier.stats()`` counts both (``pages_written_in_place``,
+``pages_read_in_place``, ``region_pages_staged``) and says why in-place is off where it is
+(``in_place``).
 
 A read that fails (an I/O error, a checksum mismatch) is a miss as ever, but the caller's
 regions of a missed page then hold undefined bytes (part of the read may have landed there):
@@ -86,7 +86,8 @@ class HostPagePath:
 
     def describe(self) -> dict:
         rule = ("regions 4 KiB aligned and whole 4 KiB blocks but the last, which goes through "
-                "a scratch row where it is not aligned (O_DIRECT)" if self.direct else "any host regions (buffered I/O)")
+                "a scratch row where it is not aligned (O_DIRECT)" if self.direct
+                else "any host regions (buffered I/O)")
         return {"enabled": self.enabled, "reason": self.why_not or rule}
 
     def in_place(self, regions: Sequence[torch.Tensor]) -> bool:
