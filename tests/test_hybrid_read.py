@@ -19,26 +19,42 @@ def test_hybrid_read_runs_and_reports(tmp_path, store):
     env = dict(os.environ, PYTHONPATH=REPO)
     proc = subprocess.run([sys.executable, os.path.join(REPO, "bench", "experiments",
                                                         "hybrid_read.py"),
-                           "--dir", str(tmp_path), "--pages", "5", "--batch-pages", "2", "--passes", "1",
+                           "--dir", str(tmp_path), "--pages", "9", "--batch-pages", "2", "--passes", "2",
                            "--staging-size", "20MiB", "--sidecar-store", store, "--out", str(out)],
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     r = json.loads(out.read_text())
     assert r["sidecar"] == "indexer" and r["sidecar_page_bytes"] == 61 * 132 * 64
     assert r["sidecar_store"] == store
-    # kv-page: one read of whole pages (KV + indexer) in the hybrid tier; own: its own pages
-    assert r["sidecar_pages_read_in_place"] == 2
+    # kv-page: one read of whole pages (KV + indexer) in the hybrid tier, 2 pages a pass (the
+    # other pair plain reads); own: its own pages, 2 + 2 in the first pass, 2 + 2 + 1 in the next
+    assert r["sidecar_pages_read_in_place"] == (4 if store == "kv-page" else 9)
     # what the CPU and the storage spent per byte are reported for both reads
     assert r["cpu_per_byte_hybrid_over_kv"] > 0
     assert {"kv_storage_bytes_per_byte", "kv+sidecar_storage_bytes_per_byte"} <= set(r)
-    # plain preadv of the same slots: two passes of one pair (kv-page: one store to compare)
+    # four 2-page batches and a 1-page tail (no pair) a pass; kv-page: pairs alternate gdskv and
+    # plain preadv of the same slots (one store to compare), swapped in the next pass
+    batches = [[(b["engine"], b["kind"]) for b in p["batches"]] for p in r["passes"]]
     if store == "kv-page":
+        assert batches[0] == [("gdskv", "kv"), ("gdskv", "kv+sidecar"), ("raw", "kv"),
+                              ("raw", "kv+sidecar"), ("gdskv", "kv")]
+        assert batches[1] == [("raw", "kv+sidecar"), ("raw", "kv"), ("gdskv", "kv+sidecar"),
+                              ("gdskv", "kv"), ("raw", "kv+sidecar")]
         assert r["raw_pairs"] == 2 and len(r["raw_hybrid_over_kv_per_pair"]) == 2
         assert "plain preadv of the same slots" in proc.stdout
+        lo, hi = r["raw_sidecar_total_time_fraction_bootstrap"]
+        assert lo <= r["raw_sidecar_total_time_fraction"] <= hi
+        assert r["gdskv_kv_over_raw_kv"] > 0
     else:
+        assert batches[0] == [("gdskv", "kv"), ("gdskv", "kv+sidecar")] * 2 + [("gdskv", "kv")]
         assert "raw_pairs" not in r
-    kinds = [b["kind"] for b in r["passes"][0]["batches"]]
-    assert kinds == ["kv", "kv+sidecar", "kv"] and r["pairs"] == 1  # the 1-page tail: no pair
+    assert r["pairs"] == 2 * (1 if store == "kv-page" else 2)
+    # totals over the pairs and medians, each inside its bootstrap range
+    for name in ("sidecar_total_time_fraction", "sidecar_time_fraction"):
+        lo, hi = r[f"{name}_bootstrap"]
+        assert lo <= r[name] <= hi
+    kv_s, hy_s = zip(*r["pair_seconds"])
+    assert abs(r["sidecar_total_time_fraction"] - (sum(hy_s) / sum(kv_s) - 1)) < 1e-9
     assert r["kv_GBps"] > 0 and r["kv+sidecar_GBps"] > 0
     assert "KV + indexer" in proc.stdout
     assert os.listdir(tmp_path) == ["hybrid.json"]  # its store directories are gone

@@ -25,9 +25,18 @@ so the sidecar adds 11.5 % to the bytes read.
 Each pass reads every page once, batch by batch, after dropping the slab files from the page
 cache (``fadvise``; O_DIRECT reads do not use it anyway). Batches alternate "KV alone" and "KV +
 sidecar", and the next pass swaps them, so each pair of neighbouring batches compares the two
-reads moments apart. Every byte read is checked against what was written (outside the timing).
-The sidecar's cost is the median over pairs of the hybrid time over the KV-alone time, minus
-one, against its share of the bytes (sidecar bytes over KV bytes): it should cost no more.
+reads moments apart. Every byte gdskv read is checked against what was written (outside the
+timing). The sidecar's cost is the hybrid time over the KV-alone time, minus one, against its
+share of the bytes (sidecar bytes over KV bytes): it should cost no more. Two figures: the
+total over all pairs (what a prefetch of many batches waits for) and the median over pairs
+(less moved by one slow batch), each with the 2.5-97.5 % range of 2000 bootstrap resamples of
+the pairs.
+
+With ``--raw`` (kv-page, the default there) every other pair of batches in a pass is read with
+plain ``preadv`` instead of gdskv, the same slots of the same files (one read a page, on as
+many threads, the stores' own descriptors: O_DIRECT where they have it), and the next pass
+swaps which pairs: what the medium itself charges for the hybrid page's bytes, measured at the
+same moments as gdskv.
 
     python bench/experiments/hybrid_read.py --dir /mnt/nvme/bench --out hybrid.json
 
@@ -36,7 +45,9 @@ Result it produced (bench/RESULTS.md, "Hybrid models"), under bench/results/:
 ``own``, then the only way), ``h100-2026-11-25/kv-page/`` (both ways, the H100 machine) and
 ``cpu-2026-11-25/kv-page/`` (both ways, the development machine, with CPU time per byte) and
 ``h100-2026-11-25/kv-page-direct/`` (the KV page with its indexer under O_DIRECT, with plain
-``preadv`` of the same slots).
+``preadv`` of the same slots in passes of their own, after gdskv's) and
+``h100-2026-11-25/kv-page-raw-interleaved/`` (the same, plain ``preadv`` interleaved with
+gdskv's reads; totals and medians).
 """
 
 from __future__ import annotations
@@ -45,6 +56,7 @@ import argparse
 import contextlib
 import os
 import platform
+import random
 import shutil
 import statistics
 import threading
@@ -102,10 +114,12 @@ def _args(argv=None):
     ap.add_argument("--no-readahead-hint", action="store_true", help="posix buffered reads "
                     "without their POSIX_FADV_WILLNEED hint (to compare)")
     ap.add_argument("--staging-size", default="256MiB", help="KV tier staging (GDSKV_STAGING_SIZE)")
-    ap.add_argument("--raw-passes", type=int, default=2, help="passes after the timed ones that "
-                    "read the same slots of the same files with plain preadv on as many threads "
-                    "(no gdskv): what the medium charges for the hybrid page's bytes (kv-page "
-                    "only)")
+    ap.add_argument("--raw", action=argparse.BooleanOptionalAction, default=True,
+                    help="every other pair of batches read with plain preadv of the same slots "
+                    "on as many threads (no gdskv), interleaved with gdskv's: what the medium "
+                    "charges for the hybrid page's bytes (kv-page only)")
+    ap.add_argument("--io-threads", type=int, help="GDSKV_IO_THREADS for both stores (and the "
+                    "plain reads)")
     return ap.parse_args(argv)
 
 
@@ -132,46 +146,71 @@ def _host_pool(num_pages: int, page_bytes: int, seed: int) -> torch.Tensor:
     return buf
 
 
-def _raw_pass(tiers: dict, batches: list, keys: list, pass_no: int, threads: int) -> list:
-    """One pass of plain reads of the pages' slots (payload rounded up to 4 KiB, one ``preadv``
-    a page, on ``threads`` threads, the store's own file descriptors: O_DIRECT where it has
-    it), the batches' kinds alternating as in the timed passes: per batch (hybrid, pages, s)."""
-    local = threading.local()
+class PlainReads:
+    """Plain reads of pages' slots: the payload rounded up to 4 KiB, one ``preadv`` a page into
+    a buffer of the reading thread's own, on ``threads`` threads, through the store's own file
+    descriptors (O_DIRECT where it has it)."""
 
-    def read(fd: int, offset: int, nbytes: int) -> None:
-        buf = getattr(local, "buf", None)
-        if buf is None or len(buf) < nbytes:
-            buf = local.buf = host_numpy(alloc_host(nbytes, pin=False))
-        if os.preadv(fd, [buf[:nbytes]], offset) != nbytes:
-            raise RuntimeError("a raw read came back short")
+    def __init__(self, threads: int, max_bytes: int) -> None:
+        self._local = threading.local()
+        self._max = align_up(max_bytes)
+        self._pool = ThreadPoolExecutor(threads, initializer=self._buffer)
 
-    times = []
-    with ThreadPoolExecutor(threads) as pool:
-        for j, b in enumerate(batches):
-            hybrid = (j + pass_no) % 2 == 1
-            tier = tiers["kv+sidecar" if hybrid else "kv"]
-            ks = [keys[i] for i in b]
-            slots = tier.pin(ks)
-            try:
-                where = [tier.store.location(s) for s in slots]
-                nbytes = align_up(tier.layout.page_bytes)
-                t0 = time.perf_counter()
-                for f in [pool.submit(read, tier.store.files[fi].fd, off, nbytes)
-                          for fi, off in where]:
-                    f.result()
-                times.append((hybrid, len(b), time.perf_counter() - t0))
-            finally:
-                tier.unpin([s for s in slots if s is not None])
-    return times
+    def _buffer(self) -> None:  # each thread's, made when the thread starts (untimed warm-up)
+        self._local.buf = host_numpy(alloc_host(self._max, pin=False))
+
+    def _read(self, fd: int, offset: int, nbytes: int) -> None:
+        if os.preadv(fd, [self._local.buf[:nbytes]], offset) != nbytes:
+            raise RuntimeError("a plain read came back short")
+
+    def batch(self, tier: Tier, keys: list) -> float:
+        """Seconds to read the slots of ``keys`` (pinned meanwhile, outside the clock)."""
+        slots = tier.pin(keys)
+        try:
+            if any(s is None for s in slots):
+                raise RuntimeError("a page to read plainly is not stored")
+            where = [tier.store.location(s) for s in slots]
+            nbytes = align_up(tier.layout.page_bytes)
+            t0 = time.perf_counter()
+            for f in [self._pool.submit(self._read, tier.store.files[fi].fd, off, nbytes)
+                      for fi, off in where]:
+                f.result()
+            return time.perf_counter() - t0
+        finally:
+            tier.unpin([s for s in slots if s is not None])
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
 
 
-def _pairs(times: list) -> list:
-    """Hybrid time over KV-alone time for each pair of neighbouring batches of equal size."""
+def _pairs(times: list, engine: str) -> list:
+    """(KV-alone seconds, hybrid seconds) of each pair of neighbouring batches (positions 2i,
+    2i + 1) that ``engine`` read, of equal size."""
     out = []
     for a, b in zip(times[::2], times[1::2]):
-        if a[1] == b[1]:  # whole pairs of equal batches only
-            kv_t, hy_t = (b[2], a[2]) if a[0] else (a[2], b[2])
-            out.append(hy_t / kv_t)
+        if a["engine"] == b["engine"] == engine and a["pages"] == b["pages"]:
+            kv, hy = (b, a) if a["hybrid"] else (a, b)
+            out.append((kv["s"], hy["s"]))
+    return out
+
+
+def _ratios(pairs: list, seed: int = 1, resamples: int = 2000) -> dict:
+    """Hybrid over KV alone: over all pairs' total time and the median over pairs, each with
+    the 2.5-97.5 % range of its value over bootstrap resamples of the pairs."""
+    def total(ps):
+        return sum(h for _, h in ps) / sum(k for k, _ in ps)
+
+    def median(ps):
+        return statistics.median(h / k for k, h in ps)
+
+    rng = random.Random(seed)
+    draws = [rng.choices(pairs, k=len(pairs)) for _ in range(resamples)]
+    out = {}
+    for name, stat in (("total", total), ("median", median)):
+        values = sorted(stat(d) for d in draws)
+        out[name] = stat(pairs)
+        out[f"{name}_range"] = [values[int(0.025 * resamples)],
+                                values[int(0.975 * resamples) - 1]]
     return out
 
 
@@ -189,7 +228,8 @@ def main(args) -> dict:
     # room for every page with stripe rounding to spare: nothing is evicted
     base = TierConfig.from_env(directories=(kv_dir,), backend=args.backend,
                                staging_size=args.staging_size,
-                               capacity=(n + 256) * kv_layout.slot_bytes)
+                               capacity=(n + 256) * kv_layout.slot_bytes,
+                               **({"io_threads": args.io_threads} if args.io_threads else {}))
     in_kv_page = args.sidecar_store == "kv-page"
     if in_kv_page:  # the hybrid tier's page: the KV page, then the sidecar's (as the adapter)
         side_bytes = side_layout.page_bytes
@@ -231,10 +271,11 @@ def main(args) -> dict:
               "dir": args.dir, "host": platform.node(),
               "torch": torch.__version__, "passes": []}
     # seconds, bytes, CPU seconds (all the process's threads: a measure the machine's other
-    # load moves less than the wall time), bytes fetched from storage
-    pairs, per_kind = [], {"kv": [0.0, 0, 0.0, 0], "kv+sidecar": [0.0, 0, 0.0, 0]}
+    # load moves less than the wall time), bytes fetched from storage; gdskv's reads only
+    per_kind = {"kv": [0.0, 0, 0.0, 0], "kv+sidecar": [0.0, 0, 0.0, 0]}
+    pairs = {"gdskv": [], "raw": []}
     sidecar_calls = []  # in a hybrid batch: the sidecar call's time over its KV call's
-    raw_pairs = []      # the same pairs read with plain preadv (--raw-passes)
+    raw = args.raw and in_kv_page  # (own: two stores to read, no one slot to compare)
     try:
         with contextlib.ExitStack() as stack:
             order = [(kv_layout, base), (side_layout, side_config)]
@@ -242,30 +283,43 @@ def main(args) -> dict:
                 order.reverse()
             tiers = [stack.enter_context(Tier(lay, cfg, device=args.device)) for lay, cfg in order]
             kv, side = tiers[::-1] if args.hybrid_store_first else tiers
+            plain = PlainReads(base.io_threads, side_layout.page_bytes) if raw else None
+            if plain is not None:
+                stack.callback(plain.close)
             result["hybrid_store_first"] = args.hybrid_store_first
             result["backend"] = kv.backend.name
             result["backend_detail"] = kv.backend.describe()
             result["o_direct"] = kv.store.direct
             result["sidecar_o_direct"] = side.store.direct
             result["readahead_hint"] = not args.no_readahead_hint
+            result["raw_interleaved"] = raw
             for b in batches:  # write once (untimed)
                 ks = [keys[i] for i in b]
                 sources = [[kv_src[i], sd_src[i]] if in_kv_page else [sd_src[i]] for i in b]
                 if not (all(kv.put_pages(ks, [[kv_src[i]] for i in b])) and
                         all(side.put_pages(ks, sources))):
                     raise RuntimeError("a page write failed")
+            if plain is not None:  # every plain-read thread started, its buffer made
+                for tier in (kv, side):
+                    plain.batch(tier, [keys[i] for i in batches[0]])
             slabs = [f.path for f in kv.store.files] + [f.path for f in side.store.files]
             for p in range(args.passes):
                 kv_dst.zero_()
                 sd_dst.zero_()
                 dropped = drop_page_cache(slabs)
-                times = []
+                times, read_kv, read_sidecar = [], [], []
                 for j, b in enumerate(batches):
                     # batches alternate kinds, and swap them from pass to pass: each pair of
                     # neighbours is one KV-alone and one hybrid read of as many pages, moments
-                    # apart (the noise of a shared machine hits both alike)
+                    # apart (the noise of a shared machine hits both alike); with plain reads,
+                    # pairs alternate gdskv and plain reads, swapped from pass to pass too
                     hybrid = (j + p) % 2 == 1
+                    engine = "raw" if raw and (j // 2 + p) % 2 else "gdskv"
                     ks = [keys[i] for i in b]
+                    if engine == "raw":
+                        times.append({"engine": engine, "hybrid": hybrid, "pages": len(b),
+                                      "s": plain.batch(side if hybrid else kv, ks)})
+                        continue
                     io0, c0, t0 = _storage_read_bytes(), time.process_time(), time.perf_counter()
                     if hybrid and in_kv_page:  # batch_get_v1 reads both; batch_get_v2 asks
                         ok = side.get_pages(ks, [sidecar_regions(i) for i in b])
@@ -283,8 +337,11 @@ def main(args) -> dict:
                     fetched = _storage_read_bytes() - io0
                     if not all(ok):
                         raise RuntimeError(f"a page read failed (pass {p}, batch {j})")
-                    times.append((hybrid, len(b), dt, t0 + dt - t_kv))
+                    times.append({"engine": engine, "hybrid": hybrid, "pages": len(b), "s": dt,
+                                  **({"sidecar_s": t0 + dt - t_kv} if hybrid else {})})
+                    read_kv += b
                     if hybrid:
+                        read_sidecar += b
                         sidecar_calls.append((t0 + dt - t_kv) / (t_kv - t0))
                     kind = per_kind["kv+sidecar" if hybrid else "kv"]
                     kind[0] += dt
@@ -292,29 +349,26 @@ def main(args) -> dict:
                     kind[3] += fetched
                     kind[1] += len(b) * (kv_layout.page_bytes +
                                          (sidecar_page_bytes if hybrid else 0))
-                hybrid_pages = [i for (h, *_), b in zip(times, batches) if h for i in b]
-                if not torch.equal(kv_dst, kv_src) or not torch.equal(
-                        sd_dst[hybrid_pages], sd_src[hybrid_pages]):
+                if not torch.equal(kv_dst[read_kv], kv_src[read_kv]) or not torch.equal(
+                        sd_dst[read_sidecar], sd_src[read_sidecar]):
                     raise RuntimeError(f"pass {p}: bytes read differ from bytes written")
-                pairs += _pairs(times)
+                for engine in pairs:
+                    pairs[engine] += _pairs(times, engine)
                 result["passes"].append({"batches": [
-                    {"kind": "kv+sidecar" if h else "kv", "pages": m, "ms": dt * 1e3,
-                     **({"sidecar_ms": ds * 1e3} if h else {})}
-                    for h, m, dt, ds in times], "cache": dropped.get("summary", "")})
-            for p in range(args.raw_passes if in_kv_page else 0):  # (own: two stores)
-                drop_page_cache(slabs)
-                raw_pairs += _pairs(_raw_pass({"kv": kv, "kv+sidecar": side}, batches, keys,
-                                              p, base.io_threads))
+                    {"engine": t["engine"], "kind": "kv+sidecar" if t["hybrid"] else "kv",
+                     "pages": t["pages"], "ms": t["s"] * 1e3,
+                     **({"sidecar_ms": t["sidecar_s"] * 1e3} if "sidecar_s" in t else {})}
+                    for t in times], "cache": dropped.get("summary", "")})
             for name, tier in (("kv", kv), ("sidecar", side)):  # which path the reads took
                 st = tier.stats()
                 result[f"{name}_pages_read_in_place"] = st.get("pages_read_in_place", 0)
                 result[f"{name}_pages_read_staged"] = st.get("region_pages_read_staged", 0)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    if not pairs:
-        raise RuntimeError(f"no pair of {bp}-page batches: use --pages >= {2 * bp}")
+    if not pairs["gdskv"]:
+        raise RuntimeError(f"no pair of {bp}-page batches read by gdskv: use --pages >= "
+                           f"{(4 if raw else 2) * bp}")
     share = sidecar_page_bytes / kv_layout.page_bytes
-    extra = statistics.median(pairs) - 1
     result.update({f"{k}_GBps": nbytes / sec / 1e9 for k, (sec, nbytes, *_) in per_kind.items()})
     # CPU time per byte read, the hybrid read's over the KV read's: 1.0 when the sidecar's
     # bytes cost what the KV's do
@@ -325,14 +379,39 @@ def main(args) -> dict:
                    for k, (_, nbytes, _, fetched) in per_kind.items()})
     result.update(cpu_per_byte_hybrid_over_kv=cpu_per_byte["kv+sidecar"] / cpu_per_byte["kv"])
     result.update(sidecar_call_over_kv_call=statistics.median(sidecar_calls))
-    result.update(pairs=len(pairs), hybrid_over_kv_per_pair=pairs,
-                  sidecar_time_fraction=extra, sidecar_time_fraction_range=[min(pairs) - 1,
-                                                                            max(pairs) - 1],
-                  sidecar_byte_fraction=share, sidecar_within_its_share=extra <= share)
-    if raw_pairs:  # what plain reads of the same slots pay for the hybrid page's bytes
-        result.update(raw_pairs=len(raw_pairs), raw_hybrid_over_kv_per_pair=raw_pairs,
-                      raw_sidecar_time_fraction=statistics.median(raw_pairs) - 1)
+    ours = _ratios(pairs["gdskv"])
+    result.update(pairs=len(pairs["gdskv"]),
+                  hybrid_over_kv_per_pair=[h / k for k, h in pairs["gdskv"]],
+                  pair_seconds=pairs["gdskv"],
+                  sidecar_time_fraction=ours["median"] - 1,
+                  sidecar_time_fraction_range=[min(h / k for k, h in pairs["gdskv"]) - 1,
+                                               max(h / k for k, h in pairs["gdskv"]) - 1],
+                  sidecar_time_fraction_bootstrap=[x - 1 for x in ours["median_range"]],
+                  sidecar_total_time_fraction=ours["total"] - 1,
+                  sidecar_total_time_fraction_bootstrap=[x - 1 for x in ours["total_range"]],
+                  sidecar_byte_fraction=share,
+                  sidecar_within_its_share=ours["total"] - 1 <= share)
+    if pairs["raw"]:  # what plain reads of the same slots pay for the hybrid page's bytes
+        theirs = _ratios(pairs["raw"])
+        result.update(raw_pairs=len(pairs["raw"]),
+                      raw_hybrid_over_kv_per_pair=[h / k for k, h in pairs["raw"]],
+                      raw_pair_seconds=pairs["raw"],
+                      raw_sidecar_time_fraction=theirs["median"] - 1,
+                      raw_sidecar_time_fraction_bootstrap=[x - 1 for x in theirs["median_range"]],
+                      raw_sidecar_total_time_fraction=theirs["total"] - 1,
+                      raw_sidecar_total_time_fraction_bootstrap=[
+                          x - 1 for x in theirs["total_range"]],
+                      # gdskv's KV-alone time over plain reads' (their pairs' totals): what
+                      # gdskv adds to a plain model's read on this medium
+                      gdskv_kv_over_raw_kv=(sum(k for k, _ in pairs["gdskv"]) / len(pairs["gdskv"]))
+                      / (sum(k for k, _ in pairs["raw"]) / len(pairs["raw"])))
     return result
+
+
+def _fraction(r: dict, prefix: str, name: str) -> str:
+    """``+12.3 % [+11.0, +13.9]`` for ``{prefix}sidecar_{name}`` and its bootstrap range."""
+    lo, hi = r[f"{prefix}sidecar_{name}_bootstrap"]
+    return f"{100 * r[f'{prefix}sidecar_{name}']:+.1f} % [{100 * lo:+.1f}, {100 * hi:+.1f}]"
 
 
 def report(r: dict) -> str:
@@ -343,17 +422,19 @@ def report(r: dict) -> str:
         "| read | GB/s (all bytes read) |", "|---|---|",
         f"| KV alone | {r['kv_GBps']:.2f} |",
         f"| KV + {r['sidecar']} | {r['kv+sidecar_GBps']:.2f} |",
-        f"sidecar time: {100 * r['sidecar_time_fraction']:+.1f} % (median of {r['pairs']} "
-        f"pairs; {100 * r['sidecar_time_fraction_range'][0]:+.1f} to "
-        f"{100 * r['sidecar_time_fraction_range'][1]:+.1f} %) for "
-        f"{100 * r['sidecar_byte_fraction']:+.1f} % bytes "
-        f"({'within' if r['sidecar_within_its_share'] else 'OVER'} its share); the sidecar call "
-        f"alone: {100 * r['sidecar_call_over_kv_call']:.1f} % of the KV call before it; CPU time "
-        f"per byte, hybrid over KV alone: {r['cpu_per_byte_hybrid_over_kv']:.3f}; bytes fetched "
-        f"from storage per byte read: KV {r['kv_storage_bytes_per_byte']:.3f}, hybrid "
+        f"sidecar time over {r['pairs']} pairs: total "
+        f"{_fraction(r, '', 'total_time_fraction')}, median "
+        f"{_fraction(r, '', 'time_fraction')} for {100 * r['sidecar_byte_fraction']:+.1f} % "
+        f"bytes ({'within' if r['sidecar_within_its_share'] else 'OVER'} its share, total); "
+        f"the sidecar call alone: {100 * r['sidecar_call_over_kv_call']:.1f} % of the KV call "
+        f"before it; CPU time per byte, hybrid over KV alone: "
+        f"{r['cpu_per_byte_hybrid_over_kv']:.3f}; bytes fetched from storage per byte read: "
+        f"KV {r['kv_storage_bytes_per_byte']:.3f}, hybrid "
         f"{r['kv+sidecar_storage_bytes_per_byte']:.3f}"] + ([
-        f"plain preadv of the same slots: hybrid {100 * r['raw_sidecar_time_fraction']:+.1f} % "
-        f"over KV alone (median of {r['raw_pairs']} pairs)"] if "raw_pairs" in r else []))
+        f"plain preadv of the same slots, interleaved ({r['raw_pairs']} pairs): hybrid over KV "
+        f"alone total {_fraction(r, 'raw_', 'total_time_fraction')}, median "
+        f"{_fraction(r, 'raw_', 'time_fraction')}; gdskv's KV-alone time over plain reads' "
+        f"{r['gdskv_kv_over_raw_kv']:.3f}"] if "raw_pairs" in r else []))
 
 
 if __name__ == "__main__":
