@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import mmap
 import os
 import platform
 import random
@@ -63,6 +64,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import torch
 
 import experiment_helpers
@@ -74,6 +76,7 @@ from gdskv.adapters.sglang.sidecar import (
     store_config,
 )
 from gdskv.bench.cache import drop_page_cache
+from gdskv import host_pages
 from gdskv.backends import posix
 from gdskv.config import DirectIO, TierConfig
 from gdskv.layout import BytePageLayout, KVLayout, align_up
@@ -118,9 +121,32 @@ def _args(argv=None):
                     help="every other pair of batches read with plain preadv of the same slots "
                     "on as many threads (no gdskv), interleaved with gdskv's: what the medium "
                     "charges for the hybrid page's bytes (kv-page only)")
+    ap.add_argument("--plain-memory", choices=sorted(MEMORY_KINDS), default="pageable",
+                    help="the plain reads' buffers: pageable (an anonymous mapping), huge "
+                    "(the same, advised to transparent huge pages) or pinned (CUDA's)")
+    ap.add_argument("--scratch-memory", choices=["gdskv"] + sorted(MEMORY_KINDS),
+                    default="gdskv", help="gdskv's scratch rows (the indexer's unaligned "
+                    "region is read into them): as gdskv allocates them, or forced (to compare)")
     ap.add_argument("--io-threads", type=int, help="GDSKV_IO_THREADS for both stores (and the "
                     "plain reads)")
     return ap.parse_args(argv)
+
+
+def _mapping(nbytes: int, advice: int | None = None) -> torch.Tensor:
+    """``nbytes`` of an anonymous mapping (page aligned), ``madvise``d with ``advice``."""
+    m = mmap.mmap(-1, max(nbytes, 4096))
+    if advice is not None:
+        m.madvise(advice)
+    return torch.from_numpy(np.frombuffer(m, dtype=np.uint8))[:nbytes]
+
+
+#: host memory an O_DIRECT read may land in: the kinds compared (what an I/O's pages are made
+#: of decides how many segments the block layer needs for it)
+MEMORY_KINDS = {
+    "pageable": lambda n: _mapping(n),
+    "huge": lambda n: _mapping(n, getattr(mmap, "MADV_HUGEPAGE", None)),
+    "pinned": lambda n: alloc_host(n, pin=True),
+}
 
 
 def _storage_read_bytes() -> int:
@@ -151,13 +177,14 @@ class PlainReads:
     a buffer of the reading thread's own, on ``threads`` threads, through the store's own file
     descriptors (O_DIRECT where it has it)."""
 
-    def __init__(self, threads: int, max_bytes: int) -> None:
+    def __init__(self, threads: int, max_bytes: int, memory: str = "pageable") -> None:
         self._local = threading.local()
         self._max = align_up(max_bytes)
+        self._alloc = MEMORY_KINDS[memory]
         self._pool = ThreadPoolExecutor(threads, initializer=self._buffer)
 
     def _buffer(self) -> None:  # each thread's, made when the thread starts (untimed warm-up)
-        self._local.buf = host_numpy(alloc_host(self._max, pin=False))
+        self._local.buf = host_numpy(self._alloc(self._max))
 
     def _read(self, fd: int, offset: int, nbytes: int) -> None:
         if os.preadv(fd, [self._local.buf[:nbytes]], offset) != nbytes:
@@ -246,6 +273,8 @@ def main(args) -> dict:
     sidecar_page_bytes = side_layout.page_bytes - (kv_layout.page_bytes if in_kv_page else 0)
     if args.no_readahead_hint:
         posix.READAHEAD_HINT_BYTES = 1 << 62
+    if args.scratch_memory != "gdskv":
+        host_pages.alloc_host = lambda n, pin=None: MEMORY_KINDS[args.scratch_memory](n)
     if args.sidecar_direct_io != "adapter":
         side_config = side_config.replace(direct_io=DirectIO(args.sidecar_direct_io))
     # host pools: what SGLang's page_first_direct pools hold, written from `src`, read to `dst`
@@ -283,7 +312,8 @@ def main(args) -> dict:
                 order.reverse()
             tiers = [stack.enter_context(Tier(lay, cfg, device=args.device)) for lay, cfg in order]
             kv, side = tiers[::-1] if args.hybrid_store_first else tiers
-            plain = PlainReads(base.io_threads, side_layout.page_bytes) if raw else None
+            plain = PlainReads(base.io_threads, side_layout.page_bytes,
+                               args.plain_memory) if raw else None
             if plain is not None:
                 stack.callback(plain.close)
             result["hybrid_store_first"] = args.hybrid_store_first
@@ -293,6 +323,8 @@ def main(args) -> dict:
             result["sidecar_o_direct"] = side.store.direct
             result["readahead_hint"] = not args.no_readahead_hint
             result["raw_interleaved"] = raw
+            result["plain_memory"] = args.plain_memory
+            result["scratch_memory"] = args.scratch_memory
             for b in batches:  # write once (untimed)
                 ks = [keys[i] for i in b]
                 sources = [[kv_src[i], sd_src[i]] if in_kv_page else [sd_src[i]] for i in b]
