@@ -118,10 +118,15 @@ class HostPagePath:
         """This thread's scratch bytes for one call's rows, kept for its next call: a fresh
         mapping per call would fault in every page of it (SGLang's indexer rows are 66 MB a
         128-page call). A call uses them only until it returns (calls of one thread never
-        overlap)."""
+        overlap).
+
+        Pinned where CUDA is usable, as the host pools that hand us the rest of the page are:
+        on the H100 machine's virtio disk an O_DIRECT read into pageable memory took about 1.2x
+        as long as into pinned memory, so the indexer's bytes read through pageable rows cost
+        +18 % for +11.5 % of the bytes (bench/RESULTS.md, "Hybrid models")."""
         buf = getattr(self._local, "scratch", None)
         if buf is None or len(buf) < nbytes:
-            buf = self._local.scratch = host_numpy(alloc_host(nbytes, pin=False))
+            buf = self._local.scratch = host_numpy(alloc_host(nbytes))
         return buf[:nbytes]
 
     def call(self, pages: Sequence[Sequence[torch.Tensor]]) -> "InPlacePages":

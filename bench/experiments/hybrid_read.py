@@ -121,9 +121,10 @@ def _args(argv=None):
                     help="every other pair of batches read with plain preadv of the same slots "
                     "on as many threads (no gdskv), interleaved with gdskv's: what the medium "
                     "charges for the hybrid page's bytes (kv-page only)")
-    ap.add_argument("--plain-memory", choices=sorted(MEMORY_KINDS), default="pageable",
-                    help="the plain reads' buffers: pageable (an anonymous mapping), huge "
-                    "(the same, advised to transparent huge pages) or pinned (CUDA's)")
+    ap.add_argument("--plain-memory", choices=sorted(MEMORY_KINDS), default="default",
+                    help="the plain reads' buffers: as gdskv's host pools (default: pinned where "
+                    "CUDA is usable), pageable (an anonymous mapping), huge (the same, advised to "
+                    "transparent huge pages) or pinned (CUDA's)")
     ap.add_argument("--scratch-memory", choices=["gdskv"] + sorted(MEMORY_KINDS),
                     default="gdskv", help="gdskv's scratch rows (the indexer's unaligned "
                     "region is read into them): as gdskv allocates them, or forced (to compare)")
@@ -146,6 +147,8 @@ MEMORY_KINDS = {
     "pageable": lambda n: _mapping(n),
     "huge": lambda n: _mapping(n, getattr(mmap, "MADV_HUGEPAGE", None)),
     "pinned": lambda n: alloc_host(n, pin=True),
+    # gdskv's and SGLang's host buffers: pinned where CUDA is usable, pageable otherwise
+    "default": lambda n: alloc_host(n),
 }
 
 
