@@ -46,8 +46,8 @@ Result it produced (bench/RESULTS.md, "Hybrid models"), under bench/results/:
 ``cpu-2026-11-25/kv-page/`` (both ways, the development machine, with CPU time per byte) and
 ``h100-2026-11-25/kv-page-direct/`` (the KV page with its indexer under O_DIRECT, with plain
 ``preadv`` of the same slots in passes of their own, after gdskv's) and
-``h100-2026-11-25/kv-page-raw-interleaved/`` (the same, plain ``preadv`` interleaved with
-gdskv's reads; totals and medians).
+``h100-2026-11-25/kv-page-pinned-rows/`` and ``h200-2026-11-25/kv-page-pinned-rows/`` (plain
+``preadv`` interleaved with gdskv's reads, totals and medians; the scratch rows' memory).
 """
 
 from __future__ import annotations
