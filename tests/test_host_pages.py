@@ -474,3 +474,32 @@ def test_kvikio_moves_host_regions_in_place(tmp_path):
         assert all(torch.equal(d, o[0]) for d, o in zip(data, out))
         s = tier.stats()
         assert s["pages_written_in_place"] == 10 and s["pages_read_in_place"] == 10
+
+
+def test_scratch_rows_are_pinned_where_cuda_is_usable_and_kept_per_thread(monkeypatch):
+    """A thread's scratch rows come from the tier's host allocator with its default pinning
+    (pinned where CUDA is usable: an O_DIRECT read into pageable memory is slower, and the
+    indexer's bytes go through these rows), are made once and reused by the next call, and
+    are the thread's own."""
+    import threading
+
+    import gdskv.host_pages as host_pages
+
+    calls = []
+
+    def recording_alloc(nbytes, **kwargs):
+        calls.append(kwargs)
+        return alloc_host(nbytes, **kwargs)
+
+    monkeypatch.setattr(host_pages, "alloc_host", recording_alloc)
+    path = HostPagePath(BytePageLayout(page_bytes=8192, kind=KIND), "", True, 2)
+    first = path.scratch(3 * 4096)
+    assert path.scratch(2 * 4096).ctypes.data == first.ctypes.data  # kept, not remade
+    assert len(calls) == 1 and calls[0].get("pin") is None  # the allocator's default pinning
+    if HAS_CUDA:
+        assert torch.from_numpy(first).is_pinned()
+    other = []
+    t = threading.Thread(target=lambda: other.append(path.scratch(4096).ctypes.data))
+    t.start()
+    t.join()
+    assert len(calls) == 2 and other[0] != first.ctypes.data  # another thread: rows of its own
