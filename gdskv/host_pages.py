@@ -121,9 +121,10 @@ class HostPagePath:
         overlap).
 
         Pinned where CUDA is usable, as the host pools that hand us the rest of the page are:
-        on the H100 machine's virtio disk an O_DIRECT read into pageable memory took about 1.2x
-        as long as into pinned memory, so the indexer's bytes read through pageable rows cost
-        +18 % for +11.5 % of the bytes (bench/RESULTS.md, "Hybrid models")."""
+        on the GPU machines' virtio disk an O_DIRECT read into pageable memory took 1.1-1.2x as
+        long as into pinned memory, so the indexer's bytes read through pageable rows cost
+        +15 % for +11.5 % of the bytes, +10 % through pinned ones (bench/RESULTS.md, "Hybrid
+        models")."""
         buf = getattr(self._local, "scratch", None)
         if buf is None or len(buf) < nbytes:
             buf = self._local.scratch = host_numpy(alloc_host(nbytes))
