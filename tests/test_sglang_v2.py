@@ -56,8 +56,9 @@ def single_rank_parallel_state():
 
 
 # -- SGLang's host pools, built on CPU ----------------------------------------------------------
-def kv_host(layout="page_first_direct", *, mla=False, page_size=PAGE, pages=HOST_PAGES):
-    return make_host_pool(mla=mla, layout=layout, page_size=page_size, layers=LAYERS,
+def kv_host(layout="page_first_direct", *, mla=False, page_size=PAGE, pages=HOST_PAGES,
+            layers=LAYERS):
+    return make_host_pool(mla=mla, layout=layout, page_size=page_size, layers=layers,
                           heads=HEADS, head_dim=HEAD_DIM, mla_dim=MLA_DIM, pages=pages)
 
 
@@ -81,11 +82,11 @@ def swa_host(layout="page_first_direct"):
                           head_dim=HEAD_DIM, mla_dim=MLA_DIM, pages=HOST_PAGES)
 
 
-def dsa_device(page_size=DSA_PAGE, pages=4):
+def dsa_device(page_size=DSA_PAGE, pages=4, layers=LAYERS):
     """SGLang's DSA (DeepSeek V3.2) device pool on CPU: MLA KV plus the indexer's buffers."""
     from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
     return DSATokenToKVPool(size=pages * page_size, page_size=page_size, kv_lora_rank=16,
-                            dtype=torch.bfloat16, qk_rope_head_dim=8, layer_num=LAYERS,
+                            dtype=torch.bfloat16, qk_rope_head_dim=8, layer_num=layers,
                             device="cpu", index_head_dim=128, enable_memory_saver=False,
                             kv_cache_dim=MLA_DIM)
 
@@ -388,11 +389,17 @@ def test_controller_mamba_and_draft_backup_restart_prefetch(tmp_path):
                            page_of(dst[PoolName.MAMBA], int(op.pool_transfers[0].host_indices[0])))
 
 
-def test_controller_dsa_indexer_rides_in_the_kv_page(tmp_path):
+@pytest.mark.parametrize("layers", [LAYERS, 4])
+def test_controller_dsa_indexer_rides_in_the_kv_page(tmp_path, layers):
     """DeepSeek V3.2 (MLA KV + the DSA indexer: KV-derived, ALL_PAGES) by the real controller:
     the indexer's page is stored in its KV page (one store, one read, one checksum), written by
     the controller's batch_set_v2 and read by its batch_get_v1; the batch_get_v2 that follows
-    each KV batch reads nothing more. Bit-exact across a restart."""
+    each KV batch reads nothing more. Bit-exact across a restart.
+
+    With 4 layers the KV page is whole 4 KiB blocks (4 x 64 tokens x 48 B), as a real model's
+    is, so under O_DIRECT it moves in place out of SGLang's page-aligned host pool and the
+    indexer's page, whose slots start at unaligned addresses, through a scratch row in the same
+    I/O; with 2 layers (6 KiB) the page goes through staging."""
     from sglang.srt.mem_cache.utils import get_hash_str
     n = 150  # two controller batches
     g = torch.Generator().manual_seed(30)
@@ -402,9 +409,17 @@ def test_controller_dsa_indexer_rides_in_the_kv_page(tmp_path):
                             hit_policy=ALL)]
 
     def entries():
-        dev = dsa_device()
-        kv = kv_host(mla=True, page_size=DSA_PAGE)
+        dev = dsa_device(layers=layers)
+        kv = kv_host(mla=True, page_size=DSA_PAGE, layers=layers)
         return dev, {PoolName.KV: kv, PoolName.INDEXER: indexer_host(kv, dev)}
+
+    def moved_in_place(tier, direction: str) -> bool:
+        """Whether every page moved in place (else: staged), checked against the rule."""
+        st = tier.stats()
+        in_place, staged = (st.get(f"pages_{direction}_in_place", 0),
+                            st.get(f"region_pages_{direction}_staged", 0))
+        assert in_place + staged == n
+        return staged == 0
 
     dev, src = entries()
     for pool in src.values():
@@ -418,6 +433,9 @@ def test_controller_dsa_indexer_rides_in_the_kv_page(tmp_path):
         assert op.completed_tokens == n * DSA_PAGE
         assert op.pool_storage_result.extra_pool_hit_pages == {PoolName.INDEXER: n}
         assert b.tier.stats()["pages_stored"] == n
+        direct = b.tier.store.direct
+        whole_blocks = layers * DSA_PAGE * MLA_DIM * 2 % 4096 == 0
+        assert moved_in_place(b.tier, "written") == (whole_blocks or not direct)
     model_dir = tmp_path / "l3" / "org-tiny-hybrid"
     assert sorted(p.name for p in model_dir.iterdir()) == ["kv+indexer"]
 
@@ -429,6 +447,7 @@ def test_controller_dsa_indexer_rides_in_the_kv_page(tmp_path):
             ctrl, tokens, [PoolTransfer(**vars(t)) for t in indexer], page=DSA_PAGE)
         assert completed == n * DSA_PAGE
         assert tier.stats()["hits"] - read_before == n  # each page read once
+        assert moved_in_place(tier, "read") == (whole_blocks or not direct)
         for name in (PoolName.KV, PoolName.INDEXER):
             for a, c in zip(host[::DSA_PAGE].tolist(), host2[::DSA_PAGE].tolist()):
                 assert torch.equal(page_of(src[name], a), page_of(dst[name], c))
