@@ -133,19 +133,19 @@ def _args(argv=None):
     return ap.parse_args(argv)
 
 
-def _mapping(nbytes: int, advice: int | None = None) -> torch.Tensor:
-    """``nbytes`` of an anonymous mapping (page aligned), ``madvise``d with ``advice``."""
+def _huge_page_mapping(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of an anonymous mapping (page aligned) advised to transparent huge pages."""
     m = mmap.mmap(-1, max(nbytes, 4096))
-    if advice is not None:
-        m.madvise(advice)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        m.madvise(mmap.MADV_HUGEPAGE)
     return torch.from_numpy(np.frombuffer(m, dtype=np.uint8))[:nbytes]
 
 
-#: host memory an O_DIRECT read may land in: the kinds compared (what an I/O's pages are made
-#: of decides how many segments the block layer needs for it)
+#: host memory an O_DIRECT read may land in: the kinds compared (on the GPU machines' disk the
+#: kind changed the read's speed: bench/RESULTS.md, "Pinned scratch rows")
 MEMORY_KINDS = {
-    "pageable": lambda n: _mapping(n),
-    "huge": lambda n: _mapping(n, getattr(mmap, "MADV_HUGEPAGE", None)),
+    "pageable": lambda n: alloc_host(n, pin=False),   # an anonymous mapping
+    "huge": _huge_page_mapping,
     "pinned": lambda n: alloc_host(n, pin=True),
     # gdskv's and SGLang's host buffers: pinned where CUDA is usable, pageable otherwise
     "default": lambda n: alloc_host(n),
