@@ -93,6 +93,7 @@ class GpuVerdicts:
         buffers.want.copy_(buffers.host_want, non_blocking=True)
         self.pages = len(wants)
         self._queued: list[tuple[int, int]] = []   # (first position, pages) per chunk
+        self._plans: dict[int, tuple] = {}         # first position -> (part, pages, last, launches)
         self._read_back = False
 
     @property
@@ -100,11 +101,32 @@ class GpuVerdicts:
         """See :attr:`VerdictBuffers.slot_buffers`."""
         return self._buf.slot_buffers
 
+    def plan(self, drain: PoolCopier, part: torch.Tensor, first: int, page_idx: list[int],
+             last: bool = False) -> None:
+        """Make a chunk's launches and their graph key ahead of :meth:`scatter` (the call's
+        slot indices must be prepared): done while the chunk's read is under way, this host
+        work (tens of µs on a busy host) is off the path from the read's end to the return."""
+        self._plans[first] = (part, len(page_idx), last,
+                              self._launches(drain, part, first, page_idx, last))
+
     def scatter(self, drain: PoolCopier, part: torch.Tensor, first: int,
                 page_idx: list[int], last: bool = False) -> None:
         """Queue the verify + scatter of ``part``'s pages, the call's pages ``first`` .. on;
         ``last``: the call's last chunk, whose launches also copy the flags to the host (one
         step fewer for the call to queue: :meth:`read_back` then has nothing to do)."""
+        n = len(page_idx)
+        plan = self._plans.pop(first, None)
+        if plan is not None and plan[0] is part and plan[1] == n and plan[2] == last:
+            key, launch = plan[3]
+        else:
+            key, launch = self._launches(drain, part, first, page_idx, last)
+        self._buf.graphs.run(key, launch)
+        self._queued.append((first, n))
+        self._read_back = last
+
+    def _launches(self, drain: PoolCopier, part: torch.Tensor, first: int,
+                  page_idx: list[int], last: bool) -> tuple[tuple, object]:
+        """(graph key, the launches) of a chunk's verify + scatter."""
         n, buf = len(page_idx), self._buf
         slots, address = drain.graph_slots(page_idx)
         table = drain.pool.row_table
@@ -121,10 +143,8 @@ class GpuVerdicts:
                 buf.host_flags.copy_(buf.ok, non_blocking=True)
 
         # Every address and scalar the launches use (see gdskv.launch_graphs).
-        buf.graphs.run(("restore", part.data_ptr(), n, first, last, address,
-                        table.table.data_ptr(), table.align, buf.restore_addresses), launch)
-        self._queued.append((first, n))
-        self._read_back = last
+        return ("restore", part.data_ptr(), n, first, last, address, table.table.data_ptr(),
+                table.align, buf.restore_addresses), launch
 
     def read_back(self) -> None:
         """Queue the flags' copy to the host (after every scatter queued so far)."""

@@ -691,6 +691,8 @@ class Tier:
         except BaseException:
             if held is not None:
                 self._staging.give_back(held)
+            for i in synced_parts:  # an exception before the sync: the GPU may still read it
+                self._staging.give_back(i, self._stream)
             for item in pending:  # let in-flight I/O end before giving its slots back
                 item[3].exception()
             self.directory.abort([s for c in chunks[finished:] for _, s in c])
@@ -766,6 +768,7 @@ class Tier:
         verdicts = None
         # the call's counters, added to the stats once at its end (each add costs host time)
         tally = {"bytes_read": 0, "read_seconds": 0.0, "read_failed": 0}
+        synced_parts: list[int] = []  # parts given back after the call's sync, not before
         settled = False
         pinned = True
 
@@ -778,7 +781,7 @@ class Tier:
                                            tally)
             else:
                 self._finish_read(keys, *pending.popleft(), drain, results, corrupt, verdicts,
-                                  tally)
+                                  tally, synced_parts)
 
         try:
             for k, chunk in enumerate(chunks):
@@ -791,9 +794,9 @@ class Tier:
                     continue
                 held = self._take_part(pending, finish_oldest)
                 extents = self.store.extents([s for _, s, _ in chunk])
+                part = self._staging[held]
                 pending.append((chunk, k * self._chunk_pages, held, extents,
-                                self.backend.read(self._staging[held], extents),
-                                time.perf_counter()))
+                                self.backend.read(part, extents), time.perf_counter()))
                 held = None
                 if k == 0:
                     # The first read is under way: the call takes its turn on the stream, its
@@ -806,6 +809,9 @@ class Tier:
                     verdicts = self._gpu_verdicts(drain, todo)
                     drain.prepare([i for i, _, _ in todo],
                                   into=verdicts.slot_buffers if verdicts is not None else None)
+                if verdicts is not None:  # its launches made while its read runs
+                    verdicts.plan(drain, part, k * self._chunk_pages, [i for i, _, _ in chunk],
+                                  last=k == len(chunks) - 1)
             while pending:
                 finish_oldest()
             if stream is not None:
@@ -819,12 +825,16 @@ class Tier:
             pinned = False
             self._unpin(todo)
             self._copies_done()
+            while synced_parts:  # nothing reads them now: no event for their next user
+                self._staging.give_back(synced_parts.pop())
             if verdicts is not None:
                 self._settle(keys, todo, verdicts, results, corrupt, tally)
             settled = True
         finally:
             if held is not None:
                 self._staging.give_back(held)
+            for i in synced_parts:  # an exception before the sync: the GPU may still read it
+                self._staging.give_back(i, self._stream)
             for item in pending:  # not drained: its part is free once its read has ended
                 item[4].exception()
                 if item[2] is not None:
@@ -846,20 +856,24 @@ class Tier:
 
     def _finish_read(self, keys, chunk, first: int, part_index: int, extents, fut: Future,
                      t0: float, drain: PageCopier, results: list[bool], corrupt: list,
-                     verdicts: GpuVerdicts | None, tally: dict) -> None:
+                     verdicts: GpuVerdicts | None, tally: dict, synced_parts: list[int]) -> None:
         """Verify and drain one chunk (its read ended or ends now); ``first`` is the chunk's
         first position in the call's read order. With ``verdicts``, a chunk whose I/O moved
         every page is verified and scattered in one launch, and its hits are counted when the
-        call settles (:meth:`_settle`)."""
+        call settles (:meth:`_settle`); the call's last such chunk leaves its part in
+        ``synced_parts``, for the call to give back after its sync (one event fewer to record
+        here and for the part's next user to wait for)."""
         part = self._staging[part_index]
         good: list[int] = []
+        after_sync = False
         try:
             outcome: IOOutcome = fut.result()
             failed = self._failed_positions(outcome, extents, "read")
             if verdicts is not None and not failed:
-                verdicts.scatter(drain, part, first, [i for i, _, _ in chunk],
-                                 last=first + len(chunk) == verdicts.pages)
+                last = first + len(chunk) == verdicts.pages
+                verdicts.scatter(drain, part, first, [i for i, _, _ in chunk], last=last)
                 tally["read_seconds"] += time.perf_counter() - t0
+                after_sync = last
                 return
             if self.config.verify:
                 sums = self._verify_sums(part, chunk)
@@ -884,8 +898,10 @@ class Tier:
                         packed[j * sb:(j + 1) * sb].copy_(part[pos * sb:(pos + 1) * sb])
                     drain(packed, [chunk[pos][0] for pos in good])
         finally:
-            # Free as soon as the scatter is queued; its next user waits for this event.
-            self._staging.give_back(part_index, self._stream)
+            if after_sync:
+                synced_parts.append(part_index)
+            else:  # free as soon as the scatter is queued; its next user waits for this event
+                self._staging.give_back(part_index, self._stream)
         for pos in good:
             results[chunk[pos][0]] = True
         tally["bytes_read"] += len(good) * self.layout.page_bytes
