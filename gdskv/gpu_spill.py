@@ -1,11 +1,18 @@
-"""A spill's gather and checksums on the GPU, replayed from a CUDA graph per chunk shape.
+"""A spill's gather, checksums and slot trailers on the GPU, replayed from a CUDA graph per chunk
+shape.
 
-A chunk of a spill from a GPU pool is gathered into its staging part (one Triton launch),
-hashed into partial sums (another), and the sums are read back for the host to finish: the
-slot trailers and the journal need them there (:class:`gdskv.checksum.GpuPageChecksummer`).
-:class:`GpuSpill` queues those three steps as one replay of a graph captured per chunk shape
-(:mod:`gdskv.launch_graphs`), into the calling thread's reused buffers
-(:class:`gdskv.gpu_verdicts.VerdictBuffers`), whose addresses the graph keys name.
+A chunk of a spill from a GPU pool is gathered into its staging part (one Triton launch) and
+hashed into partial sums (another); a third launch finishes each page's checksum and *seals*
+its slot trailer in the part: the host encoded the trailers with checksum 0 before the gather
+(everything in them but the checksum is known then), and the kernel puts the checksum in and
+corrects the trailer's crc32c for it (:func:`gdskv.slot_trailer.checksum_crc_table`). The
+checksums come back for the journal. So the part is ready to write after one sync, with no
+host step between the GPU work and the write (before, the host finished the checksums, encoded
+the trailers and uploaded them, and synchronized a second time: about 0.2 ms of a 1-page spill
+on the H100's host, bench/RESULTS.md). :class:`GpuSpill` queues the trailers' upload and the
+three launches as one replay of a graph captured per chunk shape (:mod:`gdskv.launch_graphs`),
+into the calling thread's reused buffers (:class:`gdskv.gpu_verdicts.VerdictBuffers`), whose
+addresses the graph keys name.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import numpy as np
 import torch
 
 from . import kernels as kd
+from . import slot_trailer
 from .copiers import PoolCopier
 from .gpu_verdicts import VerdictBuffers
 
@@ -30,28 +38,35 @@ class GpuSpill:
         buffers.take(len(order), stream)
         fill.prepare(order, into=buffers.slot_buffers)
 
-    def gather(self, part: torch.Tensor, page_idx: list[int]) -> None:
-        """Queue the chunk's gather into ``part``, its partial sums and their copy to the host;
+    def gather(self, part: torch.Tensor, page_idx: list[int], trailers: list[bytes]) -> None:
+        """Queue the chunk's gather into ``part``, its checksums, its slot trailers (``trailers``,
+        encoded with checksum 0, sealed on the GPU) and the checksums' copy to the host;
         :meth:`sums` reads them once the stream has synchronized."""
         n, buf, fill = len(page_idx), self._buf, self.fill
+        tb = slot_trailer.TRAILER_BYTES
+        # (the previous chunk's upload has run: the tier synchronized before writing it)
+        buf.host_trailers_np[:n * tb] = np.frombuffer(b"".join(trailers), dtype=np.uint8)
         slots, address = fill.graph_slots(page_idx)
         table = fill.pool.row_table
 
         def launch() -> None:
+            buf.trailers.copy_(buf.host_trailers, non_blocking=True)  # (whole: no slice op)
             fill.kernel(fill.pool, fill.layout,
                         fill.chunk_slots(page_idx) if slots is None else slots, part)
-            kd.page_partial_sums(part, n, self.page_bytes, self.slot_bytes, out=buf.partial)
-            buf.host_partial.copy_(buf.partial, non_blocking=True)
+            partial = kd.page_partial_sums(part, n, self.page_bytes, self.slot_bytes,
+                                           out=buf.partial)
+            kd.seal_pages(part, n, partial, self.page_bytes, self.slot_bytes, buf.trailers,
+                          slot_trailer.CHECKSUM_OFFSET, slot_trailer.CRC_OFFSET,
+                          buf.crc_table, buf.sums)
+            buf.host_sums.copy_(buf.sums, non_blocking=True)
 
         # Every address and scalar the launches use (see gdskv.launch_graphs).
         buf.graphs.run(("spill", part.data_ptr(), n, address, table.table.data_ptr(),
-                        table.align, buf.partial.data_ptr(), buf.host_partial.data_ptr()),
-                       launch)
+                        table.align, buf.spill_addresses), launch)
 
     def sums(self, n: int) -> np.ndarray:
-        """The chunk's page checksums (after the stream has synchronized)."""
-        return kd.checksum.finalize_partials_host(self._buf.host_partial_np[:n],
-                                                  self.page_bytes)
+        """The chunk's page checksums, uint64 (after the stream has synchronized)."""
+        return self._buf.host_sums_np[:n].copy()
 
     def done(self) -> None:
         """The call's copies have finished: the buffers are free for the thread's next call."""

@@ -16,6 +16,7 @@ verified on every read of the page, as the journal's is.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
 from collections.abc import Hashable
@@ -31,6 +32,9 @@ KEY_BYTES = 256
 _FIXED = struct.Struct("<4sHBBIQQQQ16s")
 _CRC = struct.Struct("<I")
 TRAILER_BYTES = _FIXED.size + _CRC.size + KEY_BYTES  # 320
+#: where the payload checksum (u64) and the trailer's crc32c (u32) sit in a trailer
+CHECKSUM_OFFSET = struct.calcsize("<4sHBBIQQ")  # 28
+CRC_OFFSET = _FIXED.size  # 60
 
 
 class Trailer(NamedTuple):
@@ -55,6 +59,42 @@ def encode(version: int, store_id: int, slot: int, key: Hashable, seq: int, chec
     inline = raw if len(raw) <= KEY_BYTES else b""
     tail = inline.ljust(KEY_BYTES, b"\0")
     return fixed + _CRC.pack(crc32c.crc32c(fixed + tail)) + tail
+
+
+@functools.cache
+def checksum_crc_table() -> np.ndarray:
+    """How each bit of the payload checksum changes a trailer's crc32c: entry ``b`` is the
+    crc32c change when bit ``b`` of the checksum is set, whatever the other fields hold.
+
+    A CRC is affine in its message: for messages of one length, ``crc(x ^ y) = crc(x) ^
+    crc(y) ^ crc(0)``. So the crc32c of a trailer encoded with checksum ``c`` is that of the
+    same trailer encoded with checksum 0, XOR the entries of the bits set in ``c``: the GPU
+    seals a trailer the host encoded before the checksum was known (:func:`seal`,
+    :func:`gdskv.kernels.seal_pages`). uint32 ``[64]``.
+    """
+    size = _FIXED.size + KEY_BYTES  # the bytes the crc covers: all but itself
+    zero = crc32c.crc32c(bytes(size))
+    table = np.zeros(64, dtype=np.uint32)
+    for bit in range(64):
+        msg = bytearray(size)
+        msg[CHECKSUM_OFFSET:CHECKSUM_OFFSET + 8] = (1 << bit).to_bytes(8, "little")
+        table[bit] = crc32c.crc32c(bytes(msg)) ^ zero
+    return table
+
+
+def seal(trailer: bytes, checksum: int) -> bytes:
+    """``trailer`` (encoded with checksum 0) as :func:`encode` would have made it with
+    ``checksum``: the checksum put in and the crc32c corrected through
+    :func:`checksum_crc_table`. What the GPU's seal does, on the host (its reference)."""
+    table = checksum_crc_table()
+    (crc,) = _CRC.unpack_from(trailer, CRC_OFFSET)
+    for bit in range(64):
+        if checksum >> bit & 1:
+            crc ^= int(table[bit])
+    out = bytearray(trailer)
+    out[CHECKSUM_OFFSET:CHECKSUM_OFFSET + 8] = checksum.to_bytes(8, "little")
+    _CRC.pack_into(out, CRC_OFFSET, crc)
+    return bytes(out)
 
 
 def decode(data: bytes | memoryview) -> Trailer | None:

@@ -37,6 +37,7 @@ are :mod:`.persistence`; the call gate :mod:`.call_gate`; the admission filter
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import threading
 import time
@@ -528,19 +529,27 @@ class Tier:
                 self._checksums.compute(self._staging[0], pages)
                 if pool is not None:
                     kd.scatter_pages(pool, lay, slots, self._staging[0])
-                if pool is not None and self.config.verify:  # restores' kernel variant
-                    self._warm_up_verified_scatter(pool, slots, pages)
+                if pool is not None and self.config.verify:  # restores' and spills' variants
+                    self._warm_up_gpu_checksums(pool, slots, pages)
             self._copies_done()
         self._stream.synchronize()
 
-    def _warm_up_verified_scatter(self, pool: KVPool, slots: torch.Tensor, pages: int) -> None:
-        """The verifying scatter restores use (:mod:`.gpu_verdicts`) is a kernel variant of its
-        own: compile it here too, into the throwaway warm-up pool."""
+    def _warm_up_gpu_checksums(self, pool: KVPool, slots: torch.Tensor, pages: int) -> None:
+        """The verifying scatter restores use (:mod:`.gpu_verdicts`) and the seal spills use
+        (:mod:`.gpu_spill`) are kernel variants of their own: compile them here too, into the
+        throwaway warm-up pool and staging part."""
         lay, part = self.layout, self._staging[0]
+        partial = kd.page_partial_sums(part, pages, lay.page_bytes, lay.slot_bytes)
         kd.scatter_pages_verified(pool, lay, slots, part, kd.Verdicts(
-            kd.page_partial_sums(part, pages, lay.page_bytes, lay.slot_bytes),
-            torch.zeros(pages, dtype=torch.int64, device=self.device),
+            partial, torch.zeros(pages, dtype=torch.int64, device=self.device),
             torch.empty(pages, dtype=torch.int8, device=self.device), lay.page_bytes))
+        if self._checksums.algorithm == checksum.GPU_PAGE and kd.uses_triton(self.device):
+            words = slot_trailer.TRAILER_BYTES // 4
+            kd.seal_pages(part, pages, partial, lay.page_bytes, lay.slot_bytes,
+                          torch.zeros(pages, words, dtype=torch.int32, device=self.device),
+                          slot_trailer.CHECKSUM_OFFSET, slot_trailer.CRC_OFFSET,
+                          torch.zeros(64, dtype=torch.int32, device=self.device),
+                          torch.empty(pages, dtype=torch.int64, device=self.device))
 
     def _warm_up_backend(self) -> None:
         """Read into every staging part once, now: from GPU memory the backends bounce through
@@ -666,18 +675,19 @@ class Tier:
                     continue
                 held = self._take_part(pending, finish_oldest)
                 part = self._staging[held]
-                if spill is not None:
-                    spill.gather(part, [i for i, _ in chunk])
+                if spill is not None:  # trailers sealed on the GPU: one sync, then the write
+                    seqs, trailers = self._trailers(keys, chunk, itertools.repeat(0))
+                    spill.gather(part, [i for i, _ in chunk], trailers)
                     self._copies_done()
                     sums = spill.sums(len(chunk))
                 else:
                     fill(part, [i for i, _ in chunk])
                     sums = self._checksums.compute(part, len(chunk)) if self.config.verify \
                         else np.zeros(len(chunk), dtype=np.uint64)
-                seqs, trailers = self._trailers(keys, chunk, sums)
-                slot_trailer.write_into(part, self.layout.slot_bytes, trailers,
-                                        self._trailer_buffer())
-                self._copies_done()
+                    seqs, trailers = self._trailers(keys, chunk, sums)
+                    slot_trailer.write_into(part, self.layout.slot_bytes, trailers,
+                                            self._trailer_buffer())
+                    self._copies_done()
                 extents = self.store.extents([s for _, s in chunk])
                 fut = self.backend.write(part, extents)
                 # the part is free once its bytes are written: fdatasync and journal need not it

@@ -28,7 +28,7 @@ from .reference import (gather_pages_layer_reference, gather_pages_reference,
 __all__ = ["gather_pages", "scatter_pages", "gather_pages_layer", "scatter_pages_layer",
            "gather_pages_reference", "scatter_pages_reference", "gather_pages_layer_reference",
            "scatter_pages_layer_reference", "staging_pages_view", "page_checksums",
-           "page_checksums_reference", "page_partial_sums", "scatter_pages_verified",
+           "page_checksums_reference", "page_partial_sums", "seal_pages", "scatter_pages_verified",
            "scatter_pages_verified_reference", "Verdicts", "triton_available", "uses_triton"]
 
 
@@ -127,3 +127,15 @@ def page_checksums(staging: torch.Tensor, num_pages: int, page_bytes: int,
         from .triton_checksum import page_checksums_triton
         return page_checksums_triton(staging, num_pages, page_bytes, slot_bytes)
     return page_checksums_reference(staging, num_pages, page_bytes, slot_bytes)
+
+
+def seal_pages(staging: torch.Tensor, num_pages: int, partial: torch.Tensor, page_bytes: int,
+               slot_bytes: int, trailers: torch.Tensor, checksum_offset: int, crc_offset: int,
+               crc_table: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Finish ``num_pages`` checksums from their partial sums into ``out`` and write each
+    page's slot trailer, checksum and crc32c completed, at the end of its slot in ``staging``:
+    one Triton launch (:func:`.triton_checksum.seal_pages_triton`; there is no torch
+    reference: a spill seals on the GPU only where it checksums there, :mod:`gdskv.gpu_spill`)."""
+    from .triton_checksum import seal_pages_triton
+    return seal_pages_triton(staging, num_pages, partial, page_bytes, slot_bytes, trailers,
+                             checksum_offset, crc_offset, crc_table, out)

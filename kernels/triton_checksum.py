@@ -19,13 +19,15 @@ from triton.runtime.jit import JITFunction
 
 from .checksum import GOLDEN, as_int64, check_checksum_args
 
-__all__ = ["page_checksums_triton", "page_partial_sums_triton", "chunks_per_page", "BLOCK",
-           "ITERS"]
+__all__ = ["page_checksums_triton", "page_partial_sums_triton", "seal_pages_triton",
+           "chunks_per_page", "BLOCK", "ITERS"]
 
 # tl.sum's own combine function: the kernel avoids tl.zeros/tl.sum (themselves @jit functions,
 # which only run under the interpreter when TRITON_INTERPRET was set before triton was
 # imported), and the interpreter recognizes this combine function and reduces with numpy.
 _SUM = tl.standard._sum_combine
+# tl.xor_sum's combine function (the interpreter applies it element by element: 64 of them)
+_XOR = tl.standard._xor_combine
 
 
 def page_hash_kernel(words_ptr, bytes_ptr, partial_ptr, n_full, tail_bytes, slot_words,
@@ -68,10 +70,21 @@ def page_hash_kernel(words_ptr, bytes_ptr, partial_ptr, n_full, tail_bytes, slot
     tl.store(partial_ptr + page * n_chunks + chunk, s.to(tl.int64, bitcast=True))
 
 
-def page_hash_finalize_kernel(partial_ptr, out_ptr, n_chunks, length_term,
-                              BLOCK: tl.constexpr):
+def page_hash_finalize_kernel(partial_ptr, out_ptr, n_chunks, length_term, trailers_ptr,
+                              words_ptr, slot_words, trailer_word, crc_table_ptr,
+                              BLOCK: tl.constexpr, SEAL: tl.constexpr,
+                              TRAILER_WORDS: tl.constexpr, TRAILER_BLOCK: tl.constexpr,
+                              CHECKSUM_WORD: tl.constexpr, CRC_WORD: tl.constexpr):
     """Per page: ``fmix(sum of its chunk sums + length_term)`` (step 4 of the algorithm);
-    ``length_term`` = ``page_bytes * GOLDEN mod 2**64`` as an int64 bit pattern."""
+    ``length_term`` = ``page_bytes * GOLDEN mod 2**64`` as an int64 bit pattern.
+
+    ``SEAL``: also write the page's slot trailer into staging (int32 ``words_ptr``, at word
+    ``trailer_word`` of the page's slot, ``slot_words`` apart): the page's trailer words from
+    ``trailers_ptr`` (``TRAILER_WORDS`` per page, encoded with checksum 0), with the checksum
+    put in at ``CHECKSUM_WORD`` (two little-endian words) and the trailer's crc32c at
+    ``CRC_WORD`` corrected for it: a CRC is affine in its message, so the checksum's bits
+    change it by the XOR of ``crc_table_ptr``'s entries for the bits that are set
+    (:func:`gdskv.slot_trailer.checksum_crc_table`)."""
     page = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, BLOCK)  # BLOCK >= n_chunks: one masked load, no loop
     acc = tl.load(partial_ptr + page * n_chunks + i, mask=i < n_chunks, other=0).to(
@@ -83,9 +96,25 @@ def page_hash_finalize_kernel(partial_ptr, out_ptr, n_chunks, length_term,
     z = z * 0x94D049BB133111EB
     z = z ^ (z >> 31)
     tl.store(out_ptr + page, z.to(tl.int64, bitcast=True))
+    if SEAL:
+        b = tl.arange(0, 64)
+        bits = (z >> b.to(tl.uint64)) & 1
+        terms = tl.where(bits == 1, tl.load(crc_table_ptr + b), 0)
+        crc_delta = tl.reduce(terms, 0, _XOR)
+        w = tl.arange(0, TRAILER_BLOCK)
+        m = w < TRAILER_WORDS
+        t = tl.load(trailers_ptr + page * TRAILER_WORDS + w, mask=m, other=0)
+        low = (z & 0xFFFFFFFF).to(tl.uint32).to(tl.int32, bitcast=True)
+        high = (z >> 32).to(tl.uint32).to(tl.int32, bitcast=True)
+        t = tl.where(w == CHECKSUM_WORD, low, t)
+        t = tl.where(w == CHECKSUM_WORD + 1, high, t)
+        t = tl.where(w == CRC_WORD, t ^ crc_delta, t)
+        tl.store(words_ptr + page * slot_words + trailer_word + w, t, mask=m)
 
 
-_final_cuda = JITFunction(page_hash_finalize_kernel, do_not_specialize=["n_chunks", "length_term"])
+_final_cuda = JITFunction(page_hash_finalize_kernel,
+                          do_not_specialize=["n_chunks", "length_term", "slot_words",
+                                             "trailer_word"])
 _final_interp = InterpretedFunction(page_hash_finalize_kernel)
 _hash_cuda = JITFunction(page_hash_kernel, do_not_specialize=["tail_bytes", "n_chunks"])
 _hash_interp = InterpretedFunction(page_hash_kernel)
@@ -156,8 +185,55 @@ def page_checksums_triton(staging: torch.Tensor, num_pages: int, page_bytes: int
     out = torch.empty(num_pages, dtype=torch.int64, device=staging.device)
     if num_pages == 0:
         return out
+    _finalize(partial, num_pages, page_bytes, out)
+    return out
+
+
+def _finalize(partial: torch.Tensor, num_pages: int, page_bytes: int, out: torch.Tensor,
+              seal: tuple | None = None) -> None:
+    """One launch of :func:`page_hash_finalize_kernel` over ``num_pages`` rows of ``partial``;
+    ``seal``: (staging, slot_bytes, trailers, trailer_bytes, checksum_offset, crc_offset,
+    crc_table), see :func:`seal_pages_triton`."""
     n_chunks = partial.shape[1]
-    final = _final_interp if staging.device.type == "cpu" else _final_cuda
+    final = _final_interp if partial.device.type == "cpu" else _final_cuda
+    if seal is None:  # (the trailer arguments are unused: any tensor will do)
+        trailers = words = table = out
+        slot_words = trailer_word = tw = cw = crcw = 0
+    else:
+        staging, slot_bytes, trailers, trailer_bytes, csum_off, crc_off, table = seal
+        words = staging[:staging.numel() // 4 * 4].view(torch.int32)
+        slot_words, tw = slot_bytes // 4, trailer_bytes // 4
+        trailer_word, cw, crcw = slot_words - tw, csum_off // 4, crc_off // 4
     final[(num_pages,)](partial, out, n_chunks, as_int64(page_bytes * GOLDEN % (1 << 64)),
-                        BLOCK=triton.next_power_of_2(n_chunks))
+                        trailers, words, slot_words, trailer_word, table,
+                        BLOCK=triton.next_power_of_2(n_chunks), SEAL=seal is not None,
+                        TRAILER_WORDS=tw, TRAILER_BLOCK=triton.next_power_of_2(max(tw, 1)),
+                        CHECKSUM_WORD=cw, CRC_WORD=crcw)
+
+
+def seal_pages_triton(staging: torch.Tensor, num_pages: int, partial: torch.Tensor,
+                      page_bytes: int, slot_bytes: int, trailers: torch.Tensor,
+                      checksum_offset: int, crc_offset: int, crc_table: torch.Tensor,
+                      out: torch.Tensor) -> torch.Tensor:
+    """Finish the checksums of ``num_pages`` pages from their partial sums
+    (:func:`page_partial_sums_triton`) into ``out`` (int64, at least ``num_pages``) and write
+    each page's slot trailer at the end of its slot in ``staging``: ``trailers`` (int32, one
+    row of ``trailer_bytes // 4`` words per page, encoded with checksum 0) with the checksum put
+    in at byte ``checksum_offset`` and the crc32c at ``crc_offset`` corrected for it through
+    ``crc_table`` (int32 ``[64]``). One launch; the offsets must be multiples of 4."""
+    if checksum_offset % 4 or crc_offset % 4 or slot_bytes % 4 or staging.data_ptr() % 4:
+        raise ValueError("seal_pages: staging, slot_bytes and the trailer offsets must be "
+                         "multiples of 4")
+    if trailers.dtype != torch.int32 or not trailers.is_contiguous() \
+            or crc_table.dtype != torch.int32 or crc_table.numel() != 64:
+        raise ValueError("seal_pages: trailers must be contiguous int32 rows and crc_table "
+                         "int32 [64]")
+    trailer_bytes = trailers.shape[-1] * 4
+    if trailers.shape[0] < num_pages or trailer_bytes > slot_bytes - page_bytes:
+        raise ValueError(f"seal_pages: {trailers.shape[0]} trailers of {trailer_bytes} B for "
+                         f"{num_pages} pages of {page_bytes} B in {slot_bytes} B slots")
+    if num_pages:
+        _finalize(partial, num_pages, page_bytes, out,
+                  (staging, slot_bytes, trailers, trailer_bytes, checksum_offset, crc_offset,
+                   crc_table))
     return out

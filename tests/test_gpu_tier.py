@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
+from gdskv import slot_trailer
 from gdskv.config import TierConfig
 from gdskv.layout import KVLayout
 from gdskv.memory import cuda_available
+from gdskv.store import JOURNAL
 from gdskv.tier import Tier
+from reliability_helpers import slot_location
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not cuda_available(), reason="needs a CUDA device (none here)")]
@@ -167,9 +172,11 @@ def test_pool_copier_prepared_runs_and_other_chunks(slots_on, dtype, into):
 
 @pytest.mark.parametrize("graphs", [True, False])
 def test_spills_replayed_from_a_graph_round_trip_and_survive_a_restart(tmp_path, graphs):
-    """Spills of a repeated shape replay their gather + checksum launches from a CUDA graph
-    (gdskv.gpu_spill): each replay gathers that call's own slots, and the checksums it hands
-    the journal are right (a restarted tier verifies every page against them)."""
+    """Spills of a repeated shape replay their gather + checksum + seal launches from a CUDA
+    graph (gdskv.gpu_spill): each replay gathers that call's own slots, the checksums it hands
+    the journal are right (a restarted tier verifies every page against them), and the slot
+    trailers it seals on the GPU say the same (a tier whose journal is gone rebuilds from
+    them)."""
     lay = KVLayout(num_layers=4, page_size=16, head_dim=128, kv_heads=8, dtype="bf16")
     slots = 64 * lay.page_size
     pool = _gpu_pool(lay, slots, seed=11)
@@ -187,18 +194,31 @@ def test_spills_replayed_from_a_graph_round_trip_and_survive_a_restart(tmp_path,
         graph_set = tier._per_thread.buffers.graphs
         assert (graph_set.captures >= 1 and graph_set.replays > graph_set.captures) if graphs \
             else graph_set.captures == graph_set.replays == 0
-    with Tier(lay, cfg, device="cuda") as tier:  # restart: pages verified on the way back
-        keys = list(written)
-        out = tuple(torch.zeros_like(p) for p in pool)
-        dst = torch.arange(len(keys) * lay.page_size, device="cuda")
-        assert tier.get(keys, out, dst) == [True] * len(keys)
-        torch.cuda.synchronize()
-        for i, k in enumerate(keys):
-            rows = dst[i * lay.page_size:(i + 1) * lay.page_size]
-            for a, b in zip(pool, out):
-                assert torch.equal(a.view(torch.int16)[:, written[k].cuda()],
-                                   b.view(torch.int16)[:, rows]), k
-        assert tier.stats()["corrupt_pages"] == 0
+        # Each slot's trailer (sealed on the GPU) names its page as the journal does.
+        commits = {k: tier.directory._checksum[tier.directory._index[k]] for k in written}
+        for k in written:
+            path, off = slot_location(tier, k)
+            with open(path, "rb") as f:
+                f.seek(off + lay.slot_bytes - slot_trailer.TRAILER_BYTES)
+                t = slot_trailer.decode(f.read(slot_trailer.TRAILER_BYTES))
+            assert t is not None and t.key == k and t.checksum == int(commits[k]), k
+    for journal in ("kept", "deleted"):  # restart: pages verified on the way back
+        if journal == "deleted":  # rebuilt from the trailers alone
+            os.unlink(tmp_path / JOURNAL)
+        with Tier(lay, cfg, device="cuda") as tier:
+            keys = list(written)
+            out = tuple(torch.zeros_like(p) for p in pool)
+            dst = torch.arange(len(keys) * lay.page_size, device="cuda")
+            assert tier.get(keys, out, dst) == [True] * len(keys), journal
+            torch.cuda.synchronize()
+            for i, k in enumerate(keys):
+                rows = dst[i * lay.page_size:(i + 1) * lay.page_size]
+                for a, b in zip(pool, out):
+                    assert torch.equal(a.view(torch.int16)[:, written[k].cuda()],
+                                       b.view(torch.int16)[:, rows]), k
+            assert tier.stats()["corrupt_pages"] == 0
+            assert tier.stats().get("header_scan_pages", 0) == \
+                (len(keys) if journal == "deleted" else 0)
 
 
 def test_on_stream_is_torch_stream_context():

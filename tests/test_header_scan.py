@@ -7,6 +7,7 @@ import json
 import os
 
 import crc32c
+import numpy as np
 import pytest
 import torch
 
@@ -37,6 +38,19 @@ def test_trailer_round_trip(key):
         bad[i] ^= 0x40
         assert slot_trailer.decode(bytes(bad)) is None, i
     assert slot_trailer.decode(bytes(len(raw))) is None
+
+
+@pytest.mark.parametrize("key", ["k", "é" * 128, b"\x00\xff" * 128, "x" * 300])
+def test_sealing_a_zero_checksum_trailer_is_encoding_with_the_checksum(key):
+    """What the GPU does to a spill's trailers (gdskv.gpu_spill): the checksum put into a
+    trailer encoded with checksum 0, its crc32c corrected through the per-bit table."""
+    rng = np.random.default_rng(5)
+    zeroed = slot_trailer.encode(FORMAT_VERSION, 77, 5, key, 9, 0, 2)
+    for csum in [0, 1, 1 << 63, (1 << 64) - 1, *rng.integers(0, 1 << 63, 20, dtype=np.int64)]:
+        csum = int(csum)
+        sealed = slot_trailer.seal(zeroed, csum)
+        assert sealed == slot_trailer.encode(FORMAT_VERSION, 77, 5, key, 9, csum, 2)
+        assert slot_trailer.decode(sealed).checksum == csum
 
 
 @pytest.mark.parametrize("device", [

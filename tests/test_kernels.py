@@ -416,6 +416,47 @@ def test_partial_sums_finish_to_the_checksum_on_host(device):
             assert got.tolist() == want.numpy().view(np.uint64).tolist()
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_seal_writes_the_trailer_encode_would_with_the_checksum(device):
+    """The spill's seal (gdskv.gpu_spill): checksums finished on the GPU and put, with the
+    crc32c they change, into trailers the host encoded with checksum 0; bytes equal to
+    slot_trailer.encode's with the real checksum, payload and padding untouched."""
+    from gdskv import slot_trailer as st
+    from gdskv.kernels import seal_pages
+    page_bytes, slot_bytes, num_pages = 5000, 8192, 3
+    gen = torch.Generator().manual_seed(21)
+    buf = torch.randint(0, 256, (num_pages * slot_bytes,), dtype=torch.uint8,
+                        generator=gen).to(device)
+    before = buf.clone()
+    keys = ["a" * 64, b"\x00raw-key", "x" * (st.KEY_BYTES + 9)]  # inline, bytes, digest only
+    zeroed = [st.encode(1, 77, 10 + p, keys[p], 500 + p, 0, 2) for p in range(num_pages)]
+    trailers = torch.frombuffer(bytearray(b"".join(zeroed)), dtype=torch.int32).view(
+        num_pages, -1).to(device)
+    table = torch.from_numpy(st.checksum_crc_table().view(np.int32)).to(device)
+    partial = page_partial_sums(buf, num_pages, page_bytes, slot_bytes)
+    out = torch.full((num_pages + 2,), -1, dtype=torch.int64, device=device)
+    seal_pages(buf, num_pages, partial, page_bytes, slot_bytes, trailers, st.CHECKSUM_OFFSET,
+               st.CRC_OFFSET, table, out)
+    want = page_checksums_reference(before.cpu(), num_pages, page_bytes, slot_bytes)
+    assert out[:num_pages].cpu().tolist() == want.tolist() and out[num_pages:].eq(-1).all()
+    got, ref = buf.cpu().numpy(), before.cpu().numpy()
+    for p in range(num_pages):
+        end = (p + 1) * slot_bytes
+        csum = int(want[p]) % (1 << 64)
+        trailer = bytes(got[end - st.TRAILER_BYTES:end])
+        assert trailer == st.encode(1, 77, 10 + p, keys[p], 500 + p, csum, 2)
+        assert trailer == st.seal(zeroed[p], csum)
+        assert st.decode(trailer).checksum == csum
+        assert (got[p * slot_bytes:end - st.TRAILER_BYTES] ==
+                ref[p * slot_bytes:end - st.TRAILER_BYTES]).all()  # payload and padding
+    with pytest.raises(ValueError, match="multiples of 4"):
+        seal_pages(buf, 1, partial, page_bytes, slot_bytes, trailers, st.CHECKSUM_OFFSET + 2,
+                   st.CRC_OFFSET, table, out)
+    with pytest.raises(ValueError, match="trailers"):
+        seal_pages(buf, num_pages + 1, partial, page_bytes, slot_bytes, trailers,
+                   st.CHECKSUM_OFFSET, st.CRC_OFFSET, table, out)
+
+
 # -- GPU: full-size geometries -----------------------------------------------------------------
 
 @pytest.mark.gpu
