@@ -8,8 +8,9 @@ its slot trailer in the part: the host encoded the trailers with checksum 0 befo
 corrects the trailer's crc32c for it (:func:`gdskv.slot_trailer.checksum_crc_table`). The
 checksums come back for the journal. So the part is ready to write after one sync, with no
 host step between the GPU work and the write (before, the host finished the checksums, encoded
-the trailers and uploaded them, and synchronized a second time: about 0.2 ms of a 1-page spill
-on the H100's host, bench/RESULTS.md). :class:`GpuSpill` queues the trailers' upload and the
+the trailers and uploaded them, and synchronized a second time: 0.19 ms of a 1-page spill on
+the H100's host, ``bench/results/h100-2026-11-24/call-path/call2-shm-abab/timeline_new_2M.txt``).
+:class:`GpuSpill` queues the trailers' upload and the
 three launches as one replay of a graph captured per chunk shape (:mod:`gdskv.launch_graphs`),
 into the calling thread's reused buffers (:class:`gdskv.gpu_verdicts.VerdictBuffers`), whose
 addresses the graph keys name.
