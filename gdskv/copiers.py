@@ -24,9 +24,11 @@ KernelCopy = Callable[[object, KVLayout, torch.Tensor, torch.Tensor], None]
 
 
 class PageCopier(abc.ABC):
-    def prepare(self, order: Sequence[int], into=None) -> None:
+    def prepare(self, order: Sequence[int], into=None, defer_upload: bool = False) -> bool:
         """Get ready to move these pages in this order (once per call, before its first
-        chunk is filled or drained; a restore's first read may be under way already)."""
+        chunk is filled or drained; a restore's first read may be under way already).
+        Returns whether an upload was left to the caller (see :meth:`PoolCopier.prepare`)."""
+        return False
 
     @abc.abstractmethod
     def __call__(self, staging: torch.Tensor, page_idx: list[int]) -> None:
@@ -57,12 +59,16 @@ class PoolCopier(PageCopier):
         self._slots_ptr = 0         # _device_slots' address and its entries' size
         self._slot_size = 0
 
-    def prepare(self, order: Sequence[int], into=None) -> None:
+    def prepare(self, order: Sequence[int], into=None, defer_upload: bool = False) -> bool:
         """``into``: (pinned int64 numpy view, its tensor, a device int64 tensor), each of at
         least ``len(order) * page_size`` entries: the indices go up into these buffers (which
-        a thread reuses, so launch graphs can name them) instead of new ones."""
+        a thread reuses, so launch graphs can name them) instead of new ones.
+        ``defer_upload`` (with ``into``): indices in host memory are only put in the pinned
+        buffer; returns True when they were, and the caller must queue the copy
+        ``into[2].copy_(into[1], non_blocking=True)`` before the kernels read them (a spill's
+        launch graph does: one host step fewer)."""
         if not order or self.pool.device.type != "cuda":
-            return  # a host pool needs no upload: chunks are selected where they are
+            return False  # a host pool needs no upload: chunks are selected where they are
         order = list(order)
         in_call_order = order == list(range(len(self.slots)))
         if into is not None:
@@ -71,28 +77,32 @@ class PoolCopier(PageCopier):
             if self.slots.device.type == "cpu":
                 rows = self.slots.numpy()
                 host_np[:n] = (rows if in_call_order else rows[order]).reshape(-1)
+                self._use(order, device_slots)
+                if defer_upload:
+                    return True
                 # the whole (small) buffer from pinned memory: asynchronous, no slice op
                 device_slots.copy_(host, non_blocking=True)
-            else:
-                rows = self.slots if in_call_order else self.slots.index_select(
-                    0, torch.as_tensor(order, device=self.slots.device))
-                device_slots[:n].copy_(rows.reshape(-1))
+                return False
+            rows = self.slots if in_call_order else self.slots.index_select(
+                0, torch.as_tensor(order, device=self.slots.device))
+            device_slots[:n].copy_(rows.reshape(-1))
             self._use(order, device_slots)
-            return
+            return False
         if self.slots.device == self.pool.device and in_call_order:
             # The whole call in call order, indices already where the kernels run (the usual
             # small restore): use them as they are, no gather and no upload.
             self._use(order, self.slots.reshape(-1))
-            return
+            return False
         idx = torch.as_tensor(order, dtype=torch.int64)
         if self.slots.device.type == "cpu":
             rows = self.slots.index_select(0, idx).pin_memory()
         else:
             rows = self.slots.index_select(0, idx.pin_memory().to(self.slots.device,
                                                                    non_blocking=True))
-        # From pinned memory the copy is asynchronous on this (the tier's) stream, which the
+        # From pinned memory the copy is asynchronous on this (the call's) stream, which the
         # kernels that use the indices run on too.
         self._use(order, rows.to(self.pool.device, non_blocking=True).reshape(-1))
+        return False
 
     def _use(self, order: list[int], device_slots: torch.Tensor) -> None:
         """``device_slots``: flat, the indices of ``order``'s pages one after the other."""

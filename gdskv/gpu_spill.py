@@ -30,14 +30,16 @@ from .gpu_verdicts import VerdictBuffers
 
 
 class GpuSpill:
-    """One spill call's chunks, gathered and summed on the tier's stream."""
+    """One spill call's chunks, gathered, summed and sealed on the call's stream (the current
+    one)."""
 
     def __init__(self, fill: PoolCopier, order: Sequence[int], buffers: VerdictBuffers,
-                 stream, page_bytes: int, slot_bytes: int) -> None:
+                 page_bytes: int, slot_bytes: int) -> None:
         self.fill, self._buf = fill, buffers
         self.page_bytes, self.slot_bytes = page_bytes, slot_bytes
-        buffers.take(len(order), stream)
-        fill.prepare(order, into=buffers.slot_buffers)
+        buffers.take(len(order))
+        # indices from host memory go up inside each chunk's graph, not as a step of their own
+        self._upload = fill.prepare(order, into=buffers.slot_buffers, defer_upload=True)
 
     def gather(self, part: torch.Tensor, page_idx: list[int], trailers: list[bytes]) -> None:
         """Queue the chunk's gather into ``part``, its checksums, its slot trailers (``trailers``,
@@ -50,7 +52,11 @@ class GpuSpill:
         slots, address = fill.graph_slots(page_idx)
         table = fill.pool.row_table
 
+        upload = self._upload
+
         def launch() -> None:
+            if upload:  # the call's slot indices (the whole buffer: no slice op)
+                buf.slots.copy_(buf.host_slots, non_blocking=True)
             buf.trailers.copy_(buf.host_trailers, non_blocking=True)  # (whole: no slice op)
             fill.kernel(fill.pool, fill.layout,
                         fill.chunk_slots(page_idx) if slots is None else slots, part)
@@ -62,8 +68,8 @@ class GpuSpill:
             buf.host_sums.copy_(buf.sums, non_blocking=True)
 
         # Every address and scalar the launches use (see gdskv.launch_graphs).
-        buf.graphs.run(("spill", part.data_ptr(), n, address, table.table.data_ptr(),
-                        table.align, buf.spill_addresses), launch)
+        buf.graphs.run(("spill", part.data_ptr(), n, address, upload, table.table.data_ptr(),
+                        table.align, buf.spill_addresses, buf.slot_addresses), launch)
 
     def sums(self, n: int) -> np.ndarray:
         """The chunk's page checksums, uint64 (after the stream has synchronized)."""

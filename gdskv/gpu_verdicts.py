@@ -66,11 +66,11 @@ class VerdictBuffers:
             self.partial, self.host_trailers, self.trailers, self.sums, self.host_sums,
             self.crc_table))
 
-    def take(self, n: int, stream) -> None:
+    def take(self, n: int) -> None:
         """Make room for a call of ``n`` pages (``host_want``, ``want``, ``ok``, ``host_flags``,
         ``host_slots``, ``slots``)."""
-        if not self.clean:
-            stream.synchronize()
+        if not self.clean:  # (the call that left them may have run on another stream)
+            torch.cuda.synchronize(self.device)
         if n > self.capacity:
             self.capacity = max(n, 2 * self.capacity, 64)
             self.host_want = torch.empty(self.capacity, dtype=torch.int64, pin_memory=True)
@@ -83,6 +83,7 @@ class VerdictBuffers:
             self.host_slots_np = self.host_slots.numpy()
             self.slots = torch.empty(tokens, dtype=torch.int64, device=self.device)
             # the addresses a restore's graph key names, read once (each read is a torch call)
+            self.slot_addresses = (self.host_slots.data_ptr(), self.slots.data_ptr())
             self.restore_addresses = (self.partial.data_ptr(), self.want.data_ptr(),
                                       self.ok.data_ptr(), self.host_flags.data_ptr())
             self.graphs.clear()  # their keys name the buffers just replaced
@@ -99,13 +100,13 @@ class GpuVerdicts:
     """Verdicts for the pages of one restore call, in the call's read order (``wants[k]`` is
     the stored checksum of the call's ``k``-th page read)."""
 
-    def __init__(self, wants: Sequence[int], buffers: VerdictBuffers, stream,
+    def __init__(self, wants: Sequence[int], buffers: VerdictBuffers,
                  page_bytes: int, slot_bytes: int) -> None:
         self.page_bytes, self.slot_bytes = page_bytes, slot_bytes
-        buffers.take(len(wants), stream)
+        buffers.take(len(wants))
         self._buf = buffers
         buffers.host_want.numpy()[:len(wants)] = np.asarray(wants, dtype=np.uint64).view(np.int64)
-        # From pinned memory the upload is asynchronous on the tier's stream, which every
+        # From pinned memory the upload is asynchronous on the call's stream, which every
         # kernel of the call runs on. (The whole buffer: no slice op; it is a few KiB.)
         buffers.want.copy_(buffers.host_want, non_blocking=True)
         self.pages = len(wants)

@@ -1,4 +1,4 @@
-"""Making a tier's CUDA stream current for one call, cheaply.
+"""Which CUDA stream a data call's GPU work goes on, and making it current cheaply.
 
 ``with torch.cuda.stream(s):`` resolves the current device through several Python layers on
 every entry (``torch.cuda._utils._get_device_index(None)``, which reads environment variables
@@ -63,13 +63,15 @@ class CallStream:
             asynchronous call, in the caller's thread when it submitted).
     """
 
-    __slots__ = ("_on", "_event", "_record", "entered")
+    __slots__ = ("_on", "_event", "_record", "entered", "stream")
 
     def __init__(self, stream: torch.cuda.Stream, event: torch.cuda.Event, record: bool) -> None:
         self._on = OnStream(stream)
         self._event = event
         self._record = record
         self.entered = False
+        #: the stream the call's GPU work goes on (the tier's)
+        self.stream = stream
 
     def enter(self) -> None:
         """Take the turn (a second call does nothing)."""
@@ -87,3 +89,26 @@ class CallStream:
         if self.entered:
             self.entered = False
             self._on.__exit__()
+
+
+class CallerStream:
+    """A synchronous call's GPU work on the caller's own current stream, when that is not the
+    legacy default stream: the work is then in order with what the caller queued before it
+    (the pool writes a restore must not overtake, the rows a spill gathers) with no switch,
+    event or cross-stream wait (about 50 µs of a 1-page spill's host time on an H200's host,
+    ``bench/results/h200-2026-11-25/call-overhead-5/call4/timeline_new_2M.txt``). The legacy
+    default stream is never used: work on it waits for every blocking stream's work, kvikio's
+    compat-mode copies for other calls included (:meth:`gdskv.tier.Tier._call_stream`).
+    Same interface as :class:`CallStream`; entering and leaving do nothing."""
+
+    __slots__ = ("stream",)
+    entered = True
+
+    def __init__(self, stream: torch.cuda.Stream) -> None:
+        self.stream = stream
+
+    def enter(self) -> None:
+        pass
+
+    def leave(self) -> None:
+        pass

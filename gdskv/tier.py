@@ -67,7 +67,7 @@ from .metrics import TierMetrics
 from .persistence import PersistentDirectory
 from .pool import KVPool, PoolCache
 from .staging import StagingParts, staging_part_pages
-from .streams import CallStream
+from .streams import CallerStream, CallStream
 from .stats import TierStats
 from .store import SlabStore, StoreError
 
@@ -156,10 +156,12 @@ class Tier:
                 any(f.direct for f in self.store.files) or bool(self._direct_io()[0]),
                 self.config.io_threads)
             self._staging = StagingParts(part_bytes, depth, self.device)
-            # Gather/scatter run on the tier's own stream so the engine's stream is never
-            # blocked behind our I/O; the tier stream waits only for the engine work issued
-            # before a call.
+            # Asynchronous calls gather/scatter on the tier's own stream, so the engine's stream
+            # is never blocked behind their I/O; the tier stream waits only for the engine work
+            # issued before a call. A synchronous call (its caller waits for it anyway) runs
+            # on the caller's own stream where it can (:meth:`_call_stream`).
             self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+            self._device_index = self._stream.device_index if self._stream is not None else None
             if self._stream is not None:
                 self._warm_up_kernels()
                 self._warm_up_backend()
@@ -531,7 +533,7 @@ class Tier:
                     kd.scatter_pages(pool, lay, slots, self._staging[0])
                 if pool is not None and self.config.verify:  # restores' and spills' variants
                     self._warm_up_gpu_checksums(pool, slots, pages)
-            self._copies_done()
+            self._copies_done(self._stream)
         self._stream.synchronize()
 
     def _warm_up_gpu_checksums(self, pool: KVPool, slots: torch.Tensor, pages: int) -> None:
@@ -571,14 +573,23 @@ class Tier:
         ev.record(torch.cuda.current_stream(self.device))
         return ev
 
-    def _call_stream(self, engine_event) -> CallStream | None:
-        """The call's turn on the tier's stream (None for a tier without one). ``engine_event``:
-        an asynchronous call's (:meth:`_engine_event`); None: a synchronous call, whose thread
-        reuses one event (a new event costs host time to create, record and destroy)."""
+    def _call_stream(self, engine_event) -> CallStream | CallerStream | None:
+        """The stream the call's GPU work goes on (None for a tier without one).
+
+        ``engine_event``: an asynchronous call's (:meth:`_engine_event`): it takes its turn on
+        the tier's stream after that event. None: a synchronous call. It runs on the caller's
+        current stream when that is on the tier's device (the current one) and not the legacy
+        default stream (:class:`CallerStream`); otherwise it takes its turn on the tier's
+        stream, its thread reusing one event (a new event costs host time to create, record
+        and destroy)."""
         if self._stream is None:
             return None
         if engine_event is not None:
             return CallStream(self._stream, engine_event, record=False)
+        if torch.cuda.current_device() == self._device_index:
+            caller = torch.cuda.current_stream(self._device_index)
+            if caller.cuda_stream != 0:  # 0: the legacy default stream
+                return CallerStream(caller)
         ev = getattr(self._per_thread, "engine", None)
         if ev is None:
             ev = self._per_thread.engine = torch.cuda.Event()
@@ -608,15 +619,16 @@ class Tier:
                            time.perf_counter() - t0, len(self.directory))
         return results
 
-    def _copies_done(self) -> None:
-        """Wait for the GPU copies this thread queued so far (before I/O threads read a part
-        it gathered into, or before a get returns to the engine)."""
-        if self._stream is not None:
+    def _copies_done(self, gpu: torch.cuda.Stream | None) -> None:
+        """Wait for the GPU copies this thread queued so far on ``gpu``, the call's stream
+        (before I/O threads read a part it gathered into, or before a get returns to the
+        engine); None: a tier without a stream."""
+        if gpu is not None:
             # one event per thread, recorded and waited for here only: no new event per call
             done = getattr(self._per_thread, "done", None)
             if done is None:
                 done = self._per_thread.done = torch.cuda.Event()
-            done.record(self._stream)
+            done.record(gpu)
             done.synchronize()
 
     def _take_part(self, pending: collections.deque, finish_oldest: Callable[[], None]) -> int:
@@ -662,6 +674,7 @@ class Tier:
         in_place = isinstance(fill, InPlacePages)
         self._count_region_pages(fill, len(todo), "written")
         spill = None
+        gpu = stream.stream if stream is not None else None  # the call's GPU work goes here
         try:
             if stream is not None:
                 stream.enter()
@@ -678,7 +691,7 @@ class Tier:
                 if spill is not None:  # trailers sealed on the GPU: one sync, then the write
                     seqs, trailers = self._trailers(keys, chunk, itertools.repeat(0))
                     spill.gather(part, [i for i, _ in chunk], trailers)
-                    self._copies_done()
+                    self._copies_done(gpu)
                     sums = spill.sums(len(chunk))
                 else:
                     fill(part, [i for i, _ in chunk])
@@ -687,7 +700,7 @@ class Tier:
                     seqs, trailers = self._trailers(keys, chunk, sums)
                     slot_trailer.write_into(part, self.layout.slot_bytes, trailers,
                                             self._trailer_buffer())
-                    self._copies_done()
+                    self._copies_done(gpu)
                 extents = self.store.extents([s for _, s in chunk])
                 fut = self.backend.write(part, extents)
                 # the part is free once its bytes are written: fdatasync and journal need not it
@@ -701,8 +714,6 @@ class Tier:
         except BaseException:
             if held is not None:
                 self._staging.give_back(held)
-            for i in synced_parts:  # an exception before the sync: the GPU may still read it
-                self._staging.give_back(i, self._stream)
             for item in pending:  # let in-flight I/O end before giving its slots back
                 item[3].exception()
             self.directory.abort([s for c in chunks[finished:] for _, s in c])
@@ -779,6 +790,7 @@ class Tier:
         # the call's counters, added to the stats once at its end (each add costs host time)
         tally = {"bytes_read": 0, "read_seconds": 0.0, "read_failed": 0}
         synced_parts: list[int] = []  # parts given back after the call's sync, not before
+        gpu = stream.stream if stream is not None else None  # the call's GPU work goes here
         settled = False
         pinned = True
 
@@ -791,7 +803,7 @@ class Tier:
                                            tally)
             else:
                 self._finish_read(keys, *pending.popleft(), drain, results, corrupt, verdicts,
-                                  tally, synced_parts)
+                                  tally, synced_parts, gpu)
 
         try:
             for k, chunk in enumerate(chunks):
@@ -834,7 +846,7 @@ class Tier:
             # go while the GPU still scatters, so unpin now, not after the sync.
             pinned = False
             self._unpin(todo)
-            self._copies_done()
+            self._copies_done(gpu)
             while synced_parts:  # nothing reads them now: no event for their next user
                 self._staging.give_back(synced_parts.pop())
             if verdicts is not None:
@@ -844,7 +856,7 @@ class Tier:
             if held is not None:
                 self._staging.give_back(held)
             for i in synced_parts:  # an exception before the sync: the GPU may still read it
-                self._staging.give_back(i, self._stream)
+                self._staging.give_back(i, gpu)
             for item in pending:  # not drained: its part is free once its read has ended
                 item[4].exception()
                 if item[2] is not None:
@@ -866,13 +878,14 @@ class Tier:
 
     def _finish_read(self, keys, chunk, first: int, part_index: int, extents, fut: Future,
                      t0: float, drain: PageCopier, results: list[bool], corrupt: list,
-                     verdicts: GpuVerdicts | None, tally: dict, synced_parts: list[int]) -> None:
+                     verdicts: GpuVerdicts | None, tally: dict, synced_parts: list[int],
+                     gpu: torch.cuda.Stream | None) -> None:
         """Verify and drain one chunk (its read ended or ends now); ``first`` is the chunk's
         first position in the call's read order. With ``verdicts``, a chunk whose I/O moved
         every page is verified and scattered in one launch, and its hits are counted when the
         call settles (:meth:`_settle`); the call's last such chunk leaves its part in
         ``synced_parts``, for the call to give back after its sync (one event fewer to record
-        here and for the part's next user to wait for)."""
+        here and for the part's next user to wait for). ``gpu``: the call's stream."""
         part = self._staging[part_index]
         good: list[int] = []
         after_sync = False
@@ -911,7 +924,7 @@ class Tier:
             if after_sync:
                 synced_parts.append(part_index)
             else:  # free as soon as the scatter is queued; its next user waits for this event
-                self._staging.give_back(part_index, self._stream)
+                self._staging.give_back(part_index, gpu)
         for pos in good:
             results[chunk[pos][0]] = True
         tally["bytes_read"] += len(good) * self.layout.page_bytes
@@ -983,7 +996,7 @@ class Tier:
         can: staging on CUDA, pages from a KV pool through the kernels, verification on."""
         if not self._gpu_checked(fill):
             return None
-        return GpuSpill(fill, order, self._thread_buffers(), self._stream,
+        return GpuSpill(fill, order, self._thread_buffers(),
                         self.layout.page_bytes, self.layout.slot_bytes)
 
     def _gpu_verdicts(self, drain: PageCopier, todo: list) -> GpuVerdicts | None:
@@ -996,7 +1009,7 @@ class Tier:
         algos = self.directory.algorithms([s for _, s, _ in todo])
         if not (algos == checksum.GPU_PAGE).all():
             return None
-        return GpuVerdicts([want for _, _, want in todo], self._thread_buffers(), self._stream,
+        return GpuVerdicts([want for _, _, want in todo], self._thread_buffers(),
                            self.layout.page_bytes, self.layout.slot_bytes)
 
     def _settle(self, keys, todo: list, verdicts: GpuVerdicts, results: list[bool],

@@ -221,6 +221,38 @@ def test_spills_replayed_from_a_graph_round_trip_and_survive_a_restart(tmp_path,
                 (len(keys) if journal == "deleted" else 0)
 
 
+@pytest.mark.parametrize("on", ["side", "default"])
+def test_sync_calls_follow_the_callers_queued_work(tmp_path, on):
+    """A synchronous call runs on the caller's own stream (a side stream: CallerStream) or takes
+    its turn on the tier's after the caller's queued work (the legacy default stream: never used
+    for gdskv's work). Either way a spill gathers what the caller wrote just before it, and a
+    restore's scatter lands after the caller's earlier writes to its slots, while the GPU is
+    still busy with work queued before the call."""
+    from gdskv.streams import CallerStream, CallStream
+    lay = KVLayout(num_layers=4, page_size=16, head_dim=128, kv_heads=8, dtype="bf16")
+    pool = _gpu_pool(lay, 8 * lay.page_size, seed=3)
+    cfg = TierConfig(directories=(str(tmp_path),), capacity=f"{32 * lay.slot_bytes}",
+                     staging_size=f"{4 * lay.slot_bytes}")
+    rows = torch.arange(2 * lay.page_size, device="cuda")
+    with Tier(lay, cfg, device="cuda") as tier:
+        stream = torch.cuda.Stream() if on == "side" else torch.cuda.default_stream()
+        with torch.cuda.stream(stream):
+            kind = type(tier._call_stream(None))
+            assert kind is (CallerStream if on == "side" else CallStream)
+            for rnd, keys in enumerate((["a", "b"], ["c", "d"])):  # plain launches, then graphs
+                torch.cuda._sleep(50_000_000)  # busy when the call starts
+                for p in pool:
+                    p[:, :2 * lay.page_size].fill_(1.5 + rnd)  # written just before the spill
+                assert tier.put(keys, pool, rows) == [True, True]
+                torch.cuda._sleep(50_000_000)
+                for p in pool:
+                    p[:, :2 * lay.page_size].fill_(0.0)  # overwritten just before the restore
+                assert tier.get(keys, pool, rows) == [True, True]
+                torch.cuda.synchronize()
+                for p in pool:
+                    assert bool((p[:, :2 * lay.page_size] == 1.5 + rnd).all()), (on, rnd)
+
+
 def test_on_stream_is_torch_stream_context():
     # OnStream (the tier's cheap stream switch) leaves the same current streams behind as
     # torch.cuda.stream, nested and after an exception.

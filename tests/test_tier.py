@@ -56,6 +56,39 @@ def test_round_trip_bit_exact(name, stacked, make_config, device):
         assert s["hits"] == pages and s["pages_stored"] == pages and s["corrupt_pages"] == 0
 
 
+def test_an_exception_inside_a_call_reaches_the_caller_and_leaks_nothing(make_config, device,
+                                                                         monkeypatch):
+    """A failure raised while a call runs (the backend refusing to start an I/O) reaches the
+    caller as itself, not as an error of the cleanup; the call's reserved slots and staging
+    parts are given back, so the same calls then succeed."""
+    layout = LAYOUTS["mha-bf16-p16"]
+    pages = 4
+    src_pool = random_pool(layout, pages * layout.page_size, device=device, seed=5)
+    dst_pool = empty_like_pool(src_pool)
+    slots = torch.arange(pages * layout.page_size)
+    keys = [f"e{i}" for i in range(pages)]
+
+    class Refused(RuntimeError):
+        pass
+
+    def refuse(*_args, **_kwargs):
+        raise Refused("backend refused the I/O")
+
+    with Tier(layout, make_config(staging_size=4 * layout.slot_bytes), device=device) as tier:
+        with monkeypatch.context() as m:
+            m.setattr(tier.backend, "write", refuse)
+            with pytest.raises(Refused):
+                tier.put(keys, src_pool, slots)
+        assert tier.put(keys, src_pool, slots) == [True] * pages
+        with monkeypatch.context() as m:
+            m.setattr(tier.backend, "read", refuse)
+            with pytest.raises(Refused):
+                tier.get(keys, dst_pool, slots)
+        assert tier._staging._free.qsize() == len(tier._staging)
+        assert tier.get(keys, dst_pool, slots) == [True] * pages
+        assert_same_rows(src_pool, slots, dst_pool, slots)
+
+
 def test_async_and_partial_hits(make_config, device):
     layout = LAYOUTS["mha-bf16-p16"]
     pool = random_pool(layout, 256, device=device)

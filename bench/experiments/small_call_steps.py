@@ -86,7 +86,7 @@ def steps(directory: str, pages: int, reps: int) -> dict:
         wants = [int(w) for w in want.cpu().numpy().view("uint64")]
 
         def verdicts_round_trip():
-            v = GpuVerdicts(wants, buffers, stream, lay.page_bytes, lay.slot_bytes)
+            v = GpuVerdicts(wants, buffers, lay.page_bytes, lay.slot_bytes)
             v.scatter(PoolCopier(pool, lay, slots_gpu.view(pages, -1), kd.scatter_pages),
                       staging, 0, list(range(pages)))
             v.read_back()
