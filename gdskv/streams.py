@@ -45,70 +45,68 @@ class OnStream:
 
 
 class CallStream:
-    """One data call's turn on the tier's stream, taken when the call first needs the stream and
-    given back when the call ends.
+    """The stream one data call's GPU work goes on, chosen when the call first needs a stream
+    (:meth:`enter`) and given back when the call ends (:meth:`leave`).
 
-    :meth:`enter` makes the tier's stream current and has it wait for what the caller had queued
-    on its own stream (the pool writes a restore must not overtake, the rows a spill gathers).
+    A synchronous call (``record``) whose caller's current stream is on the tier's device (the
+    current one) and is not the legacy default stream runs on that stream: its work is then in
+    order with what the caller queued before it (the pool writes a restore must not overtake,
+    the rows a spill gathers) with no switch, event or cross-stream wait (about 50 µs of a
+    1-page spill's host time on an H200's host,
+    ``bench/results/h200-2026-11-25/call-overhead-5/call4/timeline_new_2M.txt``). Otherwise the
+    call takes its turn on the tier's stream: :meth:`enter` makes it current and has it wait
+    for what the caller had queued on its own stream. The legacy default stream is never used
+    for gdskv's work: work on it waits for every blocking stream's work, kvikio's compat-mode
+    copies for other calls included.
+
     A restore enters once its first read is under way: the read itself needs no stream, so the
-    switch (a few torch calls, tens of µs on a busy host) is host work the read hides instead of
-    a delay before the read starts.
+    choice and the switch (a few torch calls, tens of µs on a busy host) are host work the read
+    hides instead of a delay before the read starts.
 
     Args:
         stream: the tier's stream.
         event: what the tier's stream waits for.
-        record: record ``event`` on the caller's stream at :meth:`enter` (a synchronous call: the
-            caller's thread is this one, blocked in the call, so nothing it queues is missed,
-            and the thread's one event is reused). False: the caller recorded it already (an
-            asynchronous call, in the caller's thread when it submitted).
+        record: a synchronous call (the caller's thread is this one, blocked in the call, so
+            nothing it queues is missed): run on the caller's stream where it can, else record
+            ``event`` (the thread's one, reused) on the caller's stream at :meth:`enter`. False:
+            an asynchronous call, in a worker thread: the tier's stream, after ``event``, which
+            the caller recorded when it submitted.
     """
 
-    __slots__ = ("_on", "_event", "_record", "entered", "stream")
+    __slots__ = ("_on", "_event", "_record", "_switched", "entered", "stream")
 
     def __init__(self, stream: torch.cuda.Stream, event: torch.cuda.Event, record: bool) -> None:
         self._on = OnStream(stream)
         self._event = event
         self._record = record
+        self._switched = False
         self.entered = False
-        #: the stream the call's GPU work goes on (the tier's)
-        self.stream = stream
+        #: after :meth:`enter`: the stream the call's GPU work goes on
+        self.stream: torch.cuda.Stream | None = None
 
     def enter(self) -> None:
         """Take the turn (a second call does nothing)."""
         if self.entered:
             return
-        on = self._on
-        on.__enter__()
         self.entered = True
+        on = self._on
+        if self._record:
+            index = on.stream.device_index
+            if torch.cuda.current_device() == index:
+                caller = torch.cuda.current_stream(index)
+                if caller.cuda_stream != 0:  # 0: the legacy default stream
+                    self.stream = caller
+                    return
+        on.__enter__()
+        self._switched = True
+        self.stream = on.stream
         if self._record:
             self._event.record(on.caller)
         on.stream.wait_event(self._event)
 
     def leave(self) -> None:
         """Give the turn back (restore the caller's current streams), if it was taken."""
-        if self.entered:
-            self.entered = False
+        if self._switched:
+            self._switched = False
             self._on.__exit__()
-
-
-class CallerStream:
-    """A synchronous call's GPU work on the caller's own current stream, when that is not the
-    legacy default stream: the work is then in order with what the caller queued before it
-    (the pool writes a restore must not overtake, the rows a spill gathers) with no switch,
-    event or cross-stream wait (about 50 µs of a 1-page spill's host time on an H200's host,
-    ``bench/results/h200-2026-11-25/call-overhead-5/call4/timeline_new_2M.txt``). The legacy
-    default stream is never used: work on it waits for every blocking stream's work, kvikio's
-    compat-mode copies for other calls included (:meth:`gdskv.tier.Tier._call_stream`).
-    Same interface as :class:`CallStream`; entering and leaving do nothing."""
-
-    __slots__ = ("stream",)
-    entered = True
-
-    def __init__(self, stream: torch.cuda.Stream) -> None:
-        self.stream = stream
-
-    def enter(self) -> None:
-        pass
-
-    def leave(self) -> None:
-        pass
+        self.entered = False

@@ -67,7 +67,7 @@ from .metrics import TierMetrics
 from .persistence import PersistentDirectory
 from .pool import KVPool, PoolCache
 from .staging import StagingParts, staging_part_pages
-from .streams import CallerStream, CallStream
+from .streams import CallStream
 from .stats import TierStats
 from .store import SlabStore, StoreError
 
@@ -159,9 +159,8 @@ class Tier:
             # Asynchronous calls gather/scatter on the tier's own stream, so the engine's stream
             # is never blocked behind their I/O; the tier stream waits only for the engine work
             # issued before a call. A synchronous call (its caller waits for it anyway) runs
-            # on the caller's own stream where it can (:meth:`_call_stream`).
+            # on the caller's own stream where it can (:class:`CallStream`).
             self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-            self._device_index = self._stream.device_index if self._stream is not None else None
             if self._stream is not None:
                 self._warm_up_kernels()
                 self._warm_up_backend()
@@ -573,23 +572,16 @@ class Tier:
         ev.record(torch.cuda.current_stream(self.device))
         return ev
 
-    def _call_stream(self, engine_event) -> CallStream | CallerStream | None:
-        """The stream the call's GPU work goes on (None for a tier without one).
-
-        ``engine_event``: an asynchronous call's (:meth:`_engine_event`): it takes its turn on
-        the tier's stream after that event. None: a synchronous call. It runs on the caller's
-        current stream when that is on the tier's device (the current one) and not the legacy
-        default stream (:class:`CallerStream`); otherwise it takes its turn on the tier's
-        stream, its thread reusing one event (a new event costs host time to create, record
-        and destroy)."""
+    def _call_stream(self, engine_event) -> CallStream | None:
+        """The call's stream, chosen when it first needs one (:class:`CallStream`; None for a
+        tier without a stream). ``engine_event``: an asynchronous call's
+        (:meth:`_engine_event`); None: a synchronous call, which runs on the caller's own stream
+        where it can, else on the tier's, its thread reusing one event (a new event costs host
+        time to create, record and destroy)."""
         if self._stream is None:
             return None
         if engine_event is not None:
             return CallStream(self._stream, engine_event, record=False)
-        if torch.cuda.current_device() == self._device_index:
-            caller = torch.cuda.current_stream(self._device_index)
-            if caller.cuda_stream != 0:  # 0: the legacy default stream
-                return CallerStream(caller)
         ev = getattr(self._per_thread, "engine", None)
         if ev is None:
             ev = self._per_thread.engine = torch.cuda.Event()
@@ -674,10 +666,11 @@ class Tier:
         in_place = isinstance(fill, InPlacePages)
         self._count_region_pages(fill, len(todo), "written")
         spill = None
-        gpu = stream.stream if stream is not None else None  # the call's GPU work goes here
+        gpu = None  # the call's stream, once entered: its GPU work goes there
         try:
             if stream is not None:
                 stream.enter()
+                gpu = stream.stream
             if not in_place and todo:
                 spill = self._gpu_spill(fill, [i for i, _ in todo])
                 if spill is None:
@@ -790,7 +783,7 @@ class Tier:
         # the call's counters, added to the stats once at its end (each add costs host time)
         tally = {"bytes_read": 0, "read_seconds": 0.0, "read_failed": 0}
         synced_parts: list[int] = []  # parts given back after the call's sync, not before
-        gpu = stream.stream if stream is not None else None  # the call's GPU work goes here
+        gpu = None  # the call's stream, once entered (after the first read's submit)
         settled = False
         pinned = True
 
@@ -826,6 +819,7 @@ class Tier:
                     # meanwhile (host work that would otherwise come first).
                     if stream is not None:
                         stream.enter()
+                        gpu = stream.stream
                     if isinstance(drain, DeferredCopier):
                         drain = drain.make()
                     verdicts = self._gpu_verdicts(drain, todo)
@@ -838,6 +832,7 @@ class Tier:
                 finish_oldest()
             if stream is not None:
                 stream.enter()  # (nothing read: the argument checks below may use the GPU)
+                gpu = stream.stream
             if isinstance(drain, DeferredCopier):  # nothing read: the arguments still count
                 drain = drain.make()
             if verdicts is not None:

@@ -223,12 +223,11 @@ def test_spills_replayed_from_a_graph_round_trip_and_survive_a_restart(tmp_path,
 
 @pytest.mark.parametrize("on", ["side", "default"])
 def test_sync_calls_follow_the_callers_queued_work(tmp_path, on):
-    """A synchronous call runs on the caller's own stream (a side stream: CallerStream) or takes
-    its turn on the tier's after the caller's queued work (the legacy default stream: never used
-    for gdskv's work). Either way a spill gathers what the caller wrote just before it, and a
-    restore's scatter lands after the caller's earlier writes to its slots, while the GPU is
-    still busy with work queued before the call."""
-    from gdskv.streams import CallerStream, CallStream
+    """A synchronous call runs on the caller's own stream (a side stream) or takes its turn on
+    the tier's after the caller's queued work (the legacy default stream: never used for
+    gdskv's work; gdskv.streams.CallStream). Either way a spill gathers what the caller wrote
+    just before it, and a restore's scatter lands after the caller's earlier writes to its
+    slots, while the GPU is still busy with work queued before the call."""
     lay = KVLayout(num_layers=4, page_size=16, head_dim=128, kv_heads=8, dtype="bf16")
     pool = _gpu_pool(lay, 8 * lay.page_size, seed=3)
     cfg = TierConfig(directories=(str(tmp_path),), capacity=f"{32 * lay.slot_bytes}",
@@ -237,8 +236,12 @@ def test_sync_calls_follow_the_callers_queued_work(tmp_path, on):
     with Tier(lay, cfg, device="cuda") as tier:
         stream = torch.cuda.Stream() if on == "side" else torch.cuda.default_stream()
         with torch.cuda.stream(stream):
-            kind = type(tier._call_stream(None))
-            assert kind is (CallerStream if on == "side" else CallStream)
+            turn = tier._call_stream(None)
+            turn.enter()
+            assert turn.stream == (stream if on == "side" else tier._stream)
+            assert torch.cuda.current_stream() == turn.stream
+            turn.leave()
+            assert torch.cuda.current_stream() == stream
             for rnd, keys in enumerate((["a", "b"], ["c", "d"])):  # plain launches, then graphs
                 torch.cuda._sleep(50_000_000)  # busy when the call starts
                 for p in pool:
