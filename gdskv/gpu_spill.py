@@ -10,10 +10,10 @@ checksums come back for the journal. So the part is ready to write after one syn
 host step between the GPU work and the write (before, the host finished the checksums, encoded
 the trailers and uploaded them, and synchronized a second time: 0.19 ms of a 1-page spill on
 the H100's host, ``bench/results/h100-2026-11-24/call-path/call2-shm-abab/timeline_new_2M.txt``).
-:class:`GpuSpill` queues the trailers' upload and the
-three launches as one replay of a graph captured per chunk shape (:mod:`gdskv.launch_graphs`),
-into the calling thread's reused buffers (:class:`gdskv.gpu_verdicts.VerdictBuffers`), whose
-addresses the graph keys name.
+:class:`GpuSpill` queues the uploads (the call's slot indices from host memory, the chunk's
+trailers) and the three launches as one replay of a graph captured per chunk shape
+(:mod:`gdskv.launch_graphs`), into the calling thread's reused buffers
+(:class:`gdskv.gpu_verdicts.VerdictBuffers`), whose addresses the graph keys name.
 """
 
 from __future__ import annotations
