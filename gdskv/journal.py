@@ -80,6 +80,18 @@ def encode(rec: Record) -> bytes:
     return _HEAD.pack(len(body), crc32c.crc32c(body)) + body
 
 
+class Encoded(NamedTuple):
+    """Records encoded ahead of their append (a spill encodes its COMMITs while its write
+    runs): their bytes, one after the other, and how many there are."""
+    data: bytes
+    count: int
+
+
+def encode_all(records: Iterable[Record]) -> Encoded:
+    parts = [encode(r) for r in records]
+    return Encoded(b"".join(parts), len(parts))
+
+
 _KINDS = {k.value: k for k in RecordKind}
 
 
@@ -295,12 +307,12 @@ class Journal:
         self.records_written = len(records)
         return live, len(records)
 
-    def append(self, records: Iterable[Record]) -> None:
-        """Append records (durably when ``sync``); all of them or, on OSError, none."""
-        records = list(records)
-        if not records:
+    def append(self, records: Iterable[Record] | Encoded) -> None:
+        """Append records, or records :func:`encode_all` encoded (durably when ``sync``); all
+        of them or, on OSError, none."""
+        data, count = records if isinstance(records, Encoded) else encode_all(records)
+        if not count:
             return
-        data = b"".join(encode(r) for r in records)
         with self._lock:
             if self._broken is not None:
                 raise OSError(self._broken.errno, f"journal {self.path} is unusable since a failed "
@@ -322,7 +334,7 @@ class Journal:
                               self.path, exc)
                 raise
             self._size += len(data)
-            self.records_written += len(records)
+            self.records_written += count
 
     def next_seq(self) -> int:
         with self._lock:

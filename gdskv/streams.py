@@ -11,7 +11,23 @@ after -- asking torch for the current device once, by index.
 
 from __future__ import annotations
 
+import threading
+
 import torch
+
+_known = threading.local()
+
+
+def current_stream(index: int) -> torch.cuda.Stream:
+    """``torch.cuda.current_stream(index)`` for a thread that has initialized CUDA, the stream
+    object reused while the thread's current stream stays the same: torch builds a new
+    ``Stream`` per query (a few µs each on a busy host, on every synchronous call)."""
+    stream_id, device, device_type = torch._C._cuda_getCurrentStream(index)
+    known = getattr(_known, "stream", None)
+    if known is None or known.stream_id != stream_id or known.device_index != device:
+        known = _known.stream = torch.cuda.Stream(stream_id=stream_id, device_index=device,
+                                                  device_type=device_type)
+    return known
 
 
 class OnStream:
@@ -92,8 +108,8 @@ class CallStream:
         on = self._on
         if self._record:
             index = on.stream.device_index
-            if torch.cuda.current_device() == index:
-                caller = torch.cuda.current_stream(index)
+            if torch._C._cuda_getDevice() == index:  # (current_device() without its checks)
+                caller = current_stream(index)
                 if caller.cuda_stream != 0:  # 0: the legacy default stream
                     self.stream = caller
                     return

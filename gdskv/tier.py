@@ -59,7 +59,7 @@ from .directory import PageDirectory, PageState
 from .gpu_spill import GpuSpill
 from .gpu_verdicts import GpuVerdicts, VerdictBuffers
 from .host_pages import HostPagePath, InPlacePages
-from .journal import Journal, JournalFollower, check_key
+from .journal import Encoded, Journal, JournalFollower, check_key
 from . import slot_trailer
 from .layout import FORMAT_VERSION, BytePageLayout, KVLayout, PageLayout
 from .memory import check_device, cuda_available
@@ -142,8 +142,8 @@ class Tier:
             self._checksums = checksum.default_for(self.device, layout)
             # pages are verified with the algorithm that made their checksum (see checksum.py)
             self._verifiers = {self._checksums.algorithm: self._checksums}
-            # per thread: its VerdictBuffers ("buffers"), stream-sync event ("done"), engine
-            # event for synchronous calls ("engine") and pinned slot-trailer buffer ("trailers")
+            # per thread: its VerdictBuffers ("buffers"), engine event for synchronous calls
+            # ("engine") and pinned slot-trailer buffer ("trailers")
             self._per_thread = threading.local()
             self._persist = PersistentDirectory(self.store, self.config, self._stats,
                                                 self._log_once, scan_headers=scan_headers,
@@ -616,12 +616,8 @@ class Tier:
         (before I/O threads read a part it gathered into, or before a get returns to the
         engine); None: a tier without a stream."""
         if gpu is not None:
-            # one event per thread, recorded and waited for here only: no new event per call
-            done = getattr(self._per_thread, "done", None)
-            if done is None:
-                done = self._per_thread.done = torch.cuda.Event()
-            done.record(gpu)
-            done.synchronize()
+            # (one call; an event recorded and waited for here was two, and the same wait)
+            gpu.synchronize()
 
     def _take_part(self, pending: collections.deque, finish_oldest: Callable[[], None]) -> int:
         """A free staging part. With none free, a call finishes its own oldest chunk (which
@@ -684,8 +680,6 @@ class Tier:
                 if spill is not None:  # trailers sealed on the GPU: one sync, then the write
                     seqs, trailers = self._trailers(keys, chunk, itertools.repeat(0))
                     spill.gather(part, [i for i, _ in chunk], trailers)
-                    self._copies_done(gpu)
-                    sums = spill.sums(len(chunk))
                 else:
                     fill(part, [i for i, _ in chunk])
                     sums = self._checksums.compute(part, len(chunk)) if self.config.verify \
@@ -693,13 +687,15 @@ class Tier:
                     seqs, trailers = self._trailers(keys, chunk, sums)
                     slot_trailer.write_into(part, self.layout.slot_bytes, trailers,
                                             self._trailer_buffer())
-                    self._copies_done(gpu)
-                extents = self.store.extents([s for _, s in chunk])
+                extents = self.store.extents([s for _, s in chunk])  # (while the GPU works)
+                self._copies_done(gpu)
                 fut = self.backend.write(part, extents)
                 # the part is free once its bytes are written: fdatasync and journal need not it
                 fut.add_done_callback(lambda _f, i=held: self._staging.give_back(i))
                 held = None
-                pending.append((chunk, sums, seqs, extents, fut, time.perf_counter()))
+                if spill is not None:  # the checksums came back with the sync
+                    sums = spill.sums(len(chunk))
+                pending.append(self._writing(keys, chunk, sums, seqs, extents, fut))
             if spill is not None:
                 spill.done()  # every chunk's copies ended before its write was queued
             while pending:
@@ -708,7 +704,7 @@ class Tier:
             if held is not None:
                 self._staging.give_back(held)
             for item in pending:  # let in-flight I/O end before giving its slots back
-                item[3].exception()
+                item[4].exception()  # (the entry's future: see _writing)
             self.directory.abort([s for c in chunks[finished:] for _, s in c])
             self._stats.add(**tally)
             raise
@@ -732,7 +728,18 @@ class Tier:
             else np.zeros(len(chunk), dtype=np.uint64)
         seqs, trailers = self._trailers(keys, chunk, sums)
         extents = pages.write_extents(self.store.extents([s for _, s in chunk]), idx, trailers)
-        return chunk, sums, seqs, extents, self.backend.write(None, extents), time.perf_counter()
+        return self._writing(keys, chunk, sums, seqs, extents, self.backend.write(None, extents))
+
+    def _writing(self, keys, chunk, sums, seqs, extents: list[Extent], fut: Future) -> tuple:
+        """A chunk whose write was just submitted, as :meth:`_finish_write` takes it. The host
+        work its commit needs that does not wait for the write is done here, while the write
+        runs: its COMMIT records encoded, and whether a store file was removed."""
+        t0 = time.perf_counter()
+        commits = self._persist.encode_commits(
+            (keys[i], slot, int(csum), self._checksums.algorithm, seq)
+            for (i, slot), csum, seq in zip(chunk, sums, seqs))
+        lost = self._lost_files()
+        return chunk, sums, seqs, extents, fut, t0, commits, lost
 
     def _count_region_pages(self, mover, n: int, direction: str) -> None:
         """Stats: how put_pages/get_pages pages moved (in place, or staged from regions)."""
@@ -742,20 +749,23 @@ class Tier:
             self._stats.add(**{f"region_pages_{direction}_staged": n})
 
     def _finish_write(self, keys, chunk, sums, seqs, extents: list[Extent], fut: Future,
-                      t0: float, results: list[bool], tally: dict) -> None:
+                      t0: float, commits: Encoded, lost: bool, results: list[bool],
+                      tally: dict) -> None:
+        """Commit a chunk :meth:`_writing` started, once its write has ended: its pages durable,
+        journaled and READY, or given back."""
         outcome: IOOutcome = fut.result()
         failed = self._failed_positions(outcome, extents, "write")
         ok = [pos for pos in range(len(chunk)) if pos not in failed]
-        if ok and self._lost_files():
+        if ok and lost:
             failed.update(ok)
             ok = []
         if ok:
             try:
                 if self.config.sync == SyncPolicy.DATA:
                     self.store.sync({e.file for e in extents})
-                self._persist.journal_commits(
+                self._persist.journal_commits(commits if not failed else (
                     (keys[chunk[pos][0]], chunk[pos][1], int(sums[pos]),
-                     self._checksums.algorithm, seqs[pos]) for pos in ok)
+                     self._checksums.algorithm, seqs[pos]) for pos in ok))
             except OSError as exc:
                 self._log_once(f"commit:{exc.errno}", "commit of %d pages failed: %s", len(ok), exc)
                 failed.update(ok)
@@ -1082,9 +1092,10 @@ class Tier:
         return [False] * len(keys)
 
     def _lost_files(self) -> bool:
-        """Whether a store file was removed (unlinked) under this writer. Checked before every
-        commit (a few fstat calls): a page written to a removed file would be acknowledged and
-        then be gone at the next start, so from then on no put is acknowledged."""
+        """Whether a store file was removed (unlinked) under this writer. Checked for every
+        chunk written, while its write runs (a few fstat calls): a page written to a removed
+        file would be acknowledged and then be gone at the next start, so from then on no put
+        is acknowledged."""
         if not self._lost:
             gone = self.store.removed_files() + self._persist.removed_files()
             if not gone:

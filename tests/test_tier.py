@@ -56,11 +56,13 @@ def test_round_trip_bit_exact(name, stacked, make_config, device):
         assert s["hits"] == pages and s["pages_stored"] == pages and s["corrupt_pages"] == 0
 
 
+@pytest.mark.parametrize("refused", [1, 2], ids=["first-io", "second-io"])
 def test_an_exception_inside_a_call_reaches_the_caller_and_leaks_nothing(make_config, device,
-                                                                         monkeypatch):
-    """A failure raised while a call runs (the backend refusing to start an I/O) reaches the
-    caller as itself, not as an error of the cleanup; the call's reserved slots and staging
-    parts are given back, so the same calls then succeed."""
+                                                                         monkeypatch, refused):
+    """A failure raised while a call runs (the backend refusing to start its first I/O, or its
+    second while the first is in flight) reaches the caller as itself, not as an error of the
+    cleanup; the call's reserved slots and staging parts are given back, so the same calls
+    then succeed."""
     layout = LAYOUTS["mha-bf16-p16"]
     pages = 4
     src_pool = random_pool(layout, pages * layout.page_size, device=device, seed=5)
@@ -71,17 +73,26 @@ def test_an_exception_inside_a_call_reaches_the_caller_and_leaks_nothing(make_co
     class Refused(RuntimeError):
         pass
 
-    def refuse(*_args, **_kwargs):
-        raise Refused("backend refused the I/O")
+    def refusing(start):
+        calls = []
 
+        def io(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == refused:
+                raise Refused("backend refused the I/O")
+            return start(*args, **kwargs)
+        return io
+
+    # one page per staging part: a 4-page call is 4 chunks, 4 I/Os
     with Tier(layout, make_config(staging_size=4 * layout.slot_bytes), device=device) as tier:
         with monkeypatch.context() as m:
-            m.setattr(tier.backend, "write", refuse)
+            m.setattr(tier.backend, "write", refusing(tier.backend.write))
             with pytest.raises(Refused):
                 tier.put(keys, src_pool, slots)
+        assert tier.stats()["pages_stored"] == 0  # nothing of the failed call was kept
         assert tier.put(keys, src_pool, slots) == [True] * pages
         with monkeypatch.context() as m:
-            m.setattr(tier.backend, "read", refuse)
+            m.setattr(tier.backend, "read", refusing(tier.backend.read))
             with pytest.raises(Refused):
                 tier.get(keys, dst_pool, slots)
         assert tier._staging._free.qsize() == len(tier._staging)
