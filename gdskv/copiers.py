@@ -52,6 +52,7 @@ class PoolCopier(PageCopier):
         self.pool = pool
         self.layout = layout
         self.slots = slots            # [pages, page_size], on the device the engine passed
+        self._pages = slots.shape[0]  # (an int: a tensor's len() costs host time per call)
         self.kernel = kernel
         self._order: list[int] = []
         self._row: dict[int, int] = {}        # page -> its row in _device_slots
@@ -70,7 +71,7 @@ class PoolCopier(PageCopier):
         if not order or self.pool.device.type != "cuda":
             return False  # a host pool needs no upload: chunks are selected where they are
         order = list(order)
-        in_call_order = order == list(range(len(self.slots)))
+        in_call_order = order == list(range(self._pages))
         if into is not None:
             host_np, host, device_slots = into
             n = len(order) * self.layout.page_size

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
+from collections.abc import Callable
 
 #: TierStats keys -> (family, label value); a key not here is not a metric
 _COUNTED = {"put_stored": ("pages", "put"), "hits": ("pages", "got"),
@@ -42,13 +43,35 @@ _families: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
 
+class _SettleOnScrape:
+    """A collector with no series, registered in a registry before gdskv's families: a scrape
+    collects it first, and it brings the live tiers' series up to date (what their calls left
+    in their ledgers, :mod:`gdskv.ledger`, and the pages stored now), so a scrape in the tier's
+    process is exact (one in another process, prometheus_client's multiprocess mode, sees the
+    ledger's idle thread's work)."""
+
+    def __init__(self) -> None:
+        self.tiers: weakref.WeakSet = weakref.WeakSet()  # their TierMetrics
+
+    def describe(self) -> list:
+        return []  # (no names to claim; and registering it must not collect)
+
+    def collect(self) -> list:
+        for tier in list(self.tiers):
+            tier.bring_up_to_date()
+        return []
+
+
 def _families_for(registry) -> dict:
     from prometheus_client import Counter, Gauge, Histogram
     with _lock:
         fam = _families.get(registry)
         if fam is None:
             kw = {"registry": registry}
+            settler = _SettleOnScrape()
+            registry.register(settler)  # first: a registry collects in registration order
             fam = _families[registry] = {
+                "settler": settler,
                 "pages": Counter("gdskv_pages", "Pages by what happened to them",
                                  ["store", "event"], **kw),
                 "bytes": Counter("gdskv_bytes", "Payload bytes by what happened to their pages",
@@ -88,6 +111,7 @@ class TierMetrics:
         self._stored = 0  # what the stored gauge says now
         # labelled children, looked up once: labels() costs several µs per call on a busy host
         self._children: dict[tuple, object] = {}
+        self._ledger = None
 
     def count(self, amounts: dict) -> None:
         """Feed TierStats.add's amounts into the counters."""
@@ -101,9 +125,7 @@ class TierMetrics:
     def call(self, op: str, pages: int, seconds: float, stored: int) -> None:
         self._child("seconds", op).observe(seconds)
         self._child("call_pages", op).observe(pages)
-        if stored != self._stored:  # (most restores change nothing stored: skip the set)
-            self._stored = stored
-            self._child("stored").set(stored)
+        self.stored(stored)  # (most restores change nothing stored: no set)
 
     def _child(self, family: str, *labels: str):
         key = (family, *labels)
@@ -111,6 +133,23 @@ class TierMetrics:
         if child is None:
             child = self._children[key] = self._fam[family].labels(self.store, *labels)
         return child
+
+    def settle_on_scrape(self, ledger, stored: Callable[[], int]) -> None:
+        """Have a scrape of the registry first apply ``ledger`` (the tier's calls' counters)
+        and set the stored gauge to ``stored()``."""
+        self._ledger, self._stored_now = ledger, stored
+        self._fam["settler"].tiers.add(self)
+
+    def bring_up_to_date(self) -> None:
+        if self._ledger is not None:
+            self._ledger.settle()
+            self.stored(self._stored_now())
+
+    def stored(self, pages: int) -> None:
+        """Set the pages-stored gauge (skipped when it says so already)."""
+        if pages != self._stored:
+            self._stored = pages
+            self._child("stored").set(pages)
 
     def fallback(self, kind: str, reason: str) -> None:
         """Mark a fallback as on (it stays on for the tier's life)."""
@@ -128,4 +167,6 @@ class TierMetrics:
         for family, labels in made:
             with contextlib.suppress(KeyError):  # never made
                 family.remove(*labels)
+        self._fam["settler"].tiers.discard(self)
+        self._ledger = None
         self._children.clear()

@@ -60,6 +60,7 @@ from .gpu_spill import GpuSpill
 from .gpu_verdicts import GpuVerdicts, VerdictBuffers
 from .host_pages import HostPagePath, InPlacePages
 from .journal import Encoded, Journal, JournalFollower, check_key
+from .ledger import CallLedger
 from . import slot_trailer
 from .layout import FORMAT_VERSION, BytePageLayout, KVLayout, PageLayout
 from .memory import check_device, cuda_available
@@ -178,6 +179,9 @@ class Tier:
                                                                   else ""),
                                     self.store.num_slots, layout.page_bytes, metrics_registry)
         self._stats.listener = self._metrics.count
+        # each data call's counters and metrics, applied off its critical path
+        self._ledger = CallLedger(self._apply_counts)
+        self._metrics.settle_on_scrape(self._ledger, lambda: len(self.directory))
         if not o_direct:
             self._metrics.fallback("o_direct", o_direct_reason)
         if self.device.type == "cuda" and not self.backend.gpu_direct:
@@ -350,6 +354,7 @@ class Tier:
 
     def stats(self) -> dict:
         """Counters and what runs. Still readable after :meth:`close` (the final counters)."""
+        self._ledger.settle()  # every call that has returned counts
         s = self._stats.snapshot()
         o_direct, o_direct_reason = self._direct_io()
         s.update(pages_stored=len(self.directory), bytes_stored=len(self.directory) *
@@ -377,6 +382,7 @@ class Tier:
                 if not self._lost:  # never rewrite a journal that is no longer the store's
                     self._persist.compact()
             finally:
+                self._ledger.close()
                 self._persist.close()
                 self.store.close()
                 self._metrics.close()
@@ -607,9 +613,17 @@ class Tier:
             if stream is not None:
                 stream.leave()
             self._gate.leave_shared()
-        self._metrics.call(op or ("put" if fn == self._put else "get"), len(keys),
-                           time.perf_counter() - t0, len(self.directory))
+        self._ledger.record(None, (op or ("put" if fn == self._put else "get"), len(keys),
+                                   time.perf_counter() - t0))
         return results
+
+    def _apply_counts(self, amounts: dict | None, call: tuple | None) -> None:
+        """Apply what a data call recorded in the ledger: its counters (``amounts``), or the
+        ``(op, pages, seconds)`` of a call that has ended (the metrics)."""
+        if amounts is not None:
+            self._stats.add(**amounts)
+        if call is not None:
+            self._metrics.call(*call, len(self.directory))
 
     def _copies_done(self, gpu: torch.cuda.Stream | None) -> None:
         """Wait for the GPU copies this thread queued so far on ``gpu``, the call's stream
@@ -708,7 +722,8 @@ class Tier:
             self.directory.abort([s for c in chunks[finished:] for _, s in c])
             self._stats.add(**tally)
             raise
-        self._stats.add(put_pages=len(keys), put_stored=sum(results), **tally)
+        tally.update(put_pages=len(keys), put_stored=sum(results))
+        self._ledger.record(tally, None)
         return results
 
     def _trailers(self, keys, chunk, sums) -> tuple[list[int], list[bytes]]:
@@ -739,6 +754,7 @@ class Tier:
             (keys[i], slot, int(csum), self._checksums.algorithm, seq)
             for (i, slot), csum, seq in zip(chunk, sums, seqs))
         lost = self._lost_files()
+        self._ledger.settle(wait=False)  # earlier calls' counters
         return chunk, sums, seqs, extents, fut, t0, commits, lost
 
     def _count_region_pages(self, mover, n: int, direction: str) -> None:
@@ -835,6 +851,7 @@ class Tier:
                     verdicts = self._gpu_verdicts(drain, todo)
                     drain.prepare([i for i, _, _ in todo],
                                   into=verdicts.slot_buffers if verdicts is not None else None)
+                    self._ledger.settle(wait=False)  # earlier calls' counters
                 if verdicts is not None:  # its launches made while its read runs
                     verdicts.plan(drain, part, k * self._chunk_pages, [i for i, _, _ in chunk],
                                   last=k == len(chunks) - 1)
@@ -873,8 +890,9 @@ class Tier:
             if not settled:  # an exception: what the finished chunks moved still counts
                 self._stats.add(**tally)
         hits = sum(results)
-        self._stats.add(get_pages=len(keys), hits=hits, misses=len(keys) - hits,
-                        corrupt_pages=len(corrupt), **tally)
+        tally.update(get_pages=len(keys), hits=hits, misses=len(keys) - hits,
+                     corrupt_pages=len(corrupt))
+        self._ledger.record(tally, None)
         return results
 
     def _unpin(self, todo: list) -> None:
