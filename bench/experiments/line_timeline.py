@@ -1,0 +1,167 @@
+"""Where a real 1-page spill's wall time goes, line by line, on the GPU (issue 14).
+
+Every statement of the spill path's functions (``Tier.put`` ... ``KvikioBackend._wait``) gets a
+``perf_counter`` stamp after it, by rewriting those functions' modules' source (AST) before the
+tier is made: about 0.2 µs a stamp, against the 1-2 µs a wrapper per function costs
+(``call_profile.py --timeline``), and it sees single statements. Each line of the output is the
+median time of one statement (the edge from the stamp before it), over real ``Tier.put`` calls
+of one page (Llama-3-8B bf16, 16-token pages, GPU pool, kvikio); a raw kvikio write + fdatasync
+of the same size to a rotating slot runs between the puts for the ratio.
+
+    python bench/experiments/line_timeline.py /dev/shm/x 600
+
+Results it produced (bench/RESULTS.md, "Host work moved into the write's wait, counters off
+the critical path"), under bench/results/: ``h200-2026-11-26/call-overhead-6/call2/put_lines_start.txt``
+(the code at that session's start), ``h200-2026-11-26/call-overhead-6/call5/put_lines_new.txt``.
+"""
+import ast
+import collections
+import importlib
+import os
+import shutil
+import statistics
+import sys
+import threading
+import time
+
+ST = []          # (thread id, label, t)
+_pc = time.perf_counter
+_tid = threading.get_ident
+
+
+def _stamp(label):
+    ST.append((_tid(), label, _pc()))
+
+
+class _Ins(ast.NodeTransformer):
+    def __init__(self, names):
+        self.names, self.cls = names, None
+
+    def visit_ClassDef(self, node):
+        prev, self.cls = self.cls, node.name
+        self.generic_visit(node)
+        self.cls = prev
+        return node
+
+    def visit_FunctionDef(self, node):
+        q = f"{self.cls}.{node.name}" if self.cls else node.name
+        if q in self.names:
+            self._bodies(node, q)
+        return node
+
+    def _bodies(self, node, q):
+        for field in ("body", "orelse", "finalbody", "handlers"):
+            body = getattr(node, field, None)
+            if not isinstance(body, list):
+                continue
+            if field == "handlers":
+                for h in body:
+                    self._bodies(h, q)
+                continue
+            new = []
+            for st in body:
+                if isinstance(st, (ast.FunctionDef, ast.Lambda)):
+                    new.append(st); continue
+                if isinstance(st, (ast.For, ast.While, ast.If, ast.Try, ast.With)):
+                    self._bodies(st, q)
+                lab = f"{q}:{st.lineno}"
+                call = ast.Expr(ast.Call(ast.Name("_linestamp_", ast.Load()), [ast.Constant(lab)], []))
+                if isinstance(st, (ast.Return, ast.Raise, ast.Continue, ast.Break)):
+                    new += [ast.Expr(ast.Call(ast.Name("_linestamp_", ast.Load()), [ast.Constant(lab + "<")], [])), st]
+                else:
+                    new += [st, call]
+            setattr(node, field, new)
+
+
+def install(modname, names):
+    mod = importlib.import_module(modname)
+    src = open(mod.__file__).read()
+    tree = _Ins(set(names)).visit(ast.parse(src))
+    ast.fix_missing_locations(tree)
+    mod.__dict__["_linestamp_"] = _stamp
+    exec(compile(tree, mod.__file__, "exec"), mod.__dict__)
+    return mod
+
+
+def begin():
+    ST.clear(); _stamp("BEGIN")
+
+
+def end():
+    _stamp("END")
+    return list(ST)
+
+
+def summarize(calls, top=60):
+    """calls: list of stamp lists (calling thread's). Median gap per (prev->label) edge."""
+    edges = collections.defaultdict(list)
+    totals = []
+    for st in calls:
+        tid = st[0][0]
+        st = [s for s in st if s[0] == tid]
+        totals.append(st[-1][2] - st[0][2])
+        seen = collections.Counter()
+        for (a, la, ta), (b, lb, tb) in zip(st, st[1:]):
+            k = (la, lb); seen[k] += 1
+            edges[k if seen[k] == 1 else (la, lb + f"#{seen[k]}")].append(tb - ta)
+    n = len(calls)
+    rows = sorted(((statistics.median(v + [0.0] * (n - len(v))), len(v), k) for k, v in edges.items()), reverse=True)
+    out = [f"calls {n}; wall p50 {1e6*statistics.median(totals):.1f} us; sum of edge medians {1e6*sum(r[0] for r in rows):.1f} us"]
+    for m, c, (a, b) in rows[:top]:
+        out.append(f"{1e6*m:8.1f} us  x{c:<5} {a} -> {b}")
+    return "\n".join(out)
+
+
+def main() -> None:
+    import argparse
+    p = argparse.ArgumentParser(description="line-by-line timeline of 1-page Tier.put calls")
+    p.add_argument("directory", help="store directory (emptied first), e.g. /dev/shm/x")
+    p.add_argument("reps", type=int, nargs="?", default=600, help="timed calls (default 600)")
+    args = p.parse_args()
+    import torch
+    install("gdskv.backends.base", ["WaitingFuture._complete", "WaitingFuture.result"])
+    install("gdskv.backends.kvikio", ["KvikioBackend._submit", "KvikioBackend._wait"])
+    install("gdskv.gpu_spill", ["GpuSpill.__init__", "GpuSpill.gather"])
+    install("gdskv.copiers", ["PoolCopier.prepare", "PoolCopier._use"])
+    install("gdskv.launch_graphs", ["LaunchGraphs.run"])
+    install("gdskv.pool", ["PoolCache.get"])
+    install("gdskv.directory", ["PageDirectory.reserve"])
+    install("gdskv.tier", ["Tier.put", "Tier._pool_copier", "Tier._copier_for", "Tier._run", "Tier._put",
+                             "Tier._finish_write", "Tier._trailers", "Tier._copies_done", "Tier._call_stream", "Tier._writing"])
+    from gdskv.tier import Tier
+    from gdskv.config import TierConfig
+    from gdskv.layout import KVLayout
+    from gdskv.streams import OnStream
+
+    d, reps = args.directory, args.reps
+    shutil.rmtree(d, ignore_errors=True); os.makedirs(d)
+    gpu = torch.cuda.is_available()
+    dev = torch.device("cuda" if gpu else "cpu")
+    lay = KVLayout(32, 16, 128, 8)
+    tier = Tier(lay, TierConfig(directories=(d,), capacity=4 << 30, backend="kvikio" if gpu else "posix"), device=dev)
+    N = 64
+    pool = tuple(torch.randn(32, N * 16, 8, 128, device=dev).to(torch.bfloat16) for _ in range(2))
+    slots = [torch.arange(p * 16, p * 16 + 16, dtype=torch.int64) for p in range(N)]
+    if gpu:
+        OnStream(torch.cuda.Stream(dev)).__enter__(); torch.cuda.synchronize()
+    calls, walls, raws = [], [], []
+    part = tier._staging[1]
+    for i in range(reps + 30):
+        key = [f"k{i}"]
+        begin(); t0 = time.perf_counter()
+        tier.put(key, pool, slots[i % N])
+        t = time.perf_counter() - t0; st = end()
+        # raw: the same slot count, next free-ish slot far away
+        ext = tier.store.extents([tier.store.num_slots - 1 - (i % 900)])
+        t1 = time.perf_counter()
+        tier.backend.write(part[:lay.slot_bytes], ext).result(); os.fdatasync(tier.store.files[ext[0].file].fd)
+        r = time.perf_counter() - t1
+        if i >= 30:
+            calls.append(st); walls.append(t); raws.append(r)
+    print(f"put p50 {1e6*statistics.median(walls):.1f} us, raw(write+fdatasync, rotating slots) p50 {1e6*statistics.median(raws):.1f} us")
+    print(summarize(calls))
+    tier.close()
+
+
+if __name__ == "__main__":
+    main()
