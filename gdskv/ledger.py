@@ -2,11 +2,14 @@
 
 Adding a call's counters to :class:`~gdskv.stats.TierStats` and its Prometheus series
 (:mod:`gdskv.metrics`) costs a 1-page spill about 25 µs of host time on an H200's host, after
-its write has ended and before it returns (``bench/results/h200-2026-11-26/``). A call instead
+its write has ended and before it returns
+(``bench/results/h200-2026-11-26/call-overhead-6/call2/put_lines_start.txt``). A call instead
 records them here (a deque append) and they are applied later: by the next call while its own
 I/O runs (host time the call waits anyway), by :meth:`Tier.stats` before it reads the counters,
-at close, and otherwise by an idle thread within ``idle_seconds``. So ``Tier.stats()`` is always
-exact, and a Prometheus series lags the calls by at most ``idle_seconds`` when the tier is idle.
+by a registry scrape in the tier's process (:mod:`gdskv.metrics`), at close, and otherwise by an
+idle thread within ``idle_seconds``. So ``Tier.stats()`` and an in-process scrape are exact; a
+scrape from another process (prometheus_client's multiprocess mode) lags by at most
+``idle_seconds``.
 """
 
 from __future__ import annotations

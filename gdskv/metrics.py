@@ -3,8 +3,10 @@
 One family per metric and registry (the process's default registry unless a tier is given
 another), shared by the tiers of a process; each tier's series carry ``store`` = its first
 directory. The counters follow :class:`~gdskv.stats.TierStats` (every ``add`` goes to both);
-the gauges are set after each call (not computed at scrape time: ``set_function`` does not work
-in prometheus_client's multiprocess mode, which SGLang always uses and vLLM uses with
+the call counters and histograms are applied from the tier's ledger (:mod:`gdskv.ledger`: after
+the call returns, by the next call, or within 0.5 s), and the pages-stored gauge is set then
+and at every scrape in the tier's process (not with ``set_function``, which does not work in
+prometheus_client's multiprocess mode, which SGLang always uses and vLLM uses with
 ``PROMETHEUS_MULTIPROC_DIR``). A closed tier's series are removed.
 
 | metric | type | labels |
