@@ -49,10 +49,14 @@ class PoolCopier(PageCopier):
 
     def __init__(self, pool: KVPool, layout: KVLayout, slots: torch.Tensor,
                  kernel: KernelCopy) -> None:
+        """``slots``: the call's token slot indices, flat (``pages * page_size``, pages one
+        after the other), on the device the engine passed them on."""
         self.pool = pool
         self.layout = layout
-        self.slots = slots            # [pages, page_size], on the device the engine passed
-        self._pages = slots.shape[0]  # (an int: a tensor's len() costs host time per call)
+        self.flat_slots = slots
+        # (ints and flags, not tensor queries: each costs host time on every small call)
+        self._pages = slots.shape[0] // layout.page_size
+        self._host = slots.is_cpu
         self.kernel = kernel
         self._order: list[int] = []
         self._row: dict[int, int] = {}        # page -> its row in _device_slots
@@ -75,9 +79,10 @@ class PoolCopier(PageCopier):
         if into is not None:
             host_np, host, device_slots = into
             n = len(order) * self.layout.page_size
-            if self.slots.device.type == "cpu":
-                rows = self.slots.numpy()
-                host_np[:n] = (rows if in_call_order else rows[order]).reshape(-1)
+            if self._host:
+                flat = self.flat_slots.numpy()
+                host_np[:n] = flat if in_call_order else \
+                    flat.reshape(self._pages, -1)[order].reshape(-1)
                 self._use(order, device_slots)
                 if defer_upload:
                     return True
@@ -89,13 +94,13 @@ class PoolCopier(PageCopier):
             device_slots[:n].copy_(rows.reshape(-1))
             self._use(order, device_slots)
             return False
-        if self.slots.device == self.pool.device and in_call_order:
+        if self.flat_slots.device == self.pool.device and in_call_order:
             # The whole call in call order, indices already where the kernels run (the usual
             # small restore): use them as they are, no gather and no upload.
-            self._use(order, self.slots.reshape(-1))
+            self._use(order, self.flat_slots)
             return False
         idx = torch.as_tensor(order, dtype=torch.int64)
-        if self.slots.device.type == "cpu":
+        if self._host:
             rows = self.slots.index_select(0, idx).pin_memory()
         else:
             rows = self.slots.index_select(0, idx.pin_memory().to(self.slots.device,
@@ -104,6 +109,11 @@ class PoolCopier(PageCopier):
         # kernels that use the indices run on too.
         self._use(order, rows.to(self.pool.device, non_blocking=True).reshape(-1))
         return False
+
+    @property
+    def slots(self) -> torch.Tensor:
+        """The call's token slot indices as ``[pages, page_size]`` (a view of the flat ones)."""
+        return self.flat_slots.view(self._pages, self.layout.page_size)
 
     def _use(self, order: list[int], device_slots: torch.Tensor) -> None:
         """``device_slots``: flat, the indices of ``order``'s pages one after the other."""

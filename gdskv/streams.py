@@ -89,10 +89,11 @@ class CallStream:
             the caller recorded when it submitted.
     """
 
-    __slots__ = ("_on", "_event", "_record", "_switched", "entered", "stream")
+    __slots__ = ("_tier", "_on", "_event", "_record", "_switched", "entered", "stream")
 
     def __init__(self, stream: torch.cuda.Stream, event: torch.cuda.Event, record: bool) -> None:
-        self._on = OnStream(stream)
+        self._tier = stream
+        self._on: OnStream | None = None  # made only to switch streams
         self._event = event
         self._record = record
         self._switched = False
@@ -105,14 +106,14 @@ class CallStream:
         if self.entered:
             return
         self.entered = True
-        on = self._on
         if self._record:
-            index = on.stream.device_index
+            index = self._tier.device_index
             if torch._C._cuda_getDevice() == index:  # (current_device() without its checks)
                 caller = current_stream(index)
                 if caller.cuda_stream != 0:  # 0: the legacy default stream
                     self.stream = caller
                     return
+        on = self._on = OnStream(self._tier)
         on.__enter__()
         self._switched = True
         self.stream = on.stream

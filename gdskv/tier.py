@@ -450,8 +450,8 @@ class Tier:
         pool = self._pools.get(kv_pool)
         if pool.device != self.device:
             raise ValueError(f"KV pool is on {pool.device} but this tier stages on {self.device}")
-        slots = pool.check_token_slots(token_slots, len(keys)).view(len(keys), self.layout.page_size)
-        return PoolCopier(pool, self.layout, slots, copy_fn)
+        return PoolCopier(pool, self.layout, pool.check_token_slots(token_slots, len(keys)),
+                          copy_fn)
 
     def _region_calls(self, keys, pages, *, to_staging: bool) -> tuple[list, list]:
         """Check a put_pages/get_pages call; returns its keys and its parts: (positions in the

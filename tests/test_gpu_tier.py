@@ -149,7 +149,7 @@ def test_pool_copier_prepared_runs_and_other_chunks(slots_on, dtype, into):
     lay = KVLayout(num_layers=2, page_size=4, head_dim=64, kv_heads=2, dtype="bf16")
     n = 10
     pool = KVPool(lay, _gpu_pool(lay, 64, seed=3))
-    slots = torch.randperm(64)[:n * lay.page_size].to(dtype).view(n, lay.page_size).to(slots_on)
+    slots = torch.randperm(64)[:n * lay.page_size].to(dtype).to(slots_on)  # flat, pages in a row
     copier = PoolCopier(pool, lay, slots, kd.gather_pages)
     order = [7, 2, 9, 0, 4, 1, 8, 3, 6, 5]
     buffers = None
@@ -164,7 +164,8 @@ def test_pool_copier_prepared_runs_and_other_chunks(slots_on, dtype, into):
         want = torch.zeros_like(got)
         copier(got, chunk)
         idx = torch.as_tensor(chunk, device=slots.device)
-        kd.gather_pages(pool.rows, lay, slots.index_select(0, idx).reshape(-1).cuda(), want)
+        rows = slots.view(n, lay.page_size).index_select(0, idx)  # the chunk's pages' slots
+        kd.gather_pages(pool.rows, lay, rows.reshape(-1).cuda(), want)
         torch.cuda.synchronize()
         assert torch.equal(got, want), chunk
         assert got.any()

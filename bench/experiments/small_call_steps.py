@@ -87,7 +87,7 @@ def steps(directory: str, pages: int, reps: int) -> dict:
 
         def verdicts_round_trip():
             v = GpuVerdicts(wants, buffers, lay.page_bytes, lay.slot_bytes)
-            v.scatter(PoolCopier(pool, lay, slots_gpu.view(pages, -1), kd.scatter_pages),
+            v.scatter(PoolCopier(pool, lay, slots_gpu, kd.scatter_pages),
                       staging, 0, list(range(pages)))
             v.read_back()
             sync()
