@@ -48,7 +48,7 @@ class GpuSpill:
         n, buf, fill = len(page_idx), self._buf, self.fill
         tb = slot_trailer.TRAILER_BYTES
         # (the previous chunk's upload has run: the tier synchronized before writing it)
-        buf.host_trailers_np[:n * tb] = np.frombuffer(b"".join(trailers), dtype=np.uint8)
+        buf.host_trailers_bytes[:n * tb] = trailers[0] if n == 1 else b"".join(trailers)
         slots, address = fill.graph_slots(page_idx)
         table = fill.pool.row_table
 

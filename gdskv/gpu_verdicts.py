@@ -53,7 +53,9 @@ class VerdictBuffers:
         # checksums coming back (gdskv.gpu_spill)
         words = slot_trailer.TRAILER_BYTES // 4
         self.host_trailers = torch.empty(chunk_pages, words, dtype=torch.int32, pin_memory=True)
-        self.host_trailers_np = self.host_trailers.numpy().view(np.uint8).reshape(-1)
+        # its bytes, written through a memoryview (a slice assignment of bytes: no numpy call)
+        self.host_trailers_bytes = memoryview(
+            self.host_trailers.numpy().view(np.uint8).reshape(-1))
         self.trailers = torch.empty(chunk_pages, words, dtype=torch.int32, device=device)
         self.sums = torch.empty(chunk_pages, dtype=torch.int64, device=device)
         self.host_sums = torch.empty(chunk_pages, dtype=torch.int64, pin_memory=True)
