@@ -20,9 +20,13 @@ from reliability_helpers import (LAYOUT, check_pages, forkserver, ready_keys, sm
 
 
 def _events(log_path: str) -> tuple[set, set]:
-    """(keys whose last logged event is a completed put, keys the child saw read back wrong)."""
+    """(keys whose last logged event is a completed put, keys the child saw read back wrong).
+    No log yet: the kill came before the child opened it (a loaded machine), so nothing was
+    completed."""
     last: dict[str, str] = {}
     wrong = set()
+    if not os.path.exists(log_path):
+        return set(), wrong
     with open(log_path, encoding="utf-8") as f:
         for line in f:
             if not line.endswith("\n"):
