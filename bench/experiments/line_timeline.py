@@ -11,8 +11,10 @@ of the same size to a rotating slot runs between the puts for the ratio.
     python bench/experiments/line_timeline.py /dev/shm/x 600
 
 Results it produced (bench/RESULTS.md, "Host work moved into the write's wait, counters off
-the critical path"), under bench/results/: ``h200-2026-11-26/call-overhead-6/call2/put_lines_start.txt``
-(the code at that session's start), ``h200-2026-11-26/call-overhead-6/call5/put_lines_new.txt``.
+the critical path"), under bench/results/:
+``h200-2026-11-26/call-overhead-6/call2/put_lines_start.txt`` (the code at that session's
+start; fewer functions stamped), ``h200-2026-11-26/call-overhead-6/call5/put_lines_new.txt``
+and ``h200-2026-11-26/call-overhead-6/call8/put_lines_fine.txt`` (these functions, as here).
 """
 import ast
 import collections
@@ -119,15 +121,23 @@ def main() -> None:
     p.add_argument("reps", type=int, nargs="?", default=600, help="timed calls (default 600)")
     args = p.parse_args()
     import torch
-    install("gdskv.backends.base", ["WaitingFuture._complete", "WaitingFuture.result"])
+    # Each module is executed again from its rewritten source, in import order: a module that
+    # imports a class from another (tier <- copiers) must come after it to get the stamped one.
+    install("gdskv.backends.base", ["WaitingFuture._complete", "WaitingFuture.result", "WaitingFuture.__init__"])
     install("gdskv.backends.kvikio", ["KvikioBackend._submit", "KvikioBackend._wait"])
-    install("gdskv.gpu_spill", ["GpuSpill.__init__", "GpuSpill.gather"])
-    install("gdskv.copiers", ["PoolCopier.prepare", "PoolCopier._use"])
     install("gdskv.launch_graphs", ["LaunchGraphs.run"])
-    install("gdskv.pool", ["PoolCache.get"])
-    install("gdskv.directory", ["PageDirectory.reserve"])
+    install("gdskv.gpu_verdicts", ["VerdictBuffers.take"])
+    install("gdskv.gpu_spill", ["GpuSpill.__init__", "GpuSpill.gather"])
+    install("gdskv.pool", ["check_token_slots", "KVPool.check_token_slots", "PoolCache.get", "_leaf_tensors"])
+    install("gdskv.streams", ["CallStream.enter", "current_stream", "CallStream.__init__"])
+    install("gdskv.directory", ["PageDirectory.reserve", "PageDirectory.commit"])
+    install("gdskv.journal", ["Journal.append"])
+    install("gdskv.persistence", ["PersistentDirectory.journal_commits", "PersistentDirectory.next_seqs"])
+    install("gdskv.store", ["SlabStore.sync", "SlabStore.extents"])
+    install("gdskv.copiers", ["PoolCopier.prepare", "PoolCopier._use", "PoolCopier.graph_slots", "PoolCopier.__init__"])
     install("gdskv.tier", ["Tier.put", "Tier._pool_copier", "Tier._copier_for", "Tier._run", "Tier._put",
-                             "Tier._finish_write", "Tier._trailers", "Tier._copies_done", "Tier._call_stream", "Tier._writing"])
+                             "Tier._finish_write", "Tier._trailers", "Tier._copies_done", "Tier._call_stream",
+                             "Tier._writing", "Tier._gpu_spill", "Tier._check_keys", "Tier._gpu_checked"])
     from gdskv.tier import Tier
     from gdskv.config import TierConfig
     from gdskv.layout import KVLayout
@@ -159,7 +169,7 @@ def main() -> None:
         if i >= 30:
             calls.append(st); walls.append(t); raws.append(r)
     print(f"put p50 {1e6*statistics.median(walls):.1f} us, raw(write+fdatasync, rotating slots) p50 {1e6*statistics.median(raws):.1f} us")
-    print(summarize(calls))
+    print(summarize(calls, top=110))
     tier.close()
 
 
