@@ -751,11 +751,17 @@ class Tier:
         runs: its COMMIT records encoded, and whether a store file was removed."""
         t0 = time.perf_counter()
         commits = self._persist.encode_commits(
-            (keys[i], slot, int(csum), self._checksums.algorithm, seq)
-            for (i, slot), csum, seq in zip(chunk, sums, seqs))
+            self._commits(keys, chunk, sums, seqs, range(len(chunk))))
         lost = self._lost_files()
         self._ledger.settle(wait=False)  # earlier calls' counters
         return chunk, sums, seqs, extents, fut, t0, commits, lost
+
+    def _commits(self, keys, chunk, sums, seqs, positions):
+        """The ``(key, slot, checksum, algorithm, seq)`` COMMITs of a chunk's pages at these
+        positions (:meth:`PersistentDirectory.journal_commits`)."""
+        algo = self._checksums.algorithm
+        return ((keys[chunk[pos][0]], chunk[pos][1], int(sums[pos]), algo, seqs[pos])
+                for pos in positions)
 
     def _count_region_pages(self, mover, n: int, direction: str) -> None:
         """Stats: how put_pages/get_pages pages moved (in place, or staged from regions)."""
@@ -779,9 +785,8 @@ class Tier:
             try:
                 if self.config.sync == SyncPolicy.DATA:
                     self.store.sync({e.file for e in extents})
-                self._persist.journal_commits(commits if not failed else (
-                    (keys[chunk[pos][0]], chunk[pos][1], int(sums[pos]),
-                     self._checksums.algorithm, seqs[pos]) for pos in ok))
+                self._persist.journal_commits(
+                    self._commits(keys, chunk, sums, seqs, ok) if failed else commits)
             except OSError as exc:
                 self._log_once(f"commit:{exc.errno}", "commit of %d pages failed: %s", len(ok), exc)
                 failed.update(ok)
