@@ -34,12 +34,16 @@ class GpuSpill:
     one)."""
 
     def __init__(self, fill: PoolCopier, order: Sequence[int], buffers: VerdictBuffers,
-                 page_bytes: int, slot_bytes: int) -> None:
+                 page_bytes: int, slot_bytes: int,
+                 stream: torch.cuda.Stream | None = None) -> None:
         self.fill, self._buf = fill, buffers
+        self._stream = stream  # the current one, where the tier holds it (a direct launch)
         self.page_bytes, self.slot_bytes = page_bytes, slot_bytes
         buffers.take(len(order))
-        # indices from host memory go up inside each chunk's graph, not as a step of their own
-        self._upload = fill.prepare(order, into=buffers.slot_buffers, defer_upload=True)
+        # indices from host memory go up inside each chunk's graph, not as a step of their own:
+        # the call's (its first ``_upload`` entries of the pinned buffer; 0: none to upload)
+        self._upload = len(order) * fill.layout.page_size \
+            if fill.prepare(order, into=buffers.slot_buffers, defer_upload=True) else 0
 
     def gather(self, part: torch.Tensor, page_idx: list[int], trailers: list[bytes]) -> None:
         """Queue the chunk's gather into ``part``, its checksums, its slot trailers (``trailers``,
@@ -55,9 +59,11 @@ class GpuSpill:
         upload = self._upload
 
         def launch() -> None:
-            if upload:  # the call's slot indices (the whole buffer: no slice op)
-                buf.slots.copy_(buf.host_slots, non_blocking=True)
-            buf.trailers.copy_(buf.host_trailers, non_blocking=True)  # (whole: no slice op)
+            # kernels reading the pinned buffers (kernel nodes: a memcpy node costs a graph
+            # launch more host time, gdskv.kernels.triton_upload)
+            if upload:  # the call's slot indices
+                kd.upload(buf.host_slots, buf.slots, upload)
+            kd.upload(buf.host_trailers, buf.trailers, n * tb // 4)
             fill.kernel(fill.pool, fill.layout,
                         fill.chunk_slots(page_idx) if slots is None else slots, part)
             partial = kd.page_partial_sums(part, n, self.page_bytes, self.slot_bytes,
@@ -69,7 +75,8 @@ class GpuSpill:
 
         # Every address and scalar the launches use (see gdskv.launch_graphs).
         buf.graphs.run(("spill", part.data_ptr(), n, address, upload, table.table.data_ptr(),
-                        table.align, buf.spill_addresses, buf.slot_addresses), launch)
+                        table.align, buf.spill_addresses, buf.slot_addresses), launch,
+                       self._stream)
 
     def sums(self, n: int) -> np.ndarray:
         """The chunk's page checksums, uint64 (after the stream has synchronized)."""

@@ -103,8 +103,10 @@ class GpuVerdicts:
     the stored checksum of the call's ``k``-th page read)."""
 
     def __init__(self, wants: Sequence[int], buffers: VerdictBuffers,
-                 page_bytes: int, slot_bytes: int) -> None:
+                 page_bytes: int, slot_bytes: int,
+                 stream: torch.cuda.Stream | None = None) -> None:
         self.page_bytes, self.slot_bytes = page_bytes, slot_bytes
+        self._stream = stream  # the current one, where the tier holds it (a direct launch)
         buffers.take(len(wants))
         self._buf = buffers
         buffers.host_want.numpy()[:len(wants)] = np.asarray(wants, dtype=np.uint64).view(np.int64)
@@ -140,7 +142,7 @@ class GpuVerdicts:
             key, launch = plan[3]
         else:
             key, launch = self._launches(drain, part, first, page_idx, last)
-        self._buf.graphs.run(key, launch)
+        self._buf.graphs.run(key, launch, self._stream)
         self._queued.append((first, n))
         self._read_back = last
 

@@ -17,10 +17,17 @@ must not compile); the second time they are captured and replayed. Captures are 
 (``capture_error_mode="thread_local"``), so other threads' CUDA work (other calls, kvikio's
 compat-mode copies) goes on meanwhile. If a capture fails the object falls back to plain
 launches for good and logs once why.
+
+A caller that names the stream (``run(..., stream=)``) has the graph launched by a direct
+``cudaGraphLaunch`` (cupy's runtime binding, :func:`graph_launcher`) instead of
+``CUDAGraph.replay``: the same driver call without torch's wrapper around it (a device guard,
+the generator bookkeeping our graphs have none of, a driver version query), 10 µs of a cold
+host's time per launch on an H200 (``bench/results/h200-2026-11-26/call-overhead-7/``).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Hashable
 
@@ -32,6 +39,17 @@ log = logging.getLogger(__name__)
 MAX_GRAPHS = 128
 
 
+@functools.cache
+def graph_launcher() -> Callable[[int, int], None] | None:
+    """``cudaGraphLaunch(graph_exec, stream)`` as a Python call (cupy's runtime binding), or
+    None where cupy is not installed (graphs are then replayed through torch)."""
+    try:
+        from cupy_backends.cuda.api import runtime
+    except ImportError:
+        return None
+    return runtime.graphLaunch
+
+
 class LaunchGraphs:
     """One thread's captured launch graphs (not thread-safe: keep one per thread)."""
 
@@ -40,17 +58,22 @@ class LaunchGraphs:
         self.device = device
         self.enabled = enabled and device.type == "cuda"
         self.limit = limit
-        self._graphs: dict[Hashable, torch.cuda.CUDAGraph] = {}
+        # key -> (graph, its executable's handle for a direct launch; 0: replay it)
+        self._graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, int]] = {}
         self._seen: set[Hashable] = set()
         self._side = torch.cuda.Stream(device) if self.enabled else None
+        self._direct = True  # graphs launched through graph_launcher (until that fails)
         self.replays = 0
         self.captures = 0
+        self.direct_launches = 0  # the replays launched through graph_launcher
 
-    def run(self, key: Hashable, launch: Callable[[], None]) -> None:
+    def run(self, key: Hashable, launch: Callable[[], None],
+            stream: torch.cuda.Stream | None = None) -> None:
         """Run ``launch`` (kernel launches on the current stream) or the graph captured from it
-        for ``key``; either way the work is queued on the current stream."""
-        graph = self._graphs.get(key) if self.enabled else None
-        if graph is None:
+        for ``key``; either way the work is queued on the current stream. ``stream``: the
+        current stream, where the caller holds it (the graph is then launched directly)."""
+        entry = self._graphs.get(key) if self.enabled else None
+        if entry is None:
             if not self.enabled or key not in self._seen or len(self._graphs) >= self.limit:
                 if len(self._seen) < 4 * self.limit:
                     self._seen.add(key)
@@ -60,8 +83,19 @@ class LaunchGraphs:
             if graph is None:
                 launch()
                 return
-            self._graphs[key] = graph
-        graph.replay()
+            entry = self._graphs[key] = (graph, graph.raw_cuda_graph_exec()
+                                         if graph_launcher() is not None else 0)
+        if stream is not None and entry[1] and self._direct:
+            try:
+                graph_launcher()(entry[1], stream.cuda_stream)
+                self.direct_launches += 1
+            except Exception as exc:  # noqa: BLE001 - cupy's runtime unusable here: replay
+                self._direct = False
+                log.warning("gdskv: launching a CUDA graph through cupy failed (%s); "
+                            "replaying graphs through torch from now on", exc)
+                entry[0].replay()
+        else:
+            entry[0].replay()
         self.replays += 1
 
     def _capture(self, launch: Callable[[], None]) -> torch.cuda.CUDAGraph | None:

@@ -682,7 +682,7 @@ class Tier:
                 stream.enter()
                 gpu = stream.stream
             if not in_place and todo:
-                spill = self._gpu_spill(fill, [i for i, _ in todo])
+                spill = self._gpu_spill(fill, [i for i, _ in todo], gpu)
                 if spill is None:
                     fill.prepare([i for i, _ in todo])
             for chunk in chunks:
@@ -853,7 +853,7 @@ class Tier:
                         gpu = stream.stream
                     if isinstance(drain, DeferredCopier):
                         drain = drain.make()
-                    verdicts = self._gpu_verdicts(drain, todo)
+                    verdicts = self._gpu_verdicts(drain, todo, gpu)
                     drain.prepare([i for i, _, _ in todo],
                                   into=verdicts.slot_buffers if verdicts is not None else None)
                     self._ledger.settle(wait=False)  # earlier calls' counters
@@ -1019,15 +1019,18 @@ class Tier:
             and isinstance(copier, PoolCopier) \
             and self._checksums.algorithm == checksum.GPU_PAGE and kd.uses_triton(self.device)
 
-    def _gpu_spill(self, fill: PageCopier, order: list[int]) -> GpuSpill | None:
+    def _gpu_spill(self, fill: PageCopier, order: list[int],
+                   gpu: torch.cuda.Stream | None) -> GpuSpill | None:
         """The gather + checksum of this spill as graph replays (:mod:`.gpu_spill`), where it
-        can: staging on CUDA, pages from a KV pool through the kernels, verification on."""
+        can: staging on CUDA, pages from a KV pool through the kernels, verification on.
+        ``gpu``: the call's stream (current)."""
         if not self._gpu_checked(fill):
             return None
         return GpuSpill(fill, order, self._thread_buffers(),
-                        self.layout.page_bytes, self.layout.slot_bytes)
+                        self.layout.page_bytes, self.layout.slot_bytes, gpu)
 
-    def _gpu_verdicts(self, drain: PageCopier, todo: list) -> GpuVerdicts | None:
+    def _gpu_verdicts(self, drain: PageCopier, todo: list,
+                      gpu: torch.cuda.Stream | None) -> GpuVerdicts | None:
         """Verdicts decided on the GPU for this restore, where it can: staging on CUDA, pages
         going to a KV pool through the kernels, verification on, and every page checksummed
         with this tier's GPU algorithm (pages an older configuration wrote are verified the
@@ -1038,7 +1041,7 @@ class Tier:
         if not (algos == checksum.GPU_PAGE).all():
             return None
         return GpuVerdicts([want for _, _, want in todo], self._thread_buffers(),
-                           self.layout.page_bytes, self.layout.slot_bytes)
+                           self.layout.page_bytes, self.layout.slot_bytes, gpu)
 
     def _settle(self, keys, todo: list, verdicts: GpuVerdicts, results: list[bool],
                 corrupt: list, tally: dict) -> None:

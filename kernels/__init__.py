@@ -29,14 +29,15 @@ __all__ = ["gather_pages", "scatter_pages", "gather_pages_layer", "scatter_pages
            "gather_pages_reference", "scatter_pages_reference", "gather_pages_layer_reference",
            "scatter_pages_layer_reference", "staging_pages_view", "page_checksums",
            "page_checksums_reference", "page_partial_sums", "seal_pages", "scatter_pages_verified",
-           "scatter_pages_verified_reference", "Verdicts", "triton_available", "uses_triton"]
+           "scatter_pages_verified_reference", "Verdicts", "triton_available", "uses_triton",
+           "upload"]
 
 
 @functools.cache
 def triton_available() -> bool:
     """Whether the Triton kernels import (triton installed and working)."""
     try:
-        from . import triton_checksum, triton_gather  # noqa: F401
+        from . import triton_checksum, triton_gather, triton_upload  # noqa: F401
     except ImportError:
         return False
     return True
@@ -139,3 +140,14 @@ def seal_pages(staging: torch.Tensor, num_pages: int, partial: torch.Tensor, pag
     from .triton_checksum import seal_pages_triton
     return seal_pages_triton(staging, num_pages, partial, page_bytes, slot_bytes, trailers,
                              checksum_offset, crc_offset, crc_table, out)
+
+
+def upload(host: torch.Tensor, device: torch.Tensor, n: int) -> None:
+    """Queue ``device[:n] = host[:n]`` from pinned host memory on the current stream: as a
+    kernel that reads the mapped host memory where Triton runs (one kernel node in a launch
+    graph instead of a memcpy node, :mod:`.triton_upload`), else as an asynchronous copy."""
+    if uses_triton(device.device):
+        from .triton_upload import upload_triton
+        upload_triton(host, device, n)
+    else:
+        device.view(-1)[:n].copy_(host.view(-1)[:n], non_blocking=True)

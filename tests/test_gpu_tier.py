@@ -171,18 +171,27 @@ def test_pool_copier_prepared_runs_and_other_chunks(slots_on, dtype, into):
         assert got.any()
 
 
-@pytest.mark.parametrize("graphs", [True, False])
-def test_spills_replayed_from_a_graph_round_trip_and_survive_a_restart(tmp_path, graphs):
+@pytest.mark.parametrize("graphs", ["direct", "replay", "failing-direct", "off"])
+def test_spills_replayed_from_a_graph_round_trip_and_survive_a_restart(tmp_path, graphs,
+                                                                        monkeypatch, caplog):
     """Spills of a repeated shape replay their gather + checksum + seal launches from a CUDA
     graph (gdskv.gpu_spill): each replay gathers that call's own slots, the checksums it hands
     the journal are right (a restarted tier verifies every page against them), and the slot
     trailers it seals on the GPU say the same (a tier whose journal is gone rebuilds from
-    them)."""
+    them). The graphs are launched directly (cupy's cudaGraphLaunch), through torch's replay
+    where cupy is missing, or through torch's replay once a direct launch has failed."""
+    from gdskv import launch_graphs
+    if graphs == "replay":
+        monkeypatch.setattr(launch_graphs, "graph_launcher", lambda: None)
+    elif graphs == "failing-direct":
+        def refuse(graph_exec, stream):
+            raise RuntimeError("no runtime here")
+        monkeypatch.setattr(launch_graphs, "graph_launcher", lambda: refuse)
     lay = KVLayout(num_layers=4, page_size=16, head_dim=128, kv_heads=8, dtype="bf16")
     slots = 64 * lay.page_size
     pool = _gpu_pool(lay, slots, seed=11)
     cfg = TierConfig(directories=(str(tmp_path),), capacity=f"{96 * lay.slot_bytes}",
-                     staging_size=f"{8 * lay.slot_bytes}", launch_graphs=graphs)
+                     staging_size=f"{8 * lay.slot_bytes}", launch_graphs=graphs != "off")
     gen = torch.Generator().manual_seed(12)
     written = {}
     with Tier(lay, cfg, device="cuda") as tier:
@@ -193,8 +202,14 @@ def test_spills_replayed_from_a_graph_round_trip_and_survive_a_restart(tmp_path,
             written.update({k: src[j * lay.page_size:(j + 1) * lay.page_size]
                             for j, k in enumerate(keys)})
         graph_set = tier._per_thread.buffers.graphs
-        assert (graph_set.captures >= 1 and graph_set.replays > graph_set.captures) if graphs \
-            else graph_set.captures == graph_set.replays == 0
+        if graphs == "off":
+            assert graph_set.captures == graph_set.replays == 0
+        else:
+            assert graph_set.captures >= 1 and graph_set.replays > graph_set.captures
+            assert graph_set.direct_launches == \
+                (graph_set.replays if graphs == "direct" else 0)
+            assert ("replaying graphs through torch from now on" in caplog.text) == \
+                (graphs == "failing-direct")
         # Each slot's trailer (sealed on the GPU) names its page as the journal does.
         commits = {k: tier.directory._checksum[tier.directory._index[k]] for k in written}
         for k in written:

@@ -9,11 +9,13 @@ other tests); the dispatcher test sets it with monkeypatch only.
 from __future__ import annotations
 
 import dataclasses
+import unittest.mock
 
 import numpy as np
 import pytest
 import torch
 
+import gdskv.kernels as kernels_pkg
 from gdskv.kernels import (Verdicts, gather_pages, page_checksums_reference, page_partial_sums,
                            scatter_pages, triton_available, uses_triton)
 from gdskv.kernels.checksum import FMIX_C1, FMIX_C2, GOLDEN, finalize_partials_host
@@ -27,6 +29,7 @@ pytestmark = pytest.mark.skipif(not triton_available(), reason="triton is not in
 
 if triton_available():
     from gdskv.kernels.triton_checksum import page_checksums_triton, page_partial_sums_triton
+    from gdskv.kernels.triton_upload import upload_triton
     from gdskv.kernels.triton_gather import (LaunchConfig, gather_pages_layer_triton,
                                              gather_pages_triton, scatter_pages_layer_triton,
                                              scatter_pages_triton)
@@ -234,6 +237,48 @@ def test_a_validated_pool_keeps_its_row_table(device):
     other = dataclasses.replace(layout, model_name="another")
     with pytest.raises(ValueError, match="validated for layout"):
         gather_pages_triton(pool, other, slots, staging)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype,n", [(torch.int64, 16), (torch.int32, 32 * 37),
+                                     (torch.int64, 2048 + 5), (torch.int32, 0)])
+def test_upload_copies_the_first_words_of_a_pinned_buffer(device, dtype, n):
+    """gdskv.kernels.upload (a kernel reading pinned host memory on CUDA) copies exactly the
+    first ``n`` words and leaves the rest of the device buffer alone, whatever the block split;
+    the torch path (no Triton for the device) does the same."""
+    gen = torch.Generator().manual_seed(n)
+    size = max(n, 1) + 100
+    host = torch.randint(-2**31, 2**31 - 1, (size,), generator=gen, dtype=torch.int64).to(dtype)
+    if device == "cuda":
+        host = host.pin_memory()
+    dst = torch.full((size,), -7, dtype=dtype, device=device)
+    upload_triton(host, dst, n)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(dst[:n].cpu(), host[:n])
+    assert (dst[n:] == -7).all()
+    # the dispatcher's torch path (a 2-D buffer: flat element order, as the kernel)
+    dst2 = torch.full((size,), -7, dtype=dtype, device=device)
+    with unittest.mock.patch.object(kernels_pkg, "uses_triton", lambda d: False):
+        kernels_pkg.upload(host.view(1, -1), dst2.view(1, -1), n)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(dst2, dst)
+
+
+def test_upload_refuses_bad_buffers():
+    host = torch.arange(8, dtype=torch.int64)
+    with pytest.raises(TypeError, match="host buffer is torch.int64"):
+        upload_triton(host, torch.empty(8, dtype=torch.int32), 4)
+    with pytest.raises(ValueError, match="9 elements asked"):
+        upload_triton(host, torch.empty(8, dtype=torch.int64), 9)
+    with pytest.raises(ValueError, match="contiguous"):
+        upload_triton(host[::2], torch.empty(8, dtype=torch.int64), 2)
+    if torch.cuda.is_available():
+        with pytest.raises(ValueError, match="must be pinned"):
+            upload_triton(host, torch.empty(8, dtype=torch.int64, device="cuda"), 4)
+        with pytest.raises(ValueError, match="must be host memory"):
+            upload_triton(host.cuda(), torch.empty(8, dtype=torch.int64, device="cuda"), 4)
 
 
 def test_bad_inputs_raise_clear_errors():
