@@ -11,6 +11,7 @@ in the call's keys, and the chunk's page ``j`` goes to or from slot ``j`` of ``s
 from __future__ import annotations
 
 import abc
+import ctypes
 from collections.abc import Callable, Sequence
 
 import torch
@@ -80,9 +81,15 @@ class PoolCopier(PageCopier):
             host_np, host, device_slots = into
             n = len(order) * self.layout.page_size
             if self._host:
-                flat = self.flat_slots.numpy()
-                host_np[:n] = flat if in_call_order else \
-                    flat.reshape(self._pages, -1)[order].reshape(-1)
+                flat = self.flat_slots
+                if in_call_order and flat.dtype == torch.int64:
+                    # one memmove: the numpy view a slice assignment needs cost a cold host
+                    # more time (13 µs, bench/results/h200-2026-11-26/call-overhead-7/call2/)
+                    ctypes.memmove(host.data_ptr(), flat.data_ptr(), n * 8)
+                else:
+                    flat = flat.numpy()
+                    host_np[:n] = flat if in_call_order else \
+                        flat.reshape(self._pages, -1)[order].reshape(-1)
                 self._use(order, device_slots)
                 if defer_upload:
                     return True

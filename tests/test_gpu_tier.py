@@ -134,14 +134,15 @@ def test_gpu_calls_from_four_threads(tmp_path, backend):
         assert tier.stats()["corrupt_pages"] == 0
 
 
+@pytest.mark.parametrize("shuffled", [True, False])
 @pytest.mark.parametrize("into", [False, True])
 @pytest.mark.parametrize("slots_on", ["cpu", "cuda"])
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
-def test_pool_copier_prepared_runs_and_other_chunks(slots_on, dtype, into):
+def test_pool_copier_prepared_runs_and_other_chunks(slots_on, dtype, into, shuffled):
     """A prepared copier serves runs of the call's order from the indices it uploaded once
     (into new buffers, or ``into`` a thread's reused ones), and any other chunk (failed pages
     taken out) by uploading that chunk's own: both gather exactly what the kernel gathers from
-    the chunk's slots."""
+    the chunk's slots. (The call's own order from host int64 indices is copied by a memmove.)"""
     from gdskv import kernels as kd
     from gdskv.copiers import PoolCopier
     from gdskv.pool import KVPool
@@ -151,7 +152,7 @@ def test_pool_copier_prepared_runs_and_other_chunks(slots_on, dtype, into):
     pool = KVPool(lay, _gpu_pool(lay, 64, seed=3))
     slots = torch.randperm(64)[:n * lay.page_size].to(dtype).to(slots_on)  # flat, pages in a row
     copier = PoolCopier(pool, lay, slots, kd.gather_pages)
-    order = [7, 2, 9, 0, 4, 1, 8, 3, 6, 5]
+    order = [7, 2, 9, 0, 4, 1, 8, 3, 6, 5] if shuffled else list(range(n))
     buffers = None
     if into:  # bigger than the call, stale contents: only the call's entries may count
         host = torch.full((64,), 10**6, dtype=torch.int64).pin_memory()

@@ -47,3 +47,21 @@ def test_concurrent_askers_share_one_wait():
     for t in threads:
         t.join(5)
     assert out == ["done"] * 4 and calls == [1]
+
+
+def test_a_callback_added_once_done_runs_at_once_and_a_failing_one_is_logged(caplog):
+    fut = WaitingFuture(lambda: 7)
+    assert fut.result() == 7
+    seen = []
+    fut.add_done_callback(lambda f: seen.append(f.result()))
+    assert seen == [7]  # already done: called in place
+
+    def fails(_f):
+        raise RuntimeError("callback broke")
+
+    other = WaitingFuture(lambda: 8)
+    other.add_done_callback(fails)
+    other.add_done_callback(lambda f: f.add_done_callback(lambda g: seen.append(g.result())))
+    assert other.result() == 8  # the failing callback does not reach the asker
+    assert seen == [7, 8]  # a callback adding a callback (re-entrant) runs it too
+    assert "callback broke" in caplog.text

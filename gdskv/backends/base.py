@@ -3,7 +3,8 @@
 Backends only move bytes; they know nothing of keys, pages or the directory. The tier hands a
 backend the store's open slab files once (:meth:`Backend.attach`), then calls :meth:`write` /
 :meth:`read` with a 1-D uint8 buffer (host or GPU) and a list of :class:`Extent`. Both return a
-``concurrent.futures.Future`` resolving to an :class:`IOOutcome`; a failed extent is reported in
+``concurrent.futures.Future`` (or a :class:`WaitingFuture`, which has the part of its interface
+the tier uses) resolving to an :class:`IOOutcome`; a failed extent is reported in
 ``IOOutcome.errors`` (so the tier can fail just the pages it covers), never raised.
 
 An extent may carry its own host memory (``Extent.memory``, an I/O vector): its bytes are then
@@ -15,6 +16,7 @@ can do it say so with ``in_place_host_memory``.
 from __future__ import annotations
 
 import abc
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -85,39 +87,77 @@ class IOOutcome:
                                                 piece.buffer_offset + piece.length))
 
 
-class WaitingFuture(Future):
-    """A Future completed by the thread that first asks for its result, which runs ``wait``.
+class WaitingFuture:
+    """A future completed by the thread that first asks for its result, which runs ``wait``.
 
     For backends whose library already runs the I/O on its own threads and returns futures
     (kvikio): a waiter thread in between only adds two thread hand-offs to every call, which a
-    1-page restore on fast media feels (bench/RESULTS.md, "Where the time goes"). Done-callbacks
-    run when the result is first asked for, so a caller must ask (``result``/``exception``);
-    ``concurrent.futures.wait`` on it alone would block."""
+    1-page restore on fast media feels (bench/RESULTS.md, "Where the time goes"). It has the
+    part of ``concurrent.futures.Future``'s interface the tier uses (``result``, ``exception``,
+    ``done``, ``add_done_callback``) without its condition variable: an asker completes it
+    itself, and a second asker waits on the lock the first holds. (A ``Future``'s condition
+    cost a 1-page spill 17 µs of a cold host's time, made and notified once per call:
+    ``bench/results/h200-2026-11-26/call-overhead-7/call2/put_lines2_after.txt``.)
+    Done-callbacks run when the result is first asked for, before any asker returns, so a
+    caller must ask; ``concurrent.futures.wait`` does not take it."""
+
+    __slots__ = ("_wait", "_claim", "_finished", "_result", "_exception", "_callbacks")
 
     def __init__(self, wait: Callable[[], object]) -> None:
-        super().__init__()
         self._wait: Callable[[], object] | None = wait
-        self._claim = threading.RLock()  # a done-callback may ask for the result again
+        # held by the asker that runs ``wait`` and the callbacks (re-entrant: a callback may
+        # add another)
+        self._claim = threading.RLock()
+        self._finished = False
+        self._result: object = None
+        self._exception: BaseException | None = None
+        self._callbacks: list[Callable[["WaitingFuture"], object]] = []
 
     def _complete(self) -> None:
+        if self._finished:  # (also what a done-callback asking for the result sees)
+            return
         with self._claim:  # a second asker waits here for the first one's answer
-            if self._wait is None:
+            if self._finished:
                 return
             wait, self._wait = self._wait, None  # drops the buffers it holds once done
             try:
-                result = wait()
+                self._result = wait()
             except BaseException as exc:  # noqa: BLE001 - handed to the asker as the outcome
-                self.set_exception(exc)
-            else:
-                self.set_result(result)
+                self._exception = exc
+            self._finished = True
+            callbacks, self._callbacks = self._callbacks, []
+            for fn in callbacks:
+                _run_callback(fn, self)
 
     def result(self, timeout: float | None = None):
+        """The outcome (waiting for it here); ``timeout`` is not supported and ignored."""
         self._complete()
-        return super().result(timeout)
+        if self._exception is not None:
+            raise self._exception
+        return self._result
 
-    def exception(self, timeout: float | None = None):
+    def exception(self, timeout: float | None = None) -> BaseException | None:
         self._complete()
-        return super().exception(timeout)
+        return self._exception
+
+    def done(self) -> bool:
+        """Whether an asker has completed it (it is not done before someone asks)."""
+        return self._finished
+
+    def add_done_callback(self, fn: Callable[["WaitingFuture"], object]) -> None:
+        """Call ``fn(self)`` once completed (now, if it is)."""
+        with self._claim:
+            if not self._finished:
+                self._callbacks.append(fn)
+                return
+        _run_callback(fn, self)
+
+
+def _run_callback(fn, fut) -> None:
+    try:
+        fn(fut)
+    except Exception:  # noqa: BLE001 - as concurrent.futures does: logged, not raised
+        logging.getLogger("gdskv.backends").exception("exception calling callback for %r", fut)
 
 
 class Backend(abc.ABC):

@@ -33,7 +33,6 @@ import logging
 import os
 import threading
 from collections.abc import Mapping, Sequence
-from concurrent.futures import Future
 
 import torch
 
@@ -218,13 +217,14 @@ class KvikioBackend(Backend):
             self._targets[id(buffer)] = (buffer, target)
         return target
 
-    def write(self, buffer: torch.Tensor | None, extents: Sequence[Extent]) -> Future:
+    def write(self, buffer: torch.Tensor | None, extents: Sequence[Extent]) -> WaitingFuture:
         return self._submit("pwrite", buffer, extents)
 
-    def read(self, buffer: torch.Tensor | None, extents: Sequence[Extent]) -> Future:
+    def read(self, buffer: torch.Tensor | None, extents: Sequence[Extent]) -> WaitingFuture:
         return self._submit("pread", buffer, extents)
 
-    def _submit(self, op: str, buffer: torch.Tensor | None, extents: Sequence[Extent]) -> Future:
+    def _submit(self, op: str, buffer: torch.Tensor | None,
+                extents: Sequence[Extent]) -> WaitingFuture:
         if self._closed:
             raise RuntimeError("kvikio backend is closed")
         target = None
