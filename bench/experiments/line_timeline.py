@@ -14,7 +14,11 @@ Results it produced (bench/RESULTS.md, "Host work moved into the write's wait, c
 the critical path"), under bench/results/:
 ``h200-2026-11-26/call-overhead-6/call2/put_lines_start.txt`` (the code at that session's
 start; fewer functions stamped), ``h200-2026-11-26/call-overhead-6/call5/put_lines_new.txt``
-and ``h200-2026-11-26/call-overhead-6/call8/put_lines_fine.txt`` (these functions, as here).
+and ``h200-2026-11-26/call-overhead-6/call8/put_lines_fine.txt`` (these functions, as here);
+the next session's, new and before side by side:
+``h200-2026-11-26/call-overhead-7/call2/put_lines2_after.txt``,
+``h200-2026-11-26/call-overhead-7/call6/put_lines2_after.txt`` and
+``h100-2026-11-26/call-overhead-7/call9/put_lines2_after.txt``.
 """
 import ast
 import collections
