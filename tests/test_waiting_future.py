@@ -65,3 +65,23 @@ def test_a_callback_added_once_done_runs_at_once_and_a_failing_one_is_logged(cap
     assert other.result() == 8  # the failing callback does not reach the asker
     assert seen == [7, 8]  # a callback adding a callback (re-entrant) runs it too
     assert "callback broke" in caplog.text
+
+
+def test_adding_a_callback_does_not_wait_for_an_asker_in_its_io():
+    entered, release, seen = threading.Event(), threading.Event(), []
+
+    def io():
+        entered.set()
+        return release.wait(5) and "done"
+
+    fut = WaitingFuture(io)
+    asker = threading.Thread(target=fut.result)
+    asker.start()
+    assert entered.wait(5)  # the asker holds the future, waiting for its I/O
+    added = threading.Thread(target=lambda: fut.add_done_callback(lambda f: seen.append(1)))
+    added.start()
+    added.join(2)
+    assert not added.is_alive()  # returned while the asker still waits for the I/O
+    release.set()
+    asker.join(5)
+    assert fut.result() == "done" and seen == [1]

@@ -101,13 +101,15 @@ class WaitingFuture:
     Done-callbacks run when the result is first asked for, before any asker returns, so a
     caller must ask; ``concurrent.futures.wait`` does not take it."""
 
-    __slots__ = ("_wait", "_claim", "_finished", "_result", "_exception", "_callbacks")
+    __slots__ = ("_wait", "_claim", "_state", "_finished", "_result", "_exception",
+                 "_callbacks")
 
     def __init__(self, wait: Callable[[], object]) -> None:
         self._wait: Callable[[], object] | None = wait
         # held by the asker that runs ``wait`` and the callbacks (re-entrant: a callback may
-        # add another)
+        # ask for the result)
         self._claim = threading.RLock()
+        self._state = threading.Lock()  # ``_finished`` and ``_callbacks`` change together
         self._finished = False
         self._result: object = None
         self._exception: BaseException | None = None
@@ -124,8 +126,9 @@ class WaitingFuture:
                 self._result = wait()
             except BaseException as exc:  # noqa: BLE001 - handed to the asker as the outcome
                 self._exception = exc
-            self._finished = True
-            callbacks, self._callbacks = self._callbacks, []
+            with self._state:
+                self._finished = True
+                callbacks, self._callbacks = self._callbacks, []
             for fn in callbacks:
                 _run_callback(fn, self)
 
@@ -145,8 +148,9 @@ class WaitingFuture:
         return self._finished
 
     def add_done_callback(self, fn: Callable[["WaitingFuture"], object]) -> None:
-        """Call ``fn(self)`` once completed (now, if it is)."""
-        with self._claim:
+        """Call ``fn(self)`` once completed (now, if it is). Does not wait for an asker that
+        is waiting for the I/O."""
+        with self._state:
             if not self._finished:
                 self._callbacks.append(fn)
                 return
