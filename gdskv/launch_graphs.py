@@ -21,8 +21,9 @@ launches for good and logs once why.
 A caller that names the stream (``run(..., stream=)``) has the graph launched by a direct
 ``cudaGraphLaunch`` (cupy's runtime binding, :func:`graph_launcher`) instead of
 ``CUDAGraph.replay``: the same driver call without torch's wrapper around it (a device guard,
-the generator bookkeeping our graphs have none of, a driver version query), 10 µs of a cold
-host's time per launch on an H200 (``bench/results/h200-2026-11-26/call-overhead-7/``).
+the generator bookkeeping our graphs have none of, a driver version query): 3-18 µs less of
+a cold host's time per launch on an H200, by graph (``call1/`` and ``call3/`` of
+``bench/results/h200-2026-11-26/call-overhead-7/``).
 """
 
 from __future__ import annotations

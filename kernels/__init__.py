@@ -7,6 +7,9 @@ tensors are on CUDA, or on CPU under ``TRITON_INTERPRET=1`` (Triton's interprete
 the pure-torch reference (:mod:`.reference`, :mod:`.checksum`) otherwise, including where Triton
 is not installed.
 
+``upload`` copies the start of a pinned host buffer into device memory as a kernel (a kernel
+node, not a memcpy node, in the launch graphs that use it: :mod:`.triton_upload`).
+
 The pool argument (``rows``) is a :class:`gdskv.pool.KVPool` (the tier passes its validated,
 cached view) or ``rows[kv][layer]`` uint8 views.
 """

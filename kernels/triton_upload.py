@@ -3,9 +3,10 @@ host memory over the bus: pinned memory is mapped into the device's address spac
 
 Inside a CUDA graph this is one kernel node where ``device.copy_(host, non_blocking=True)`` is
 a memcpy node. A spill's graph carried two such memcpy nodes (its slot indices and trailers
-going up), and replaying a graph with them cost 10-15 µs more host time than the same graph
-without them, in the launch call alone (``bench/results/h200-2026-11-26/call-overhead-7/``).
-The copy itself is a few KiB: the bus's latency, not its bandwidth, is what it waits on.
+going up); launched by ``cudaGraphLaunch``, it took 9.9-19.8 µs of a cold host's time on an
+H200, against 6.9 µs with the uploads as kernels and 6.5 µs with no uploads at all
+(``bench/results/h200-2026-11-26/call-overhead-7/``, ``call1/`` and ``call3/``). The copy
+itself is a few KiB: the bus's latency, not its bandwidth, is what it waits on.
 
 CUDA tensors run the compiled kernel (the host buffer must be pinned); CPU tensors run the same
 source under Triton's interpreter (for tests), independent of ``TRITON_INTERPRET``.
