@@ -8,10 +8,23 @@ keys by slot, plus one dict key -> slot: about 70-80 bytes per page beside the k
 States: ``WRITING`` (slot reserved, data in flight) -> ``READY`` (durable, committed) ->
 ``EVICTING`` (asked to go while pinned by a reader; freed at the last unpin). LRU eviction
 takes unpinned READY pages with the oldest ``last_use``.
+
+Eviction keeps a queue of candidates, the oldest READY pages in ``last_use`` order,
+found by one scan of the arrays for a batch of evictions (about 1/256 of the slots). Choosing by
+a scan per call cost every put into a full store a pass over all slots: 0.18 ms at 32k slots and
+7.4 ms at 1M on the development machine; now a batch of evictions shares one scan
+(``tests/test_directory.py`` checks both the count of scans and that the pages evicted are the
+ones a scan per call picks). A candidate is taken only if it is still READY, unpinned
+and untouched since the scan (its ``last_use`` unchanged); one used since is dropped, as it is
+no longer among the oldest, and one pinned now (or being put again by the same call) stays at
+the front. Every READY page the scan left out was newer than the queue's newest, and a page
+that became READY since was touched then, so the pages taken are the ones a scan per call
+takes.
 """
 
 from __future__ import annotations
 
+import collections
 import enum
 import heapq
 import threading
@@ -86,6 +99,9 @@ class PageDirectory:
         # a heap: lowest slot first keeps batches contiguous (a follower keeps none)
         self._free = [] if follower else list(range(num_slots))
         self._ready = 0
+        # eviction candidates, oldest first: (slot, its last_use when the scan found it)
+        self._candidates: collections.deque[tuple[int, int]] = collections.deque()
+        self._scan_batch = max(64, num_slots >> 8)
 
     # -- queries ------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -210,6 +226,7 @@ class PageDirectory:
             self._clock += n
             self._ready = n
             self._free = [] if self.follower else np.flatnonzero(~taken).tolist()  # a heap
+            self._candidates.clear()
 
     def place(self, key: Hashable, slot: int, checksum: int, algorithm: int) -> bool:
         """Make ``key`` READY in ``slot`` as another process's journal says (read-only
@@ -294,24 +311,56 @@ class PageDirectory:
         return freed
 
     def _evict_lru_locked(self, count: int, protect: set) -> list[tuple[Hashable, int]]:
-        candidates = np.flatnonzero((self._state == _READY) & (self._pins == 0))
-        if protect:  # drop them before choosing: a protected pick would use up the count
-            held = [self._index[k] for k in protect if k in self._index]
-            candidates = np.setdiff1d(candidates, np.asarray(held, dtype=np.int64),
-                                      assume_unique=True)
-        if count <= 0 or candidates.size == 0:
-            return []
-        if count < candidates.size:
-            order = np.argpartition(self._last_use[candidates], count - 1)[:count]
-            candidates = candidates[order]
-        evicted = []
-        for slot in candidates.tolist():
-            key = self._keys[slot]
-            if key in protect:
+        """Free the ``count`` least recently used unpinned READY pages whose keys are not in
+        ``protect`` (fewer if there are not as many)."""
+        evicted: list[tuple[Hashable, int]] = []
+        if count <= 0:
+            return evicted
+        queue, state, pins, last_use, keys = (self._candidates, self._state, self._pins,
+                                              self._last_use, self._keys)
+        kept = []  # pinned or protected: still among the oldest, back to the front after
+        scans, covered = 0, False
+        while len(evicted) < count:
+            if not queue:
+                if covered:  # the last scan saw every READY page
+                    break
+                # (a second scan in one call looks further: the first one's were held)
+                covered = self._scan_candidates_locked(
+                    (count - len(evicted) + len(kept)) << scans)
+                scans += 1
+                if kept:  # the scan finds them again: they go back once, after
+                    held = set(kept)
+                    fresh = [c for c in queue if c not in held]
+                    queue.clear()
+                    queue.extend(fresh)
+                continue
+            slot, stamp = queue.popleft()
+            if state[slot] != _READY or last_use[slot] != stamp:
+                continue  # freed, or used since the scan: not among the oldest now
+            key = keys[slot]
+            if pins[slot] or key in protect:
+                kept.append((slot, stamp))
                 continue
             evicted.append((key, slot))
             self._free_locked(slot)
+        queue.extendleft(reversed(kept))
         return evicted
+
+    def _scan_candidates_locked(self, need: int) -> bool:
+        """Fill the candidate queue with the oldest READY pages, pinned ones included (a page
+        pinned now may be the oldest once unpinned): ``need`` of them, or a batch (about 1/256
+        of the slots) when that is more, so one pass over the arrays serves many evictions.
+        True when that is every READY page."""
+        slots = np.flatnonzero(self._state == _READY)
+        take = min(slots.size, max(need, self._scan_batch))
+        covered = take == slots.size
+        if not covered:
+            slots = slots[np.argpartition(self._last_use[slots], take - 1)[:take]]
+        stamps = self._last_use[slots]
+        order = np.argsort(stamps, kind="stable")
+        self._candidates.clear()
+        self._candidates.extend(zip(slots[order].tolist(), stamps[order].tolist()))
+        return covered
 
     # -- internals ----------------------------------------------------------------------------
     def _touch_locked(self, slot: int) -> None:

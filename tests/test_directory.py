@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import threading
 import tracemalloc
 
@@ -40,6 +41,84 @@ def test_lru_evicts_oldest_unpinned():
     res = d.reserve(["g", "h", "i"])
     assert [k for k, _ in res.evicted] == ["b"] and res.slots == [1, None, None]
     assert d.contains("a") and d.state("e") == PageState.WRITING
+
+
+def _lru_pick(d: PageDirectory, count: int, protect: set) -> set:
+    """What eviction must take: the ``count`` oldest unpinned READY pages not in ``protect``
+    (a scan of the arrays, as the directory did per call before it kept candidates)."""
+    ready = [(int(d._last_use[s]), k) for k, s in d._index.items()
+             if d._state[s] == PageState.READY and d._pins[s] == 0 and k not in protect]
+    return {k for _, k in sorted(ready)[:max(count, 0)]}
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_eviction_takes_the_pages_a_scan_per_call_would(seed):
+    """Random puts (some re-putting present keys), reads that pin and unpin, aborts and
+    removals on a full directory: every reserve evicts exactly the least recently used
+    unpinned pages that a scan of all slots at that moment picks, though the candidates come
+    from a queue made by earlier scans."""
+    rng = random.Random(seed)
+    d = PageDirectory(64)
+    d._scan_batch = 8  # small batches: the queue runs out and is scanned again often
+    next_key, pinned, writing = 0, [], []
+    for _ in range(1500):
+        op = rng.random()
+        if op < 0.45:
+            present = [k for k in d._index if rng.random() < 0.05][:2]
+            new = [f"k{next_key + i}" for i in range(rng.randint(1, 4))]
+            next_key += len(new)
+            keys = new + present
+            count = sum(1 for k in keys if k not in d._index) - d.free_slots
+            want = _lru_pick(d, count, set(keys))
+            res = d.reserve(keys)
+            assert {k for k, _ in res.evicted} == want
+            got = [s for s in res.slots if s is not None]
+            if rng.random() < 0.1:
+                d.abort(got)
+            else:
+                writing.extend(got)
+        elif op < 0.75 and writing:
+            rng.shuffle(writing)
+            done, writing = writing[:3], writing[3:]
+            d.commit(done, [1] * len(done))
+        elif op < 0.9 and d._index:
+            keys = rng.sample(list(d._index), min(3, len(d._index)))
+            pinned.extend(p[0] for p in d.pin(keys) if p is not None)
+        elif pinned:
+            rng.shuffle(pinned)
+            d.unpin([pinned.pop()])
+        elif op > 0.98 and d._index:
+            d.remove([rng.choice(list(d._index))])
+
+
+def test_a_batch_of_evictions_shares_one_scan(monkeypatch):
+    """On a full store each put evicts; the slots are scanned once per batch (1/256 of the
+    slots, at least 64), not once per put."""
+    d = PageDirectory(1 << 14)
+    fill(d, [f"k{i}" for i in range(1 << 14)])
+    scans = []
+    scan = PageDirectory._scan_candidates_locked
+    monkeypatch.setattr(PageDirectory, "_scan_candidates_locked",
+                        lambda self, need: scans.append(need) or scan(self, need))
+    for i in range(640):
+        res = fill(d, [f"x{i}"])
+        assert [k for k, _ in res.evicted] == [f"k{i}"]  # the oldest, in order
+    assert len(scans) == 640 // 64
+
+
+def test_eviction_looks_past_a_queue_of_pinned_pages():
+    """The oldest pages are all pinned (being read): a put still evicts the oldest unpinned
+    one, however many pinned pages the first scan's batch held, and the pinned ones go first
+    once unpinned."""
+    d = PageDirectory(128)
+    d._scan_batch = 8
+    fill(d, [f"k{i}" for i in range(128)])
+    pins = [p[0] for p in d.pin([f"k{i}" for i in range(12)])]  # read (touched), held...
+    for i in range(12, 128):  # ...while the rest are read after them: k0..k11 the oldest
+        d.unpin([d.pin([f"k{i}"])[0][0]])
+    assert [k for k, _ in fill(d, ["new0"]).evicted] == ["k12"]
+    d.unpin(pins)
+    assert [k for k, _ in fill(d, ["new1", "new2"]).evicted] == ["k0", "k1"]
 
 
 def test_pinned_page_is_evicted_after_last_unpin():
