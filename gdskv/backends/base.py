@@ -106,9 +106,9 @@ class WaitingFuture:
 
     def __init__(self, wait: Callable[[], object]) -> None:
         self._wait: Callable[[], object] | None = wait
-        # held by the asker that runs ``wait`` and the callbacks (re-entrant: a callback may
-        # ask for the result)
-        self._claim = threading.RLock()
+        # held by the asker that runs ``wait`` and the callbacks (a callback that asks for the
+        # result finds ``_finished`` set and does not take it)
+        self._claim = threading.Lock()
         self._state = threading.Lock()  # ``_finished`` and ``_callbacks`` change together
         self._finished = False
         self._result: object = None
