@@ -159,7 +159,7 @@ class PageDirectory:
             raise RuntimeError("a follower's directory reserves no slots (read-only)")
         with self._lock:
             present = [k in self._index for k in keys]
-            need = sum(1 for p in present if not p)
+            need = len(keys) - sum(present)
             evicted = []
             if need > len(self._free) and self.evict_enabled:
                 evicted = self._evict_lru_locked(need - len(self._free), protect=set(keys))

@@ -10,8 +10,9 @@ checksums come back for the journal. So the part is ready to write after one syn
 host step between the GPU work and the write (before, the host finished the checksums, encoded
 the trailers and uploaded them, and synchronized a second time: 0.19 ms of a 1-page spill on
 the H100's host, ``bench/results/h100-2026-11-24/call-path/call2-shm-abab/timeline_new_2M.txt``).
-:class:`GpuSpill` queues the uploads (the call's slot indices from host memory, the chunk's
-trailers) and the three launches as one replay of a graph captured per chunk shape
+:class:`GpuSpill` queues the slot indices' upload from host memory and the three launches (the
+seal reading the trailers from, and writing the checksums to, pinned host memory) as one
+launch of a graph captured per chunk shape
 (:mod:`gdskv.launch_graphs`), into the calling thread's reused buffers
 (:class:`gdskv.gpu_verdicts.VerdictBuffers`), whose addresses the graph keys name.
 """
@@ -50,28 +51,29 @@ class GpuSpill:
         encoded with checksum 0, sealed on the GPU) and the checksums' copy to the host;
         :meth:`sums` reads them once the stream has synchronized."""
         n, buf, fill = len(page_idx), self._buf, self.fill
-        tb = slot_trailer.TRAILER_BYTES
-        # (the previous chunk's upload has run: the tier synchronized before writing it)
-        buf.host_trailers_bytes[:n * tb] = trailers[0] if n == 1 else b"".join(trailers)
+        # (the previous chunk's seal has read them: the tier synchronized before writing it)
+        buf.host_trailers_bytes[:n * slot_trailer.TRAILER_BYTES] = \
+            trailers[0] if n == 1 else b"".join(trailers)
         slots, address = fill.graph_slots(page_idx)
         table = fill.pool.row_table
 
         upload = self._upload
 
         def launch() -> None:
-            # kernels reading the pinned buffers (kernel nodes: a memcpy node costs a graph
+            # a kernel reading the pinned buffer (a kernel node: a memcpy node costs a graph
             # launch more host time, gdskv.kernels.triton_upload)
-            if upload:  # the call's slot indices
+            if upload:  # the call's slot indices, which every gather program reads
                 kd.upload(buf.host_slots, buf.slots, upload)
-            kd.upload(buf.host_trailers, buf.trailers, n * tb // 4)
             fill.kernel(fill.pool, fill.layout,
                         fill.chunk_slots(page_idx) if slots is None else slots, part)
             partial = kd.page_partial_sums(part, n, self.page_bytes, self.slot_bytes,
                                            out=buf.partial)
-            kd.seal_pages(part, n, partial, self.page_bytes, self.slot_bytes, buf.trailers,
-                          slot_trailer.CHECKSUM_OFFSET, slot_trailer.CRC_OFFSET,
-                          buf.crc_table, buf.sums)
-            buf.host_sums.copy_(buf.sums, non_blocking=True)
+            # The seal reads each trailer from pinned memory once and writes the checksums
+            # there: no upload or copy-back nodes of their own, two nodes fewer to launch
+            # and run (bench/results/h200-2026-11-26/call-overhead-8/)
+            kd.seal_pages(part, n, partial, self.page_bytes, self.slot_bytes,
+                          buf.host_trailers, slot_trailer.CHECKSUM_OFFSET,
+                          slot_trailer.CRC_OFFSET, buf.crc_table, buf.host_sums)
 
         # Every address and scalar the launches use (see gdskv.launch_graphs).
         buf.graphs.run(("spill", part.data_ptr(), n, address, upload, table.table.data_ptr(),

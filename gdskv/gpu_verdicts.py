@@ -30,8 +30,8 @@ class VerdictBuffers:
     """Pinned and device buffers one thread's restores (and GPU spills, :mod:`gdskv.gpu_spill`)
     reuse: the call's slot indices and
     stored checksums going up, the partial sums of a chunk, and the flags coming back (a
-    spill's trailers going up and its checksums coming back), plus the
-    thread's launch graphs (:mod:`gdskv.launch_graphs`), whose keys name these buffers.
+    spill's trailers and checksums, which its seal kernel reads and writes in pinned memory),
+    plus the thread's launch graphs (:mod:`gdskv.launch_graphs`), whose keys name these buffers.
     Allocating them per call (pinned memory especially) and slicing them per chunk cost more
     host time than the launches they serve; the kernels take whole buffers and an offset.
     Reuse is safe because a thread runs one call at a time and a call's copies are finished
@@ -49,15 +49,13 @@ class VerdictBuffers:
                                    device=device)
         self.host_partial = torch.empty_like(self.partial, device="cpu", pin_memory=True)
         self.host_partial_np = self.host_partial.numpy()
-        # A spill's slot trailers (encoded with checksum 0) going up, and its finished
-        # checksums coming back (gdskv.gpu_spill)
+        # A spill's slot trailers (encoded with checksum 0), which its seal kernel reads from
+        # here, and its finished checksums, which the kernel writes here (gdskv.gpu_spill)
         words = slot_trailer.TRAILER_BYTES // 4
         self.host_trailers = torch.empty(chunk_pages, words, dtype=torch.int32, pin_memory=True)
         # its bytes, written through a memoryview (a slice assignment of bytes: no numpy call)
         self.host_trailers_bytes = memoryview(
             self.host_trailers.numpy().view(np.uint8).reshape(-1))
-        self.trailers = torch.empty(chunk_pages, words, dtype=torch.int32, device=device)
-        self.sums = torch.empty(chunk_pages, dtype=torch.int64, device=device)
         self.host_sums = torch.empty(chunk_pages, dtype=torch.int64, pin_memory=True)
         self.host_sums_np = self.host_sums.numpy().view(np.uint64)
         self.crc_table = torch.from_numpy(
@@ -65,8 +63,7 @@ class VerdictBuffers:
         self.graphs = LaunchGraphs(device, enabled=graphs)
         # the addresses a spill's graph key names, read once (each read is a torch call)
         self.spill_addresses = tuple(t.data_ptr() for t in (
-            self.partial, self.host_trailers, self.trailers, self.sums, self.host_sums,
-            self.crc_table))
+            self.partial, self.host_trailers, self.host_sums, self.crc_table))
 
     def take(self, n: int) -> None:
         """Make room for a call of ``n`` pages (``host_want``, ``want``, ``ok``, ``host_flags``,

@@ -22,12 +22,12 @@ def current_stream(index: int) -> torch.cuda.Stream:
     """``torch.cuda.current_stream(index)`` for a thread that has initialized CUDA, the stream
     object reused while the thread's current stream stays the same: torch builds a new
     ``Stream`` per query (a few µs each on a busy host, on every synchronous call)."""
-    stream_id, device, device_type = torch._C._cuda_getCurrentStream(index)
-    known = getattr(_known, "stream", None)
-    if known is None or known.stream_id != stream_id or known.device_index != device:
-        known = _known.stream = torch.cuda.Stream(stream_id=stream_id, device_index=device,
-                                                  device_type=device_type)
-    return known
+    current = torch._C._cuda_getCurrentStream(index)  # (stream id, device, device type)
+    known = getattr(_known, "stream", None)  # (that tuple, its Stream): one compare a call
+    if known is None or known[0] != current:
+        known = _known.stream = (current, torch.cuda.Stream(
+            stream_id=current[0], device_index=current[1], device_type=current[2]))
+    return known[1]
 
 
 class OnStream:

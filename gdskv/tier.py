@@ -141,6 +141,7 @@ class Tier:
         self.store = SlabStore(layout, self.config)
         try:  # whatever fails from here releases all it acquired: lock, files, threads
             self._checksums = checksum.default_for(self.device, layout)
+            self._gpu_checks: tuple = (None, False)  # (checksummer, _gpu_checked's answer)
             # pages are verified with the algorithm that made their checksum (see checksum.py)
             self._verifiers = {self._checksums.algorithm: self._checksums}
             # per thread: its VerdictBuffers ("buffers"), engine event for synchronous calls
@@ -215,7 +216,7 @@ class Tier:
         if self.read_only or self._lost:
             return self._refuse_put(keys)
         keys, fill = self._pool_copier(keys, kv_pool, token_slots, kd.gather_pages)
-        return self._run(self._put, keys, fill)
+        return self._run(self._put, keys, fill, op="put")
 
     def get(self, keys: Sequence[Hashable], kv_pool, token_slots) -> list[bool]:
         """Restore pages into ``kv_pool`` at ``token_slots``; per-page hit (True) or miss."""
@@ -226,7 +227,7 @@ class Tier:
         # the read hides); a bad argument still raises before anything reaches the pool.
         drain = DeferredCopier(lambda: self._copier_for(keys, kv_pool, token_slots,
                                                         kd.scatter_pages))
-        return self._run(self._get, keys, drain)
+        return self._run(self._get, keys, drain, op="get")
 
     def put_async(self, keys, kv_pool, token_slots) -> Future:
         self._check_open()
@@ -235,12 +236,14 @@ class Tier:
             fut.set_result(self._refuse_put(keys))
             return fut
         keys, fill = self._pool_copier(keys, kv_pool, token_slots, kd.gather_pages)
-        return self._worker.submit(self._run, self._put, keys, fill, self._engine_event())
+        return self._worker.submit(self._run, self._put, keys, fill, self._engine_event(),
+                                   op="put")
 
     def get_async(self, keys, kv_pool, token_slots) -> Future:
         self._check_open()
         keys, drain = self._pool_copier(keys, kv_pool, token_slots, kd.scatter_pages)
-        return self._worker.submit(self._run, self._get, keys, drain, self._engine_event())
+        return self._worker.submit(self._run, self._get, keys, drain, self._engine_event(),
+                                   op="get")
 
     def put_pages(self, keys: Sequence[Hashable], pages: Sequence[Sequence[torch.Tensor]]
                   ) -> list[bool]:
@@ -593,10 +596,10 @@ class Tier:
             ev = self._per_thread.engine = torch.cuda.Event()
         return CallStream(self._stream, ev, record=True)
 
-    def _run(self, fn, keys, copier, engine_event=None, op: str | None = None) -> list[bool]:
-        """Run a data call: ``fn(keys, copier, stream)``, where ``stream`` is the call's turn on
-        the tier's stream (:class:`CallStream`), which ``fn`` enters before its first GPU work
-        and this leaves."""
+    def _run(self, fn, keys, copier, engine_event=None, *, op: str) -> list[bool]:
+        """Run a data call (``op``: "put" or "get", for the metrics): ``fn(keys, copier,
+        stream)``, where ``stream`` is the call's turn on the tier's stream
+        (:class:`CallStream`), which ``fn`` enters before its first GPU work and this leaves."""
         self._check_open()
         if self.read_only and self._follow_due():
             with self._gate.alone():
@@ -613,8 +616,7 @@ class Tier:
             if stream is not None:
                 stream.leave()
             self._gate.leave_shared()
-        self._ledger.record(None, (op or ("put" if fn == self._put else "get"), len(keys),
-                                   time.perf_counter() - t0))
+        self._ledger.record(None, (op, len(keys), time.perf_counter() - t0))
         return results
 
     def _apply_counts(self, amounts: dict | None, call: tuple | None) -> None:
@@ -647,8 +649,10 @@ class Tier:
     def _put(self, keys: list, fill: PageCopier, stream: CallStream | None = None) -> list[bool]:
         results = [False] * len(keys)
         admitted = self._admission.admit(keys)
-        res = self.directory.reserve([keys[i] for i in admitted])
-        self._persist.journal_evictions(res.evicted)
+        res = self.directory.reserve(keys if len(admitted) == len(keys)
+                                     else [keys[i] for i in admitted])
+        if res.evicted:
+            self._persist.journal_evictions(res.evicted)
         # the call's counters, added to the stats once at its end (each add costs host time)
         tally = {"not_admitted": len(keys) - len(admitted), "evictions": len(res.evicted),
                  "bytes_written": 0, "write_seconds": 0.0, "write_failed": 0}
@@ -662,7 +666,8 @@ class Tier:
         if no_room:
             self._log_once("full", "store full and eviction cannot make room: %d pages not "
                            "stored", no_room)
-        todo.sort(key=lambda t: t[1])  # adjacent slots coalesce into one I/O
+        if len(todo) > 1:
+            todo.sort(key=lambda t: t[1])  # adjacent slots coalesce into one I/O
         chunks = [todo[k:k + self._chunk_pages] for k in range(0, len(todo), self._chunk_pages)]
         pending: collections.deque = collections.deque()
         finished = 0
@@ -776,8 +781,11 @@ class Tier:
         """Commit a chunk :meth:`_writing` started, once its write has ended: its pages durable,
         journaled and READY, or given back."""
         outcome: IOOutcome = fut.result()
-        failed = self._failed_positions(outcome, extents, "write")
-        ok = [pos for pos in range(len(chunk)) if pos not in failed]
+        # (the usual case, nothing failed, takes no per-position steps: each costs a host
+        # that has just woken from the write's wait a few µs)
+        failed = self._failed_positions(outcome, extents, "write") if outcome.errors else set()
+        ok = [pos for pos in range(len(chunk)) if pos not in failed] if failed \
+            else range(len(chunk))
         if ok and lost:
             failed.update(ok)
             ok = []
@@ -791,9 +799,11 @@ class Tier:
                 self._log_once(f"commit:{exc.errno}", "commit of %d pages failed: %s", len(ok), exc)
                 failed.update(ok)
                 ok = []
-        self.directory.commit([chunk[pos][1] for pos in ok], [int(sums[pos]) for pos in ok],
-                              self._checksums.algorithm)
-        self.directory.abort([chunk[pos][1] for pos in sorted(failed)])
+        if ok:
+            self.directory.commit([chunk[pos][1] for pos in ok], [int(sums[pos]) for pos in ok],
+                                  self._checksums.algorithm)
+        if failed:
+            self.directory.abort([chunk[pos][1] for pos in sorted(failed)])
         for pos in ok:
             results[chunk[pos][0]] = True
         tally["bytes_written"] += len(ok) * self.layout.page_bytes
@@ -1015,9 +1025,16 @@ class Tier:
     def _gpu_checked(self, copier: PageCopier) -> bool:
         """Whether a call's checksums are made or checked by the kernels on the GPU: staging on
         CUDA, pages moving to or from a KV pool through the kernels, verification on."""
-        return self._stream is not None and self.config.verify \
-            and isinstance(copier, PoolCopier) \
-            and self._checksums.algorithm == checksum.GPU_PAGE and kd.uses_triton(self.device)
+        if not isinstance(copier, PoolCopier):
+            return False
+        # (worked out once per checksummer: the queries cost a cold host 7 µs a call,
+        # bench/results/h200-2026-11-26/call-overhead-7/call6/put_lines2_after.txt)
+        checks = self._checksums
+        if self._gpu_checks[0] is not checks:
+            self._gpu_checks = (checks, self._stream is not None and self.config.verify
+                                and checks.algorithm == checksum.GPU_PAGE
+                                and kd.uses_triton(self.device))
+        return self._gpu_checks[1]
 
     def _gpu_spill(self, fill: PageCopier, order: list[int],
                    gpu: torch.cuda.Stream | None) -> GpuSpill | None:

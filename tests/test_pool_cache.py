@@ -33,3 +33,24 @@ def test_pool_view_reused_then_released(make_config):
         # the restored bytes came from the first pool, into other slots of it
         k = pool[0].view(torch.int16)  # raw bits (random fp16 bits include NaNs)
         assert torch.equal(k[:, 4:8], k[:, 0:4])
+
+
+def test_pool_view_checked_again_when_a_tensor_changes(make_config):
+    """The reuse check looks at each tensor's identity and its memory: a new tuple of the same
+    tensors reuses the view, a tensor in another place, its memory swapped (``set_``) or a
+    nested pool of other tensors does not."""
+    with Tier(LAYOUT, make_config(), device="cpu") as tier:
+        pool = random_pool(LAYOUT, 64)
+        tier.put(["a"], pool, torch.arange(4))
+        first = tier._pools.cached
+        assert tier._pools.get(tuple(pool)) is first and tier._pools.get(list(pool)) is first
+        assert tier._pools.get((pool[1], pool[0])) is not first  # K and V swapped
+        pool = random_pool(LAYOUT, 64)
+        second = tier._pools.get(pool)
+        pool[0].set_(pool[0].clone())  # same tensor object, new memory
+        third = tier._pools.get(pool)
+        assert third is not second
+        assert tier._pools.get(pool) is third
+        nested = ([pool[0][i] for i in range(LAYOUT.num_layers)],
+                  [pool[1][i] for i in range(LAYOUT.num_layers)])
+        assert tier._pools.get(nested) is not third
