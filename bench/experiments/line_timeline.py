@@ -18,7 +18,9 @@ and ``h200-2026-11-26/call-overhead-6/call8/put_lines_fine.txt`` (these function
 the next session's, new and before side by side:
 ``h200-2026-11-26/call-overhead-7/call2/put_lines2_after.txt``,
 ``h200-2026-11-26/call-overhead-7/call6/put_lines2_after.txt`` and
-``h100-2026-11-26/call-overhead-7/call9/put_lines2_after.txt``.
+``h100-2026-11-26/call-overhead-7/call9/put_lines2_after.txt``; with the staging parts,
+admission, counters' ledger and call gate stamped too (``--top 250``):
+``h200-2026-11-26/call-overhead-8/call5/put_lines3_after.txt`` and ``put_lines3_before.txt``.
 """
 import ast
 import collections
@@ -123,6 +125,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description="line-by-line timeline of 1-page Tier.put calls")
     p.add_argument("directory", help="store directory (emptied first), e.g. /dev/shm/x")
     p.add_argument("reps", type=int, nargs="?", default=600, help="timed calls (default 600)")
+    p.add_argument("--top", type=int, default=110, help="statements printed, costliest first")
     args = p.parse_args()
     import torch
     # Each module is executed again from its rewritten source, in import order: a module that
@@ -139,6 +142,10 @@ def main() -> None:
     install("gdskv.persistence", ["PersistentDirectory.journal_commits", "PersistentDirectory.next_seqs"])
     install("gdskv.store", ["SlabStore.sync", "SlabStore.extents"])
     install("gdskv.copiers", ["PoolCopier.prepare", "PoolCopier._use", "PoolCopier.graph_slots", "PoolCopier.__init__"])
+    install("gdskv.staging", ["StagingParts.try_take", "StagingParts.give_back", "StagingParts._ready"])
+    install("gdskv.admission", ["AdmissionFilter.admit"])
+    install("gdskv.ledger", ["CallLedger.record", "CallLedger.settle"])
+    install("gdskv.call_gate", ["CallGate.enter_shared", "CallGate.leave_shared"])
     install("gdskv.tier", ["Tier.put", "Tier._pool_copier", "Tier._copier_for", "Tier._run", "Tier._put",
                              "Tier._finish_write", "Tier._trailers", "Tier._copies_done", "Tier._call_stream",
                              "Tier._writing", "Tier._gpu_spill", "Tier._check_keys", "Tier._gpu_checked"])
@@ -173,7 +180,7 @@ def main() -> None:
         if i >= 30:
             calls.append(st); walls.append(t); raws.append(r)
     print(f"put p50 {1e6*statistics.median(walls):.1f} us, raw(write+fdatasync, rotating slots) p50 {1e6*statistics.median(raws):.1f} us")
-    print(summarize(calls, top=110))
+    print(summarize(calls, top=args.top))
     tier.close()
 
 

@@ -24,7 +24,9 @@ Each call is cut into phases by stamps on its backend (the same wrappers on all)
   journal COMMIT, the directory; floor: fdatasync, the COMMIT).
 
 Each phase's median (µs) and the medians of the whole calls are printed, and ``--out`` takes
-the per-call stamps. With ``--gpu-sync`` the GPU sync (gdskv's ``Tier._copies_done``, the
+the per-call stamps. ``--split-cpus`` keeps the calling thread on one CPU and kvikio's I/O
+threads (every thread made before the timed calls) on the others: how much of the host time is
+the calling thread's caches and CPU taken over by the I/O while it waits. With ``--gpu-sync`` the GPU sync (gdskv's ``Tier._copies_done``, the
 floor's) is timed as a phase of its own inside ``before_submit``.
 
     python bench/experiments/spill_phases.py /dev/shm/phases [--calls 1000]
@@ -85,7 +87,15 @@ def main() -> None:
     ap.add_argument("--geometry", default="llama3-8b-p16", help="<preset>-p<page tokens>")
     ap.add_argument("--gpu-sync", action="store_true", help="time the GPU sync as a phase")
     ap.add_argument("--out", help="write the per-call phases here (JSON)")
+    ap.add_argument("--split-cpus", action="store_true",
+                    help="keep the calling thread on CPU 0 and every thread made before the "
+                         "timed calls (kvikio's I/O threads among them) on the other CPUs")
     args = ap.parse_args()
+    cpus = sorted(os.sched_getaffinity(0))
+    if args.split_cpus:
+        if len(cpus) < 2:
+            raise SystemExit("spill_phases: --split-cpus needs two CPUs or more")
+        os.sched_setaffinity(0, cpus[1:])  # threads made from now on inherit this
 
     import json
 
@@ -188,23 +198,29 @@ def main() -> None:
 
     calls = {"gdskv": gdskv_call, "raw": raw_call, "floor": floor_call}
     warm = 20  # the first calls of each (graph capture, first touches) are not counted
+    for i in range(warm):  # (kvikio's threads exist once a call has used them)
+        for who in calls:
+            calls[who](i)
+    if args.split_cpus:
+        os.sched_setaffinity(0, cpus[:1])  # this (the calling) thread only
     rows: dict[str, list[dict]] = {who: [] for who in calls}
     turns = list(calls)
-    for i in range(n):
+    for i in range(warm, n):
         order = turns[i % 3:] + turns[:i % 3]  # each kind first, second and last in turn
         for who in order:
+            stamps[who].t.clear()
             t0 = time.perf_counter()
             calls[who](i)
             t1 = time.perf_counter()
-            if i >= warm:
-                rows[who].append(stamps[who].phases(t0, t1))
-            stamps[who].t.clear()
+            rows[who].append(stamps[who].phases(t0, t1))
 
     def med(who: str, key: str) -> float:
         return 1e6 * statistics.median(r[key] for r in rows[who])
 
     print(f"{n - warm} 1-page calls each ({lay.page_bytes} B pages, {sb} B slots), in turn, "
-          f"{args.directory}; medians in µs")
+          f"{args.directory}"
+          f"{', calling thread on CPU 0, the others off it' if args.split_cpus else ''}; "
+          "medians in µs")
     print(f"{'phase':15s} {'gdskv':>9s} {'floor':>9s} {'raw':>9s} {'gdskv-raw':>10s} "
           f"{'floor-raw':>10s}")
     keys = PHASES + (("gpu_sync",) if args.gpu_sync else ()) + ("call",)
