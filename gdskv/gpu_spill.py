@@ -47,9 +47,9 @@ class GpuSpill:
             if fill.prepare(order, into=buffers.slot_buffers, defer_upload=True) else 0
 
     def gather(self, part: torch.Tensor, page_idx: list[int], trailers: list[bytes]) -> None:
-        """Queue the chunk's gather into ``part``, its checksums, its slot trailers (``trailers``,
-        encoded with checksum 0, sealed on the GPU) and the checksums' copy to the host;
-        :meth:`sums` reads them once the stream has synchronized."""
+        """Queue the chunk's gather into ``part``, its checksums and its slot trailers
+        (``trailers``, encoded with checksum 0, sealed on the GPU, which writes the checksums
+        into pinned host memory); :meth:`sums` reads them once the stream has synchronized."""
         n, buf, fill = len(page_idx), self._buf, self.fill
         # (the previous chunk's seal has read them: the tier synchronized before writing it)
         buf.host_trailers_bytes[:n * slot_trailer.TRAILER_BYTES] = \
