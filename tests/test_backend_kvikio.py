@@ -157,3 +157,38 @@ def test_task_size_goes_with_each_call(kvikio_on_store):
     assert calls == [2 << 20] and not outcome.ok
     assert outcome.failed == {0: [(0, LAYOUT.slot_bytes)]}
     assert kvikio.defaults.get("task_size") == before
+
+
+@pytest.mark.parametrize("poll_us", [0, 5_000_000])
+def test_a_wait_polls_kvikios_futures_first_when_asked(kvikio_on_store, poll_us):
+    """io_poll_us: the waiting thread asks kvikio's futures whether they are done before it
+    sleeps in their get(); off, it goes straight to get()."""
+    backend, store = kvikio_on_store(io_poll_us=poll_us)
+    events = []
+
+    class Future:
+        def __init__(self, n):
+            self.n, self.asks = n, 0
+
+        def done(self):
+            self.asks += 1
+            events.append("done?")
+            return self.asks > 2
+
+        def get(self):
+            events.append("get")
+            return self.n
+
+    class Files:
+        def pwrite(self, buf, size, offset, task_size=None):
+            return Future(size)
+
+    real, backend._files = backend._files, [Files() for _ in backend._files]
+    try:
+        buf = torch.zeros(LAYOUT.slot_bytes, dtype=torch.uint8)
+        outcome = backend.write(buf, store.extents([0])).result()
+    finally:
+        backend._files = real
+    assert outcome.ok and outcome.nbytes == LAYOUT.slot_bytes
+    assert events == (["done?"] * 3 + ["get"] if poll_us else ["get"])
+    assert backend.describe()["io_poll_us"] == poll_us

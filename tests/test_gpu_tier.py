@@ -88,11 +88,12 @@ def test_async_get_does_not_block_engine_stream(tmp_path):
             assert torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
-@pytest.mark.parametrize("backend", ["kvikio", "posix"])
+@pytest.mark.parametrize("backend", ["kvikio", "kvikio-polled", "posix"])
 def test_gpu_calls_from_four_threads(tmp_path, backend):
     """Four threads, each on its own CUDA stream (as engine transfer threads are), putting and
     getting through one tier with fewer staging parts than calls in flight: every page comes
-    back bit-exact into other slots, and nothing waits forever."""
+    back bit-exact into other slots, and nothing waits forever. ``kvikio-polled``: the waiting
+    threads poll their I/O first (io_poll_us), one at a time."""
     import threading
 
     per_call, calls = 24, 4     # 24 pages of 2 MiB: three 16 MiB parts of 8 pages each
@@ -102,8 +103,9 @@ def test_gpu_calls_from_four_threads(tmp_path, backend):
     out = tuple(torch.zeros_like(p) for p in pool)
     perm_src = torch.randperm(slots, device="cuda")
     perm_dst = torch.randperm(slots, device="cuda")
-    cfg = TierConfig(directories=(str(tmp_path),), capacity="1GiB", backend=backend,
-                     staging_size="48MiB", pipeline_depth=3)
+    cfg = TierConfig(directories=(str(tmp_path),), capacity="1GiB",
+                     backend=backend.split("-")[0], staging_size="48MiB", pipeline_depth=3,
+                     io_poll_us=5000 if backend.endswith("polled") else 0)
     errors: list = []
     torch.cuda.synchronize()  # the pools were filled on the default stream
     with Tier(LLAMA, cfg, device="cuda") as tier:

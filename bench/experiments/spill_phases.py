@@ -24,7 +24,9 @@ Each call is cut into phases by stamps on its backend (the same wrappers on all)
   journal COMMIT, the directory; floor: fdatasync, the COMMIT).
 
 Each phase's median (µs) and the medians of the whole calls are printed, and ``--out`` takes
-the per-call stamps. ``--split-cpus`` keeps the calling thread on one CPU and kvikio's I/O
+the per-call stamps. ``--io-poll-us N`` has all three poll their writes' completion before
+sleeping (the tier's ``io_poll_us``: :class:`gdskv.backends.base.CompletionPoller`).
+``--split-cpus`` keeps the calling thread on one CPU and kvikio's I/O
 threads (every thread made before the timed calls) on the others: how much of the host time is
 the calling thread's caches and CPU taken over by the I/O while it waits. With ``--gpu-sync`` the GPU sync (gdskv's ``Tier._copies_done``, the
 floor's) is timed as a phase of its own inside ``before_submit``.
@@ -87,6 +89,9 @@ def main() -> None:
     ap.add_argument("--geometry", default="llama3-8b-p16", help="<preset>-p<page tokens>")
     ap.add_argument("--gpu-sync", action="store_true", help="time the GPU sync as a phase")
     ap.add_argument("--out", help="write the per-call phases here (JSON)")
+    ap.add_argument("--io-poll-us", type=int, default=0,
+                    help="all three kinds' kvikio backends poll their writes' completion for up "
+                         "to this many µs before sleeping (io_poll_us; 0: they sleep at once)")
     ap.add_argument("--split-cpus", action="store_true",
                     help="keep the calling thread on CPU 0 and every thread made before the "
                          "timed calls (kvikio's I/O threads among them) on the other CPUs")
@@ -124,11 +129,12 @@ def main() -> None:
     for d in dirs:
         os.makedirs(d)
     capacity = (n + 64) * lay.slot_bytes
-    tier = Tier(lay, TierConfig(directories=(dirs[0],), capacity=capacity, backend="kvikio"),
-                device=dev)
+    poll = args.io_poll_us
+    tier = Tier(lay, TierConfig(directories=(dirs[0],), capacity=capacity, backend="kvikio",
+                                io_poll_us=poll), device=dev)
     stores, backends = [], []
     for d in dirs[1:]:  # raw's and floor's: a store's files, written by a kvikio backend
-        cfg = TierConfig(directories=(d,), capacity=capacity, backend="kvikio")
+        cfg = TierConfig(directories=(d,), capacity=capacity, backend="kvikio", io_poll_us=poll)
         stores.append(SlabStore(lay, cfg))
         backends.append(create_backend(cfg, dev))
         backends[-1].attach(stores[-1].files)
@@ -219,7 +225,8 @@ def main() -> None:
 
     print(f"{n - warm} 1-page calls each ({lay.page_bytes} B pages, {sb} B slots), in turn, "
           f"{args.directory}"
-          f"{', calling thread on CPU 0, the others off it' if args.split_cpus else ''}; "
+          f"{', calling thread on CPU 0, the others off it' if args.split_cpus else ''}"
+          f"{f', writes polled up to {poll} µs' if poll else ''}; "
           "medians in µs")
     print(f"{'phase':15s} {'gdskv':>9s} {'floor':>9s} {'raw':>9s} {'gdskv-raw':>10s} "
           f"{'floor-raw':>10s}")

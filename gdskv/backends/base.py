@@ -18,6 +18,7 @@ from __future__ import annotations
 import abc
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -155,6 +156,39 @@ class WaitingFuture:
                 self._callbacks.append(fn)
                 return
         _run_callback(fn, self)
+
+
+class CompletionPoller:
+    """Polls an I/O's completion on the thread that waits for it, for up to ``budget_us``
+    (``io_poll_us``), before that thread sleeps on it.
+
+    A thread that sleeps through a sub-millisecond I/O wakes on a CPU that went idle meanwhile,
+    and the host work of the rest of its call then runs cold: on the GPU machine's VMs a 1-page
+    spill's host work before and after the write took about twice as long as when the thread
+    polled (``bench/results/h200-2026-11-26/call-overhead-9/``). Between polls the GIL is
+    released (``time.sleep(0)``), so the engine's other threads run. One thread polls at a
+    time: a second waiter sleeps at once, so calls in flight on several threads do not take
+    turns at the GIL only to poll. The budget caps the CPU a long I/O burns."""
+
+    def __init__(self, budget_us: int) -> None:
+        self._budget = budget_us / 1e6
+        self._turn = threading.Lock()
+
+    def poll(self, futures) -> None:
+        """Return once each of ``futures`` (objects with ``done()``) is done, the budget is
+        spent, or at once when another thread is polling or the budget is 0."""
+        if not self._budget or not self._turn.acquire(blocking=False):
+            return
+        try:
+            clock, sleep = time.perf_counter, time.sleep
+            deadline = clock() + self._budget
+            for fut in futures:
+                while not fut.done():
+                    if clock() > deadline:
+                        return
+                    sleep(0)  # lets other threads take the GIL
+        finally:
+            self._turn.release()
 
 
 def _run_callback(fn, fut) -> None:

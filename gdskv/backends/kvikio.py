@@ -37,8 +37,8 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from ..config import TierConfig
-from .base import (MIN_PIECE_BYTES, Backend, Extent, IOOutcome, ShortIOError, SlabFile,
-                   WaitingFuture, split_extents)
+from .base import (MIN_PIECE_BYTES, Backend, CompletionPoller, Extent, IOOutcome,
+                   ShortIOError, SlabFile, WaitingFuture, split_extents)
 
 log = logging.getLogger("gdskv.kvikio")
 
@@ -132,6 +132,8 @@ class KvikioBackend(Backend):
             self._nvidia_fs = None
             log.debug("cufile_driver query failed: %s", exc)
         self._chunk = config.io_chunk_size
+        self._poll_us = config.io_poll_us
+        self._poller = CompletionPoller(config.io_poll_us)
         self._files: list = []
         self._registered: dict[tuple[int, int], torch.Tensor] = {}
         self._targets: dict[int, tuple[torch.Tensor, object]] = {}  # id -> (part, target)
@@ -154,6 +156,7 @@ class KvikioBackend(Backend):
     def describe(self) -> dict:
         return {**super().describe(), "compat_mode": self._compat,
                 "nvidia_fs_loaded": self._nvidia_fs, "task_size": self._task,
+                "io_poll_us": self._poll_us,
                 "settings": {k: {"value": v, "set_by": who}
                              for k, (v, who) in self._settings.items()},
                 "kvikio_version": getattr(_kvikio(), "__version__", "?")}
@@ -249,6 +252,8 @@ class KvikioBackend(Backend):
     def _wait(self, started, outcome: IOOutcome, memory, op: str) -> IOOutcome:
         # ``memory`` (the buffer and the extents' own) is an argument so it stays alive until
         # every future has completed.
+        if self._poll_us:
+            self._poller.poll([fut for _, _, fut in started])
         for i, piece, fut in started:
             try:
                 n = fut.get()
