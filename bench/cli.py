@@ -79,26 +79,31 @@ def _engines_for(job: JobOptions, compare: bool) -> tuple[list[str], list[str]]:
 
 def run_invocation(inv: Invocation, jobs: Sequence[JobOptions], progress=None
                    ) -> tuple[list[JobResult], list[str], list[dict]]:
-    """Run jobs (each engine of each job in compare mode); results, note lines, ratios."""
+    """Run jobs (each engine of each job in compare mode, ``compare_rounds`` times); results,
+    note lines, ratios."""
+    rounds = inv.compare_rounds if inv.compare else 1
     plans = []
     notes: list[str] = []
     for job in jobs:
         engines, why = _engines_for(job, inv.compare)
         notes += why
         group = []
-        for e in engines:
-            j = job
-            if inv.compare:  # distinct job names per engine, so JSON consumers can tell them apart
-                j = job.copy()
-                j.values["name"] = f"{job.name}.{e}"
-            group.append(resolve(j, e))  # check every job before running any
-        plans.append(group)
+        for r in range(rounds):
+            # every other round in reverse (ABBA): drift of the machine during the run then
+            # weighs on each engine alike
+            for e in engines if r % 2 == 0 else engines[::-1]:
+                j = job
+                if inv.compare:  # distinct job names per engine (and round) for JSON consumers
+                    j = job.copy()
+                    j.values["name"] = f"{job.name}.{e}" + (f".r{r + 1}" if rounds > 1 else "")
+                group.append((e, r, resolve(j, e)))  # check every job before running any
+        plans.append((job.name, group))
     results: list[JobResult] = []
     ratios: list[dict] = []
     gid = 0
-    for group in plans:
-        per_engine: dict[str, list[JobResult]] = {}
-        for plan in group:
+    for name, group in plans:
+        per_round: list[dict[str, list[JobResult]]] = [{} for _ in range(rounds)]
+        for engine, r, plan in group:
             try:
                 rs = run_job(plan, gid, progress)
             except OptionError:
@@ -109,10 +114,10 @@ def run_invocation(inv: Invocation, jobs: Sequence[JobOptions], progress=None
                       file=sys.stderr)
                 rs = [failed_result(plan, gid, exc)]
             gid += 1
-            per_engine[plan.engine] = rs
+            per_round[r][engine] = rs
             results += rs
         if inv.compare:
-            ratios.append(_ratios(group[0].opts.name.rsplit(".", 1)[0], per_engine))
+            ratios.append(_ratios(name, per_round))
     return results, notes, ratios
 
 
@@ -146,25 +151,45 @@ def _clat_percentiles(rs: list[JobResult], direction: str) -> dict[str, int]:
     return {name: pct[f"{p:.6f}"] for name, p in COMPARE_PERCENTILES}
 
 
-def _ratios(name: str, per_engine: dict[str, list[JobResult]]) -> dict:
-    out: dict = {"job": name, "bw_bytes": {}, "clat_ns": {}, "ratios": {}}
+def _ratios(name: str, per_round: list[dict[str, list[JobResult]]]) -> dict:
+    """One job's comparison: each engine's bandwidth (the mean of its rounds') and its clat
+    percentiles over every round's calls pooled, the gdskv/raw (and gdskv/hicachefile)
+    ratios of these, and with several rounds, each round's ratios on its own."""
+    engines = list(per_round[0])
+    out: dict = {"job": name, "rounds": len(per_round), "bw_bytes": {}, "clat_ns": {},
+                 "ratios": {}}
     for direction in ("write", "read"):
-        bws = {e: _bw(rs, direction) for e, rs in per_engine.items()}
+        bws = {e: sum(_bw(rnd[e], direction) for rnd in per_round) // len(per_round)
+               for e in engines}
         out["bw_bytes"][direction] = bws
-        g = bws.get("gdskv", 0)
-        if g and bws.get("raw"):
-            out["ratios"][f"{direction}: gdskv/raw"] = g / bws["raw"]
-        if g and bws.get("hicachefile"):
-            out["ratios"][f"{direction}: gdskv/hicachefile"] = g / bws["hicachefile"]
         # Per call completion latency, as fio reports it: a small restore's time to first
         # token waits on its p50/p99, which throughput alone hides.
-        clat = {e: _clat_percentiles(rs, direction) for e, rs in per_engine.items()}
+        clat = {e: _clat_percentiles([x for rnd in per_round for x in rnd[e]], direction)
+                for e in engines}
         out["clat_ns"][direction] = {e: c for e, c in clat.items() if c}
-        mine, raw = clat.get("gdskv"), clat.get("raw")
-        if mine and raw:
-            for pname, _ in COMPARE_PERCENTILES:
-                if raw[pname]:
-                    out["ratios"][f"{direction}: clat {pname} gdskv/raw"] = mine[pname] / raw[pname]
+        out["ratios"].update(_ratio_cells(direction, bws, clat))
+    if len(per_round) > 1:
+        out["ratios_by_round"] = [
+            {k: v for direction in ("write", "read") for k, v in _ratio_cells(
+                direction, {e: _bw(rnd[e], direction) for e in engines},
+                {e: _clat_percentiles(rnd[e], direction) for e in engines}).items()}
+            for rnd in per_round]
+    return out
+
+
+def _ratio_cells(direction: str, bws: dict[str, int], clat: dict[str, dict]) -> dict:
+    """gdskv's bandwidth over raw's and hicachefile's, and its clat percentiles over raw's."""
+    out = {}
+    g = bws.get("gdskv", 0)
+    if g and bws.get("raw"):
+        out[f"{direction}: gdskv/raw"] = g / bws["raw"]
+    if g and bws.get("hicachefile"):
+        out[f"{direction}: gdskv/hicachefile"] = g / bws["hicachefile"]
+    mine, raw = clat.get("gdskv"), clat.get("raw")
+    if mine and raw:
+        for pname, _ in COMPARE_PERCENTILES:
+            if raw[pname]:
+                out[f"{direction}: clat {pname} gdskv/raw"] = mine[pname] / raw[pname]
     return out
 
 
@@ -172,7 +197,10 @@ def _ratio_lines(ratios: list[dict]) -> list[str]:
     lines = []
     for r in ratios:
         lines.append("")
-        lines.append(f"Compare {r['job']}:")
+        rounds = r.get("rounds", 1)
+        lines.append(f"Compare {r['job']}:" if rounds == 1 else
+                     f"Compare {r['job']} ({rounds} rounds, ABBA; bandwidth: the rounds' mean,"
+                     " clat: their calls pooled):")
         for direction, bws in r["bw_bytes"].items():
             if not any(bws.values()):
                 continue
@@ -186,6 +214,14 @@ def _ratio_lines(ratios: list[dict]) -> list[str]:
                 ratio = r["ratios"].get(f"{direction}: clat {pname} gdskv/raw")
                 lines.append(f"         clat {pname:>5}: {cells}"
                              + (f"  (gdskv/raw={ratio:.2f}x)" if ratio else ""))
+            by_round = r.get("ratios_by_round", [])
+            for key in (f"{direction}: gdskv/raw", f"{direction}: clat p50 gdskv/raw",
+                        f"{direction}: clat p99 gdskv/raw"):
+                if by_round and all(key in rr for rr in by_round):
+                    label = key.split(": ", 1)[1].replace(" gdskv/raw", "").replace(
+                        "gdskv/raw", "bw")
+                    lines.append(f"  by round, {label} gdskv/raw: "
+                                 + " ".join(f"{rr[key]:.2f}x" for rr in by_round))
     return lines
 
 

@@ -434,6 +434,9 @@ class Invocation:
     output_format: tuple[str, ...] = ("normal",)
     output: str | None = None
     compare: bool = False
+    #: --compare: run each job's engines this many times, the order reversed every other round
+    #: (gdskv, raw | raw, gdskv | ...), and pool the rounds' samples
+    compare_rounds: int = 1
     sweep: tuple[str, list] | None = None
     sweep_dir: str | None = None
     metrics_port: int | None = None
@@ -462,6 +465,7 @@ def _arg_type(opt: Opt) -> Callable[[str], Any]:
 
 
 _port = int_between(1, 65535, "a port number")
+_rounds = int_between(1, 100, "a number of rounds")
 
 
 def _output_formats(text: str) -> tuple[str, ...]:
@@ -559,6 +563,11 @@ def build_parser() -> argparse.ArgumentParser:
                    type=_arg_type(Opt("compare", _bool, False, "")), default=("0", False),
         help="run each job with ioengine gdskv, raw and hicachefile (when sglang is importable)"
              " back to back and print the ratios")
+    o.add_argument("--compare-rounds", "--compare_rounds", dest="compare_rounds",
+                   type=_rounds, default=1,
+                   help="with --compare: run each job's engines N times, the order reversed "
+                        "every other round (ABBA...), and compare the pooled samples: a "
+                        "machine that drifts during a run weighs on both engines alike")
     o.add_argument("--sweep", type=_sweep, default=None,
                    help="OPTION=V1,V2,...: one run per value, one JSON each plus a PNG plot")
     o.add_argument("--sweep-dir", "--sweep_dir", dest="sweep_dir", default=None,
@@ -606,9 +615,12 @@ def parse_args(argv: Sequence[str], environ: Mapping[str, str] | None = None) ->
         jobs = [cli]
     for job in jobs:
         job.apply_kb_base()
+    if ns.compare_rounds > 1 and not ns.compare[1]:
+        raise OptionError(f"--compare-rounds={ns.compare_rounds}: rounds are of a comparison; "
+                          "add --compare")
     return Invocation(jobs=jobs, output_format=ns.output_format, output=ns.output,
-                      compare=ns.compare[1], sweep=ns.sweep, sweep_dir=ns.sweep_dir,
-                      metrics_port=ns.metrics_port)
+                      compare=ns.compare[1], compare_rounds=ns.compare_rounds, sweep=ns.sweep,
+                      sweep_dir=ns.sweep_dir, metrics_port=ns.metrics_port)
 
 
 def job_options_dict(job: JobOptions) -> dict[str, str]:

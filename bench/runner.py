@@ -421,6 +421,7 @@ def _gdskv_object(engine: Engine, plan: JobPlan, config: TierConfig, made: list[
         "config": {"backend": config.backend.value, "direct_io": config.direct_io.value,
                    "sync": config.sync.value, "verify_checksums": config.verify,
                    "io_threads": config.io_threads, "io_chunk_size": config.io_chunk_size,
+                   "io_poll_us": config.io_poll_us,
                    "staging_size": config.staging_size, "files_per_dir": config.files_per_dir,
                    "capacity": config.capacity},
         "invalidate": _merge_invalidations(invalidations, o.invalidate or o.drop_caches),

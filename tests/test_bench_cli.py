@@ -294,6 +294,42 @@ def test_compare_sets_completion_latency_percentiles_side_by_side(tmp_path, caps
     assert re.search(r"clat   p50: gdskv=\d+us, raw=\d+us  \(gdskv/raw=[\d.]+x\)", out), out
 
 
+def test_compare_rounds_alternate_the_engines_and_pool_their_calls(tmp_path, capsys,
+                                                                     monkeypatch):
+    """--compare-rounds 2: gdskv, raw, then raw, gdskv (ABBA); each run reported under its own
+    name; the comparison pools both rounds' calls (clat) and averages their bandwidth, and
+    gives each round's ratios too."""
+    monkeypatch.setitem(sys.modules, "sglang", None)
+    doc = run_json(capsys, SMALL + ["--size=1M", "--rw=write", "--compare",
+                                    "--compare-rounds=2", f"--directory={tmp_path}"])
+    names = [j["jobname"] for j in doc["jobs"]]
+    assert names == ["gdskv.gdskv.r1", "gdskv.raw.r1", "gdskv.raw.r2", "gdskv.gdskv.r2"]
+    assert [j["groupid"] for j in doc["jobs"]] == [0, 1, 2, 3]
+    (cmp_,) = doc["gdskv_compare"]
+    assert cmp_["rounds"] == 2 and len(cmp_["ratios_by_round"]) == 2
+    for engine in ("gdskv", "raw"):
+        runs = [j for j in doc["jobs"] if j["jobname"].startswith(f"gdskv.{engine}.")]
+        p50s = [j["write"]["clat_ns"]["percentile"]["50.000000"] for j in runs]
+        assert min(p50s) <= cmp_["clat_ns"]["write"][engine]["p50"] <= max(p50s)
+        assert cmp_["bw_bytes"]["write"][engine] == sum(j["write"]["bw_bytes"]
+                                                        for j in runs) // 2
+    for rnd, r in zip(cmp_["ratios_by_round"], (1, 2)):
+        g, w = (next(j for j in doc["jobs"] if j["jobname"] == f"gdskv.{e}.r{r}")
+                for e in ("gdskv", "raw"))
+        assert rnd["write: gdskv/raw"] == g["write"]["bw_bytes"] / w["write"]["bw_bytes"]
+    cli.main(SMALL + ["--size=1M", "--rw=write", "--compare", "--compare-rounds=2",
+                      f"--directory={tmp_path}"])
+    out = capsys.readouterr().out
+    assert "Compare gdskv (2 rounds, ABBA" in out
+    assert re.search(r"by round, clat p50 gdskv/raw: [\d.]+x [\d.]+x", out), out
+
+
+def test_compare_rounds_need_compare(tmp_path, capsys):
+    rc = cli.main(SMALL + ["--size=1M", "--compare-rounds=3", f"--directory={tmp_path}"])
+    assert rc == 2
+    assert "add --compare" in capsys.readouterr().err
+
+
 def test_metrics_port_serves_gdskv_metrics_during_the_run(tmp_path):
     """gdskv-bench --metrics-port: the run's tier counters at /metrics while it runs."""
     import socket
