@@ -33,7 +33,8 @@ floor's) is timed as a phase of its own inside ``before_submit``.
 
     python bench/experiments/spill_phases.py /dev/shm/phases [--calls 1000]
 
-Results it produced: ``h200-2026-11-26/call-overhead-8/`` (see its README).
+Results it produced: ``h200-2026-11-26/call-overhead-8/`` and ``h200-2026-11-26/call-overhead-9/``
+(``--io-poll-us``; see their READMEs).
 """
 
 from __future__ import annotations
