@@ -166,9 +166,9 @@ class TierConfig:
     io_threads: int = 16
     #: bytes per I/O call; large extents are cut into pieces of this size for parallelism
     io_chunk_size: int = 16 << 20
-    #: kvikio backend: the thread that waits for an I/O polls its completion for up to this
-    #: many µs (releasing the GIL between polls, one thread at a time) before it sleeps on it;
-    #: the host then stays warm for the rest of the call. 0: sleep at once
+    #: the thread that waits for an I/O polls its completion for up to this many µs
+    #: (releasing the GIL between polls, one thread at a time) before it sleeps on it; the
+    #: host then stays warm for the rest of the call. 0: sleep at once
     io_poll_us: int = 0
     direct_io: DirectIO = DirectIO.AUTO
     eviction: Eviction = Eviction.LRU
@@ -343,7 +343,7 @@ FIELD_DOCS: dict[str, str] = {
     "pipeline_depth": "staging parts shared by concurrent calls, also the async workers (2..64)",
     "io_threads": "I/O threads (POSIX pool, kvikio thread pool)",
     "io_chunk_size": "stripe unit and largest I/O, a multiple of 4096",
-    "io_poll_us": "kvikio: poll an I/O's completion up to this many µs before sleeping (0: off)",
+    "io_poll_us": "poll an I/O's completion up to this many µs before sleeping on it (0: off)",
     "direct_io": "auto (O_DIRECT where accepted, else buffered and said so), on or off",
     "eviction": "lru, or none (a put that does not fit fails those pages)",
     "sync": "data (fdatasync before a page is READY) or none",

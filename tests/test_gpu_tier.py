@@ -88,11 +88,11 @@ def test_async_get_does_not_block_engine_stream(tmp_path):
             assert torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
-@pytest.mark.parametrize("backend", ["kvikio", "kvikio-polled", "posix"])
+@pytest.mark.parametrize("backend", ["kvikio", "kvikio-polled", "posix", "posix-polled"])
 def test_gpu_calls_from_four_threads(tmp_path, backend):
     """Four threads, each on its own CUDA stream (as engine transfer threads are), putting and
     getting through one tier with fewer staging parts than calls in flight: every page comes
-    back bit-exact into other slots, and nothing waits forever. ``kvikio-polled``: the waiting
+    back bit-exact into other slots, and nothing waits forever. ``-polled``: the waiting
     threads poll their I/O first (io_poll_us), one at a time."""
     import threading
 

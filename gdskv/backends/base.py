@@ -16,6 +16,7 @@ can do it say so with ``in_place_host_memory``.
 from __future__ import annotations
 
 import abc
+import functools
 import logging
 import threading
 import time
@@ -160,7 +161,8 @@ class WaitingFuture:
 
 class CompletionPoller:
     """Polls an I/O's completion on the thread that waits for it, for up to ``budget_us``
-    (``io_poll_us``), before that thread sleeps on it.
+    (``io_poll_us``), before that thread sleeps on it. Every backend takes it: kvikio polls its
+    futures in its wait, posix and NIXL hand out futures :meth:`wrap` made.
 
     A thread that sleeps through a sub-millisecond I/O wakes on a CPU that went idle meanwhile,
     and the host work of the rest of its call then runs cold: on the GPU machine's VMs a 1-page
@@ -171,8 +173,25 @@ class CompletionPoller:
     turns at the GIL only to poll. The budget caps the CPU a long I/O burns."""
 
     def __init__(self, budget_us: int) -> None:
+        self.budget_us = budget_us
         self._budget = budget_us / 1e6
         self._turn = threading.Lock()
+
+    @property
+    def on(self) -> bool:
+        return self._budget > 0
+
+    def wrap(self, fut: Future) -> Future:
+        """``fut`` itself when polling is off, else a :class:`WaitingFuture` whose asker polls
+        ``fut`` before it waits for its result (for backends whose futures another thread of
+        theirs completes: posix, NIXL; kvikio polls its own futures in its wait)."""
+        if not self.on:
+            return fut
+        return WaitingFuture(functools.partial(self._polled_result, fut))
+
+    def _polled_result(self, fut: Future):
+        self.poll((fut,))
+        return fut.result()
 
     def poll(self, futures) -> None:
         """Return once each of ``futures`` (objects with ``done()``) is done, the budget is

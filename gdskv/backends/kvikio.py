@@ -132,7 +132,6 @@ class KvikioBackend(Backend):
             self._nvidia_fs = None
             log.debug("cufile_driver query failed: %s", exc)
         self._chunk = config.io_chunk_size
-        self._poll_us = config.io_poll_us
         self._poller = CompletionPoller(config.io_poll_us)
         self._files: list = []
         self._registered: dict[tuple[int, int], torch.Tensor] = {}
@@ -156,7 +155,7 @@ class KvikioBackend(Backend):
     def describe(self) -> dict:
         return {**super().describe(), "compat_mode": self._compat,
                 "nvidia_fs_loaded": self._nvidia_fs, "task_size": self._task,
-                "io_poll_us": self._poll_us,
+                "io_poll_us": self._poller.budget_us,
                 "settings": {k: {"value": v, "set_by": who}
                              for k, (v, who) in self._settings.items()},
                 "kvikio_version": getattr(_kvikio(), "__version__", "?")}
@@ -252,7 +251,7 @@ class KvikioBackend(Backend):
     def _wait(self, started, outcome: IOOutcome, memory, op: str) -> IOOutcome:
         # ``memory`` (the buffer and the extents' own) is an argument so it stays alive until
         # every future has completed.
-        if self._poll_us:
+        if self._poller.on:
             self._poller.poll([fut for _, _, fut in started])
         for i, piece, fut in started:
             try:

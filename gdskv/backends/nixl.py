@@ -52,7 +52,7 @@ import torch
 
 from ..config import NixlPlugin, TierConfig
 from ..memory import cuda_available
-from .base import Backend, Extent, IOOutcome, SlabFile, io_pieces
+from .base import Backend, CompletionPoller, Extent, IOOutcome, SlabFile, io_pieces
 from .bounce import HostMirrors
 
 log = logging.getLogger("gdskv.nixl")
@@ -177,6 +177,7 @@ class NixlBackend(Backend):
         self._bounce: HostMirrors | None = None
         self._closed = False
         self._lock = threading.Lock()
+        self._poller = CompletionPoller(config.io_poll_us)
 
         candidates, reason = plan_plugins(config.nixl_plugin, self._device,
                                           cuda_available() if self._device.type == "cuda"
@@ -264,7 +265,8 @@ class NixlBackend(Backend):
                 "fallback_reason": self._fallback_reason,
                 "bounce": self._device.type == "cuda" and not self._direct,
                 "posix_queue": self._posix_queue if self._plugin == "POSIX" else None,
-                "plugins_created": sorted(self._plugins), "device": str(self._device)}
+                "plugins_created": sorted(self._plugins), "device": str(self._device),
+                "io_poll_us": self._poller.budget_us}
 
     # ----------------------------------------------------------------------------- files
     def attach(self, files: Sequence[SlabFile]) -> None:
@@ -371,7 +373,7 @@ class NixlBackend(Backend):
             if self._closed:
                 raise RuntimeError("nixl backend is closed")
             self._queue.put(req)
-        return req.future
+        return self._poller.wrap(req.future)
 
     def _call(self, fn: Callable[[], object]):
         call = _Call(fn)

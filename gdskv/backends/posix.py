@@ -18,7 +18,8 @@ import torch
 
 from ..config import TierConfig
 from ..memory import host_numpy
-from .base import Backend, Extent, ShortIOError, SlabFile, combine, io_pieces
+from .base import (Backend, CompletionPoller, Extent, ShortIOError, SlabFile, combine,
+                   io_pieces)
 from .bounce import HostMirrors
 
 log = logging.getLogger("gdskv.posix")
@@ -45,6 +46,7 @@ class PosixBackend(Backend):
             self._threads, thread_name_prefix="gdskv-posix")
         self._files: list[SlabFile] = []
         self._mirrors = HostMirrors()
+        self._poller = CompletionPoller(config.io_poll_us)
 
     @property
     def gpu_direct(self) -> bool:
@@ -55,7 +57,8 @@ class PosixBackend(Backend):
 
     def describe(self) -> dict:
         return {**super().describe(), "threads": self._threads, "io_chunk_size": self._chunk,
-                "gpu_buffers": "staged through a pinned host mirror"}
+                "gpu_buffers": "staged through a pinned host mirror",
+                "io_poll_us": self._poller.budget_us}
 
     def write(self, buffer: torch.Tensor | None, extents: Sequence[Extent]) -> Future:
         host = None if buffer is None else self._mirrors.to_host(buffer, extents)
@@ -76,7 +79,7 @@ class PosixBackend(Backend):
             f = self._files[piece.file]
             iov = piece.memory or (view[piece.buffer_offset:piece.buffer_offset + piece.length],)
             futures.append((idx, piece, self._pool.submit(_move_piece, call, op, f, iov, piece)))
-        return combine(futures, after=after)
+        return self._poller.wrap(combine(futures, after=after))
 
     def close(self) -> None:
         if self._pool is not None:
