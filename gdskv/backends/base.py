@@ -165,9 +165,10 @@ class CompletionPoller:
     futures in its wait, posix and NIXL hand out futures :meth:`wrap` made.
 
     A thread that sleeps through a sub-millisecond I/O wakes on a CPU that went idle meanwhile,
-    and the host work of the rest of its call then runs cold: on the GPU machine's VMs a 1-page
-    spill's host work before and after the write took about twice as long as when the thread
-    polled (``bench/results/h200-2026-11-26/call-overhead-9/``). Between polls the GIL is
+    and the host work of the rest of its call then runs cold: on freshly started VMs of the
+    GPU machine a 1-page spill's host work before and after the write took up to twice as long
+    as when the thread polled, on a VM that had run for minutes about as long
+    (``bench/results/h200-2026-11-26/call-overhead-9/``). Between polls the GIL is
     released (``time.sleep(0)``), so the engine's other threads run. One thread polls at a
     time: a second waiter sleeps at once, so calls in flight on several threads do not take
     turns at the GIL only to poll. The budget caps the CPU a long I/O burns."""
