@@ -11,6 +11,7 @@ import os
 import random
 import resource
 import signal
+import threading
 import time
 
 import torch
@@ -194,3 +195,24 @@ def file_size_limit_child(directory: str, result_path: str, limit: int) -> None:
     tier.close()
     with open(result_path, "w") as f:
         json.dump(out, f)
+
+
+def run_in_threads(worker, count: int, timeout: float = 120) -> list:
+    """Run ``worker(t)`` for each ``t`` in ``range(count)``, one daemon thread each, and join
+    them; a thread still running after ``timeout`` fails the test (a call that never finished).
+    Returns what the workers returned (lists of problems) and any exception one raised."""
+    errors: list = []
+
+    def run(t: int) -> None:
+        try:
+            errors.extend(worker(t) or ())
+        except BaseException as exc:  # noqa: BLE001 - reported to the test
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=run, args=(t,), daemon=True) for t in range(count)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout)
+    assert not any(th.is_alive() for th in threads), "a call never finished (deadlock)"
+    return errors

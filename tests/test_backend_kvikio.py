@@ -148,12 +148,7 @@ def test_task_size_goes_with_each_call(kvikio_on_store):
             calls.append(task_size)
             raise OSError("recorded")  # kvikio's own I/O needs CUDA: not run here
 
-    real, backend._files = backend._files, [Recorder() for _ in backend._files]
-    try:
-        buf = torch.zeros(LAYOUT.slot_bytes, dtype=torch.uint8)
-        outcome = backend.read(buf, store.extents([0])).result()
-    finally:
-        backend._files = real
+    outcome = _one_slot(backend, store, Recorder, "read")
     assert calls == [2 << 20] and not outcome.ok
     assert outcome.failed == {0: [(0, LAYOUT.slot_bytes)]}
     assert kvikio.defaults.get("task_size") == before
@@ -183,12 +178,18 @@ def test_a_wait_polls_kvikios_futures_first_when_asked(kvikio_on_store, poll_us)
         def pwrite(self, buf, size, offset, task_size=None):
             return Future(size)
 
-    real, backend._files = backend._files, [Files() for _ in backend._files]
-    try:
-        buf = torch.zeros(LAYOUT.slot_bytes, dtype=torch.uint8)
-        outcome = backend.write(buf, store.extents([0])).result()
-    finally:
-        backend._files = real
+    outcome = _one_slot(backend, store, Files, "write")
     assert outcome.ok and outcome.nbytes == LAYOUT.slot_bytes
     assert events == (["done?"] * 3 + ["get"] if poll_us else ["get"])
     assert backend.describe()["io_poll_us"] == poll_us
+
+
+def _one_slot(backend, store, fake_file, op: str):
+    """``op`` one slot through ``backend`` with each kvikio file handle replaced by a
+    ``fake_file()`` (kvikio's own I/O needs CUDA); the call's outcome."""
+    real, backend._files = backend._files, [fake_file() for _ in backend._files]
+    try:
+        buf = torch.zeros(LAYOUT.slot_bytes, dtype=torch.uint8)
+        return getattr(backend, op)(buf, store.extents([0])).result()
+    finally:
+        backend._files = real

@@ -7,7 +7,8 @@ import time
 
 import pytest
 import torch
-from reliability_helpers import LAYOUT, page_content, put, read_back, small_config
+from reliability_helpers import (LAYOUT, page_content, put, read_back, run_in_threads,
+                                small_config)
 
 from gdskv.backends.base import CompletionPoller
 from gdskv.config import ConfigError, TierConfig
@@ -113,29 +114,21 @@ def test_a_polling_cpu_tier_round_trips_from_four_threads(tmp_path, backend):
     calls from four threads (one polls at a time, the others sleep) store and read back every
     page byte-exact, and the backend says what it polls."""
     cfg = small_config(tmp_path, backend=backend, io_poll_us=3000, pipeline_depth=4)
-    errors: list = []
     with Tier(LAYOUT, cfg) as tier:
         assert tier.backend.describe()["io_poll_us"] == 3000
 
-        def worker(t: int) -> None:
-            try:
-                for r in range(3):
-                    keys = [f"t{t}r{r}p{i}" for i in range(3)]
-                    if put(tier, keys) != [True] * 3:
-                        errors.append(f"put {t}/{r}")
-                    ok, pages = read_back(tier, keys)
-                    if ok != [True] * 3:
-                        errors.append(f"get {t}/{r}")
-                    for k, page in zip(keys, pages):
-                        if not torch.equal(page, page_content(k)):
-                            errors.append(f"bytes of {k}")
-            except BaseException as exc:  # noqa: BLE001
-                errors.append(repr(exc))
+        def worker(t: int) -> list:
+            problems = []
+            for r in range(3):
+                keys = [f"t{t}r{r}p{i}" for i in range(3)]
+                if put(tier, keys) != [True] * 3:
+                    problems.append(f"put {t}/{r}")
+                ok, pages = read_back(tier, keys)
+                if ok != [True] * 3:
+                    problems.append(f"get {t}/{r}")
+                problems += [f"bytes of {k}" for k, page in zip(keys, pages)
+                             if not torch.equal(page, page_content(k))]
+            return problems
 
-        threads = [threading.Thread(target=worker, args=(t,), daemon=True) for t in range(4)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join(120)
-        assert not any(th.is_alive() for th in threads), "a call never finished"
+        errors = run_in_threads(worker, 4)
         assert not errors, errors

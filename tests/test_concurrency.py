@@ -15,7 +15,7 @@ import torch
 
 from gdskv.directory import PageDirectory, PageState
 from gdskv.tier import Tier
-from reliability_helpers import LAYOUT, SLOT, check_pages, put, small_config
+from reliability_helpers import LAYOUT, SLOT, check_pages, put, run_in_threads, small_config
 
 
 def test_pinned_page_survives_eviction_until_unpinned():
@@ -180,26 +180,19 @@ def test_many_threads_share_two_staging_parts(tmp_path):
     others'), and every byte comes back right."""
     cfg = small_config(tmp_path, capacity=128 * SLOT, staging_size=4 * SLOT, pipeline_depth=2,
                        io_threads=3)
-    errors: list = []
     with Tier(LAYOUT, cfg, device="cpu") as tier:
-        def worker(t: int) -> None:
-            try:
-                for r in range(6):
-                    keys = [f"w{t}-{r}-{i}" for i in range(7)]
-                    if not all(put(tier, keys)):
-                        errors.append(f"put {keys} failed")
-                    res = check_pages(tier, keys)
-                    if res["wrong"] or res["hits"] != len(keys):
-                        errors.append(f"thread {t} round {r}: {res}")
-            except BaseException as exc:  # noqa: BLE001
-                errors.append(repr(exc))
+        def worker(t: int) -> list:
+            problems = []
+            for r in range(6):
+                keys = [f"w{t}-{r}-{i}" for i in range(7)]
+                if not all(put(tier, keys)):
+                    problems.append(f"put {keys} failed")
+                res = check_pages(tier, keys)
+                if res["wrong"] or res["hits"] != len(keys):
+                    problems.append(f"thread {t} round {r}: {res}")
+            return problems
 
-        threads = [threading.Thread(target=worker, args=(t,), daemon=True) for t in range(6)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-        assert not any(t.is_alive() for t in threads), "a call never finished (deadlock)"
+        errors = run_in_threads(worker, 6)
         assert not errors, errors[:3]
         assert tier.stats()["put_stored"] == 6 * 6 * 7
 

@@ -13,7 +13,7 @@ from gdskv.layout import KVLayout
 from gdskv.memory import cuda_available
 from gdskv.store import JOURNAL
 from gdskv.tier import Tier
-from reliability_helpers import slot_location
+from reliability_helpers import run_in_threads, slot_location
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not cuda_available(), reason="needs a CUDA device (none here)")]
@@ -94,8 +94,6 @@ def test_gpu_calls_from_four_threads(tmp_path, backend):
     getting through one tier with fewer staging parts than calls in flight: every page comes
     back bit-exact into other slots, and nothing waits forever. ``-polled``: the waiting
     threads poll their I/O first (io_poll_us), one at a time."""
-    import threading
-
     per_call, calls = 24, 4     # 24 pages of 2 MiB: three 16 MiB parts of 8 pages each
     pages = per_call * calls * 2
     slots = pages * LLAMA.page_size
@@ -106,29 +104,22 @@ def test_gpu_calls_from_four_threads(tmp_path, backend):
     cfg = TierConfig(directories=(str(tmp_path),), capacity="1GiB",
                      backend=backend.split("-")[0], staging_size="48MiB", pipeline_depth=3,
                      io_poll_us=5000 if backend.endswith("polled") else 0)
-    errors: list = []
     torch.cuda.synchronize()  # the pools were filled on the default stream
     with Tier(LLAMA, cfg, device="cuda") as tier:
-        def worker(t: int) -> None:
-            try:
-                with torch.cuda.stream(torch.cuda.Stream()):
-                    for r in range(2):
-                        first = (t * 2 + r) * per_call
-                        keys = [f"t{t}r{r}p{i}" for i in range(per_call)]
-                        span = slice(first * 16, (first + per_call) * 16)
-                        if tier.put(keys, pool, perm_src[span]) != [True] * per_call:
-                            errors.append(f"put {t}/{r}")
-                        if tier.get(keys, out, perm_dst[span]) != [True] * per_call:
-                            errors.append(f"get {t}/{r}")
-            except BaseException as exc:  # noqa: BLE001
-                errors.append(repr(exc))
+        def worker(t: int) -> list:
+            problems = []
+            with torch.cuda.stream(torch.cuda.Stream()):
+                for r in range(2):
+                    first = (t * 2 + r) * per_call
+                    keys = [f"t{t}r{r}p{i}" for i in range(per_call)]
+                    span = slice(first * 16, (first + per_call) * 16)
+                    if tier.put(keys, pool, perm_src[span]) != [True] * per_call:
+                        problems.append(f"put {t}/{r}")
+                    if tier.get(keys, out, perm_dst[span]) != [True] * per_call:
+                        problems.append(f"get {t}/{r}")
+            return problems
 
-        threads = [threading.Thread(target=worker, args=(t,), daemon=True) for t in range(calls)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join(300)
-        assert not any(th.is_alive() for th in threads), "a call never finished"
+        errors = run_in_threads(worker, calls, timeout=300)
         assert not errors, errors
         torch.cuda.synchronize()
         for a, b in zip(pool, out):
