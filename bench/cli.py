@@ -158,9 +158,10 @@ def _ratios(name: str, per_round: list[dict[str, list[JobResult]]]) -> dict:
     engines = list(per_round[0])
     out: dict = {"job": name, "rounds": len(per_round), "bw_bytes": {}, "clat_ns": {},
                  "ratios": {}}
+    by_round: list[dict] = [{} for _ in per_round]
     for direction in ("write", "read"):
-        bws = {e: sum(_bw(rnd[e], direction) for rnd in per_round) // len(per_round)
-               for e in engines}
+        round_bws = [{e: _bw(rnd[e], direction) for e in engines} for rnd in per_round]
+        bws = {e: sum(b[e] for b in round_bws) // len(per_round) for e in engines}
         out["bw_bytes"][direction] = bws
         # Per call completion latency, as fio reports it: a small restore's time to first
         # token waits on its p50/p99, which throughput alone hides.
@@ -168,12 +169,12 @@ def _ratios(name: str, per_round: list[dict[str, list[JobResult]]]) -> dict:
                 for e in engines}
         out["clat_ns"][direction] = {e: c for e, c in clat.items() if c}
         out["ratios"].update(_ratio_cells(direction, bws, clat))
+        if len(per_round) > 1:
+            for cells, rnd, b in zip(by_round, per_round, round_bws):
+                cells.update(_ratio_cells(direction, b, {
+                    e: _clat_percentiles(rnd[e], direction) for e in engines}))
     if len(per_round) > 1:
-        out["ratios_by_round"] = [
-            {k: v for direction in ("write", "read") for k, v in _ratio_cells(
-                direction, {e: _bw(rnd[e], direction) for e in engines},
-                {e: _clat_percentiles(rnd[e], direction) for e in engines}).items()}
-            for rnd in per_round]
+        out["ratios_by_round"] = by_round
     return out
 
 
@@ -215,11 +216,10 @@ def _ratio_lines(ratios: list[dict]) -> list[str]:
                 lines.append(f"         clat {pname:>5}: {cells}"
                              + (f"  (gdskv/raw={ratio:.2f}x)" if ratio else ""))
             by_round = r.get("ratios_by_round", [])
-            for key in (f"{direction}: gdskv/raw", f"{direction}: clat p50 gdskv/raw",
-                        f"{direction}: clat p99 gdskv/raw"):
+            for label, key in (("bw", "gdskv/raw"), ("clat p50", "clat p50 gdskv/raw"),
+                               ("clat p99", "clat p99 gdskv/raw")):
+                key = f"{direction}: {key}"
                 if by_round and all(key in rr for rr in by_round):
-                    label = key.split(": ", 1)[1].replace(" gdskv/raw", "").replace(
-                        "gdskv/raw", "bw")
                     lines.append(f"  by round, {label} gdskv/raw: "
                                  + " ".join(f"{rr[key]:.2f}x" for rr in by_round))
     return lines
