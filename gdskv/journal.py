@@ -341,6 +341,13 @@ class Journal:
             self.seq += 1
             return self.seq
 
+    def next_seqs(self, n: int) -> range:
+        """``n`` consecutive sequence numbers, taken under one hold of the lock."""
+        with self._lock:
+            first = self.seq + 1
+            self.seq += n
+        return range(first, first + n)
+
     def rewrite(self, live: list[Record]) -> None:
         """Replace the journal with just ``live`` records (crash-safe)."""
         tmp = self.path + ".tmp"

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Sequence
 
 import numpy as np
 
@@ -140,9 +140,9 @@ class PersistentDirectory:
             self._slot_seq[[r.slot for r in recovered]] = [r.seq for r in recovered]
 
     # -- the writer's records --------------------------------------------------------------------
-    def next_seqs(self, n: int) -> list[int]:
+    def next_seqs(self, n: int) -> Sequence[int]:
         """Sequence numbers for ``n`` pages about to be written (their trailers and COMMITs)."""
-        return [self.journal.next_seq() for _ in range(n)]
+        return self.journal.next_seqs(n)
 
     def journal_commits(self, pages: Iterable[tuple[Hashable, int, int, int, int]] | Encoded
                         ) -> None:

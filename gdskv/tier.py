@@ -74,6 +74,9 @@ from .store import SlabStore, StoreError
 
 log = logging.getLogger("gdskv.tier")
 
+#: where a pending write's future sits in the entry :meth:`Tier._writing` makes
+_FUT = 4
+
 
 class TierClosedError(RuntimeError):
     """A call on a tier after :meth:`Tier.close`."""
@@ -646,6 +649,20 @@ class Tier:
                 return self._staging.take()
             finish_oldest()
 
+    def _take_write_part(self, pending: collections.deque) -> int:
+        """A free staging part for a spill's next chunk. With none free, the call waits for its
+        own writes still running, oldest first (each gives its part back as it ends), before it
+        waits for other calls' parts: no cycle of waiting calls. Their commits (fdatasync,
+        journal, directory) wait until the next chunk's write is under way (:meth:`_put`)."""
+        while True:
+            i = self._staging.try_take()
+            if i is not None:
+                return i
+            running = next((item[_FUT] for item in pending if not item[_FUT].done()), None)
+            if running is None:
+                return self._staging.take()
+            running.exception()  # (the outcome is the commit's to read)
+
     def _put(self, keys: list, fill: PageCopier, stream: CallStream | None = None) -> list[bool]:
         results = [False] * len(keys)
         admitted = self._admission.admit(keys)
@@ -694,10 +711,11 @@ class Tier:
                 if in_place:  # no part: the I/O goes straight from the caller's regions
                     pending.append(self._write_in_place(keys, chunk, fill))
                     continue
-                held = self._take_part(pending, finish_oldest)
-                part = self._staging[held]
-                if spill is not None:  # trailers sealed on the GPU: one sync, then the write
+                if spill is not None:  # trailers sealed on the GPU: encoded before the wait
                     seqs, trailers = self._trailers(keys, chunk, itertools.repeat(0))
+                held = self._take_write_part(pending)
+                part = self._staging[held]
+                if spill is not None:  # one sync, then the write
                     spill.gather(part, [i for i, _ in chunk], trailers)
                 else:
                     fill(part, [i for i, _ in chunk])
@@ -715,6 +733,9 @@ class Tier:
                 if spill is not None:  # the checksums came back with the sync
                     sums = spill.sums(len(chunk))
                 pending.append(self._writing(keys, chunk, sums, seqs, extents, fut))
+                # earlier chunks whose writes have ended commit while this one's runs
+                while len(pending) > 1 and pending[0][_FUT].done():
+                    finish_oldest()
             if spill is not None:
                 spill.done()  # every chunk's copies ended before its write was queued
             while pending:
@@ -723,7 +744,7 @@ class Tier:
             if held is not None:
                 self._staging.give_back(held)
             for item in pending:  # let in-flight I/O end before giving its slots back
-                item[4].exception()  # (the entry's future: see _writing)
+                item[_FUT].exception()
             self.directory.abort([s for c in chunks[finished:] for _, s in c])
             self._stats.add(**tally)
             raise

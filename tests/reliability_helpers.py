@@ -34,6 +34,15 @@ def small_config(directory, **overrides) -> TierConfig:
     return TierConfig(**base)
 
 
+def wait_for(predicate, seconds: float, what: str) -> None:
+    """Poll ``predicate`` until it holds; AssertionError naming ``what`` after ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
 def key_seed(key) -> int:
     raw = key.encode("utf-8", "surrogatepass") if isinstance(key, str) else bytes(key)
     return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little")

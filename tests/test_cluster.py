@@ -11,7 +11,6 @@ import os
 import re
 import signal
 import socket
-import time
 
 import pytest
 import torch
@@ -25,7 +24,7 @@ from gdskv.tier import Tier
 
 import cluster_helpers as ch
 from conftest import HAS_CUDA, NEEDS_NIXL, random_pool
-from reliability_helpers import LAYOUT, SLOT, check_pages, forkserver, put
+from reliability_helpers import LAYOUT, SLOT, check_pages, forkserver, put, wait_for
 
 NODES = ["node0", "node1", "node2", "node3"]
 
@@ -53,14 +52,6 @@ def _json(path):
         return json.load(f)
 
 
-def _wait_for(predicate, seconds: float, what: str) -> None:
-    deadline = time.monotonic() + seconds
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
-
-
 def _join(procs) -> None:
     for p in procs:
         p.join(90)
@@ -84,7 +75,7 @@ def test_four_writers_read_each_others_pages_and_a_late_node_is_found(shared, tm
         return p
 
     procs = [start(n) for n in NODES[:3]]
-    _wait_for(lambda: all(os.path.exists(started[n]) for n in NODES[:3]), 60, "nodes 0-2")
+    wait_for(lambda: all(os.path.exists(started[n]) for n in NODES[:3]), 60, "nodes 0-2")
     assert "node3" not in os.listdir(shared)
     procs.append(start("node3"))
     _join(procs)
@@ -135,14 +126,14 @@ def test_writer_killed_mid_write_and_restarted(shared, tmp_path):
         r.start()
     first = writer(0)
     try:
-        _wait_for(lambda: acked() >= 120 and readers_hit("gen0"), 60,
+        wait_for(lambda: acked() >= 120 and readers_hit("gen0"), 60,
                   "the first writer's pages, read by every reader")
         os.kill(first.pid, signal.SIGKILL)
         first.join(10)
         assert first.exitcode == -signal.SIGKILL
         n_first = acked()
         second = writer(1)
-        _wait_for(lambda: acked() >= n_first + 120 and readers_hit("gen1"), 60,
+        wait_for(lambda: acked() >= n_first + 120 and readers_hit("gen1"), 60,
                   "the restarted writer's pages, read by every reader")
         with open(stop, "w"):
             pass

@@ -3,7 +3,10 @@ re-put no-op, misses, prefix match, eviction at capacity, bad input leaves the s
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
+import threading
+import time
 
 import pytest
 import torch
@@ -14,6 +17,7 @@ from gdskv.store import StoreError, StoreMismatchError
 from gdskv.tier import Tier
 
 from conftest import assert_same_rows, empty_like_pool, random_pool
+from reliability_helpers import wait_for
 
 LAYOUTS = {
     "mha-bf16-p16": KVLayout(num_layers=3, page_size=16, head_dim=32, kv_heads=2, dtype="bf16"),
@@ -319,6 +323,72 @@ def test_staging_parts_hold_whole_pages_of_payload(make_config, device):
         out = empty_like_pool(pool)
         assert all(tier.get(keys, out, slots))
         assert_same_rows(pool, slots, out, slots)
+
+
+class GatedWrites:
+    """A tier's backend whose writes end only when the test opens their gates (the bytes are
+    written at once; the future completes later), and a log of the writes and journal commits
+    in the order the call made them."""
+
+    def __init__(self, tier: Tier) -> None:
+        self.log: list[str] = []
+        self.gates: list[threading.Event] = []
+        self._write, self._commit = tier.backend.write, tier._persist.journal_commits
+        tier.backend.write, tier._persist.journal_commits = self.write, self.commit
+
+    def write(self, buffer, extents):
+        inner = self._write(buffer, extents)
+        outer: concurrent.futures.Future = concurrent.futures.Future()
+        gate = threading.Event()
+        self.gates.append(gate)
+        self.log.append(f"write{len(self.gates)}")
+
+        def end() -> None:
+            gate.wait()
+            exc = inner.exception()
+            outer.set_exception(exc) if exc is not None else outer.set_result(inner.result())
+        threading.Thread(target=end, daemon=True).start()
+        return outer
+
+    def commit(self, pages) -> None:
+        self.log.append("commit")
+        self._commit(pages)
+
+
+def test_a_spill_submits_its_next_write_before_committing_the_one_that_ended(make_config,
+                                                                            device):
+    # Two one-page staging parts, four pages: the third chunk needs the part of the first.
+    # The call waits for that write, submits the third, and only then commits the first
+    # (fdatasync, journal): a commit never holds up the call's next write.
+    layout = LAYOUTS["mha-bf16-p16"]
+    config = make_config(staging_size=2 * layout.slot_bytes, pipeline_depth=2)
+    pages = 4
+    pool = random_pool(layout, pages * layout.page_size, device=device, seed=5)
+    slots = torch.arange(pages * layout.page_size, device=device)
+    keys = [f"c{i}" for i in range(pages)]
+    with Tier(layout, config, device=device) as tier:
+        assert tier._chunk_pages == 1 and len(tier._staging) == 2
+        gated = GatedWrites(tier)
+        out: list = []
+        call = threading.Thread(target=lambda: out.append(tier.put(keys, pool, slots)))
+        call.start()
+        try:
+            wait_for(lambda: len(gated.gates) == 2, 30, "two writes")
+            time.sleep(0.1)  # both parts are busy: nothing else starts
+            assert gated.log == ["write1", "write2"]
+            gated.gates[0].set()
+            wait_for(lambda: "commit" in gated.log, 30, "the first commit")
+            assert gated.log[:4] == ["write1", "write2", "write3", "commit"]
+        finally:
+            while call.is_alive():  # open every gate, the fourth write's too
+                for gate in list(gated.gates):
+                    gate.set()
+                call.join(0.05)
+        assert out == [[True] * pages]
+        assert gated.log.count("commit") == pages
+        back = empty_like_pool(pool)
+        assert tier.get(keys, back, slots) == [True] * pages
+        assert_same_rows(pool, slots, back, slots)
 
 
 BAD_GETS = {
