@@ -160,16 +160,20 @@ class SlabStore:
         """Extents for pages at buffer positions 0..n-1 going to ``slots``, adjacent slots in
         the same file coalesced into one extent."""
         out: list[Extent] = []
-        sb = self.slot_bytes
-        for pos, slot in enumerate(slots):
-            f, off = self.location(slot)
-            if out:
-                last = out[-1]
-                if last.file == f and last.file_offset + last.length == off \
-                        and last.buffer_offset + last.length == pos * sb:
-                    out[-1] = Extent(f, last.file_offset, last.length + sb, last.buffer_offset)
-                    continue
-            out.append(Extent(f, off, sb, pos * sb))
+        sb, stripe, n = self.slot_bytes, self.stripe_slots, len(slots)
+        start = 0  # the first position of a run of consecutive slots inside one stripe
+        for pos in range(1, n + 1):
+            # (a run is located once, not slot by slot: a 32-page call has a handful of runs)
+            if pos < n and slots[pos] == slots[pos - 1] + 1 and slots[pos] % stripe:
+                continue
+            f, off = self.location(slots[start])
+            length = (pos - start) * sb
+            last = out[-1] if out else None
+            if last is not None and last.file == f and last.file_offset + last.length == off:
+                out[-1] = Extent(f, last.file_offset, last.length + length, last.buffer_offset)
+            else:
+                out.append(Extent(f, off, length, start * sb))
+            start = pos
         return out
 
     # -- manifest ------------------------------------------------------------------------------

@@ -49,6 +49,38 @@ def test_striping_and_coalescing(tmp_path):
         s.close()
 
 
+@pytest.fixture(scope="module", params=[1, 3], ids=["one-file", "three-files"])
+def striped_store(tmp_path_factory, request):
+    """A 4-KiB-slot store of 3-slot stripes over one file or three (a run of slots in one
+    file coalesces across stripes only in the first)."""
+    d = tmp_path_factory.mktemp("striped")
+    s = SlabStore(LAYOUT, cfg(d, io_chunk_size=3 * 4096, files_per_dir=request.param,
+                              capacity=60 * 4096))
+    yield s
+    s.close()
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_extents_put_each_slot_where_it_lives_in_as_few_extents_as_adjacency_allows(
+        striped_store, data):
+    s = striped_store
+    n = s.num_slots
+    slots = data.draw(st.one_of(
+        st.lists(st.integers(0, n - 1), max_size=40),  # any order, repeats
+        st.builds(lambda first, k: [(first + i) % n for i in range(k)],  # runs, wrapping
+                  st.integers(0, n - 1), st.integers(0, 40))))
+    ext = s.extents(slots)
+    sb = s.slot_bytes
+    # every position's bytes go to its own slot's place, in buffer order
+    covered = [(e.file, e.file_offset + i * sb, e.buffer_offset + i * sb)
+               for e in ext for i in range(e.length // sb)]
+    assert covered == [(*s.location(slot), pos * sb) for pos, slot in enumerate(slots)]
+    # and no two neighbours could have been one extent
+    for a, b in zip(ext, ext[1:]):
+        assert not (a.file == b.file and a.file_offset + a.length == b.file_offset)
+
+
 def test_second_open_is_refused_until_close(tmp_path):
     s = SlabStore(LAYOUT, cfg(tmp_path))
     with pytest.raises(StoreLockedError, match="another process"):
