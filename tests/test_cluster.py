@@ -127,14 +127,14 @@ def test_writer_killed_mid_write_and_restarted(shared, tmp_path):
     first = writer(0)
     try:
         wait_for(lambda: acked() >= 120 and readers_hit("gen0"), 60,
-                  "the first writer's pages, read by every reader")
+                 "the first writer's pages, read by every reader")
         os.kill(first.pid, signal.SIGKILL)
         first.join(10)
         assert first.exitcode == -signal.SIGKILL
         n_first = acked()
         second = writer(1)
         wait_for(lambda: acked() >= n_first + 120 and readers_hit("gen1"), 60,
-                  "the restarted writer's pages, read by every reader")
+                 "the restarted writer's pages, read by every reader")
         with open(stop, "w"):
             pass
         _join(readers)
