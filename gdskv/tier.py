@@ -12,9 +12,11 @@ exception and never wrong bytes.
 
 Data calls from several threads run concurrently and share the staging parts (``put_async`` /
 ``get_async`` run on ``pipeline_depth`` workers): one call's fixed costs (fdatasync, journal,
-verification, Python) overlap the others' I/O. A call that finds no free part finishes its own
-oldest chunk first, so calls never wait on each other in a cycle. Follower catch-up, ``clear``
-and ``close`` wait for the calls in flight and run alone.
+verification, Python) overlap the others' I/O. A call that finds no free part first waits for
+its own oldest I/O (a restore finishes that chunk; a spill waits for the write, which frees
+its part, and commits it once its next write is under way), so calls never wait on each other
+in a cycle. Follower catch-up, ``clear`` and ``close`` wait for the calls in flight and run
+alone.
 
 Read-only followers (``config.read_only``): a tier in another process over a store some writer
 tier owns (e.g. the non-writing TP ranks of an MLA model). It takes no lock and writes nothing:
@@ -76,6 +78,29 @@ log = logging.getLogger("gdskv.tier")
 
 #: where a pending write's future sits in the entry :meth:`Tier._writing` makes
 _FUT = 4
+
+
+class _HeldPart:
+    """A staging part a spill's write holds until the write ends. It is given back once, by
+    whichever comes first: the write's done-callback (a backend thread may run that after it
+    has woken the waiters) or the call that waited for the write. (It holds no reference to
+    the write's future, whose callback holds it: no reference cycle for the collector.)"""
+
+    __slots__ = ("_part",)
+
+    def __init__(self, part: int) -> None:
+        self._part = [part]
+
+    @property
+    def out(self) -> bool:
+        return bool(self._part)
+
+    def give_back(self, staging: StagingParts) -> None:
+        try:
+            i = self._part.pop()  # (one call of list.pop: of two racing callers, one gets it)
+        except IndexError:
+            return
+        staging.give_back(i)
 
 
 class TierClosedError(RuntimeError):
@@ -649,19 +674,25 @@ class Tier:
                 return self._staging.take()
             finish_oldest()
 
-    def _take_write_part(self, pending: collections.deque) -> int:
-        """A free staging part for a spill's next chunk. With none free, the call waits for its
-        own writes still running, oldest first (each gives its part back as it ends), before it
-        waits for other calls' parts: no cycle of waiting calls. Their commits (fdatasync,
-        journal, directory) wait until the next chunk's write is under way (:meth:`_put`)."""
+    def _take_write_part(self, parts_out: collections.deque) -> tuple[int, bool]:
+        """A free staging part for a spill's next chunk, and whether the call had to wait for
+        one. With none free, the call waits for its own writes that still hold parts, oldest
+        first, giving each part back as its write ends, before it waits for other calls'
+        parts: no cycle of waiting calls. Their commits (fdatasync, journal, directory) wait
+        until the next chunk's write is under way (:meth:`_put`)."""
+        waited = False
         while True:
             i = self._staging.try_take()
             if i is not None:
-                return i
-            running = next((item[_FUT] for item in pending if not item[_FUT].done()), None)
-            if running is None:
-                return self._staging.take()
-            running.exception()  # (the outcome is the commit's to read)
+                return i, waited
+            while parts_out and not parts_out[0][1].out:
+                parts_out.popleft()
+            if not parts_out:  # all of this call's parts are back: another call holds them
+                return self._staging.take(), True
+            fut, held = parts_out.popleft()
+            fut.exception()  # its write ends (the outcome is the commit's to read)
+            held.give_back(self._staging)  # unless its done-callback already has
+            waited = True
 
     def _put(self, keys: list, fill: PageCopier, stream: CallStream | None = None) -> list[bool]:
         results = [False] * len(keys)
@@ -687,6 +718,7 @@ class Tier:
             todo.sort(key=lambda t: t[1])  # adjacent slots coalesce into one I/O
         chunks = [todo[k:k + self._chunk_pages] for k in range(0, len(todo), self._chunk_pages)]
         pending: collections.deque = collections.deque()
+        parts_out: collections.deque = collections.deque()  # (write, _HeldPart), oldest first
         finished = 0
         held = None  # a part taken for the current chunk, not yet handed to the backend
 
@@ -713,7 +745,7 @@ class Tier:
                     continue
                 if spill is not None:  # trailers sealed on the GPU: encoded before the wait
                     seqs, trailers = self._trailers(keys, chunk, itertools.repeat(0))
-                held = self._take_write_part(pending)
+                held, waited = self._take_write_part(parts_out)
                 part = self._staging[held]
                 if spill is not None:  # one sync, then the write
                     spill.gather(part, [i for i, _ in chunk], trailers)
@@ -728,14 +760,16 @@ class Tier:
                 self._copies_done(gpu)
                 fut = self.backend.write(part, extents)
                 # the part is free once its bytes are written: fdatasync and journal need not it
-                fut.add_done_callback(lambda _f, i=held: self._staging.give_back(i))
+                part_held = _HeldPart(held)
+                fut.add_done_callback(lambda _f, p=part_held: p.give_back(self._staging))
+                parts_out.append((fut, part_held))
                 held = None
                 if spill is not None:  # the checksums came back with the sync
                     sums = spill.sums(len(chunk))
                 pending.append(self._writing(keys, chunk, sums, seqs, extents, fut))
-                # earlier chunks whose writes have ended commit while this one's runs
-                while len(pending) > 1 and pending[0][_FUT].done():
-                    finish_oldest()
+                if waited:  # staging is the limit: commit what ended while this write runs
+                    while len(pending) > 1 and pending[0][_FUT].done():
+                        finish_oldest()
             if spill is not None:
                 spill.done()  # every chunk's copies ended before its write was queued
             while pending:

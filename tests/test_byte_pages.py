@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from gdskv.layout import BytePageLayout, KVLayout
+from gdskv.memory import alloc_host
 from gdskv.store import StoreMismatchError
 from gdskv.tier import Tier
 
@@ -60,11 +61,16 @@ def test_restart_finds_pages_again(make_config, device):
         assert tier.stats()["recovered_pages"] == 6
 
 
-def test_corrupt_page_is_a_miss(make_config, device):
+@pytest.mark.parametrize("in_place", [False, True], ids=["staged", "in-place"])
+def test_corrupt_page_is_a_miss(make_config, device, in_place):
+    if in_place and device.type == "cuda":
+        pytest.skip("host regions move in place only on a CPU tier")
     layout = BytePageLayout(page_bytes=3000, kind=KIND)
-    config = make_config(files_per_dir=1)
+    config = make_config(files_per_dir=1, in_place=in_place)
     pages = random_pages(2, 3000, seed=4, device=device)
     with Tier(layout, config, device=device) as tier:
+        if in_place and not tier.backend.in_place_host_memory:
+            pytest.skip(f"the {tier.backend.name} backend moves no host region in place")
         assert all(tier.put_pages(["a", "b"], [[p] for p in pages]))
         slot = tier.directory.pin(["a"])[0][0]
         tier.directory.unpin([slot])
@@ -76,14 +82,16 @@ def test_corrupt_page_is_a_miss(make_config, device):
         fh.seek(off + 1234)
         fh.write(bytes([b[0] ^ 0x40]))
     with Tier(layout, config, device=device) as tier:
-        # One byte past an aligned start: the pages come through staging, so a failed page is
-        # never scattered. (A 4 KiB-aligned host region is read in place, and a page that then
-        # fails its checksum leaves undefined bytes there, as a miss may; malloc hands out
-        # such an address now and then, which made this test fail at random.)
-        out = [torch.full((3001,), 7, dtype=torch.uint8, device=device)[1:] for _ in range(2)]
+        if in_place:  # 4 KiB-aligned regions, which the tier reads straight into
+            out = [alloc_host(4096, pin=False)[:3000].fill_(7) for _ in range(2)]
+        else:
+            out = [torch.full((3000,), 7, dtype=torch.uint8, device=device) for _ in range(2)]
         assert tier.get_pages(["a", "b"], [[o] for o in out]) == [False, True]
         assert torch.equal(out[1], pages[1])
-        assert bool((out[0] == 7).all()), "a failed page must leave the target untouched"
+        if in_place:  # a page that fails its checksum leaves undefined bytes, as a miss may
+            assert tier.stats()["pages_read_in_place"] == 2
+        else:  # through staging, a failed page is never scattered
+            assert bool((out[0] == 7).all()), "a failed page must leave the target untouched"
         assert tier.stats()["corrupt_pages"] == 1 and not tier.contains("a")
 
 

@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 
+from gdskv.backends.base import WaitingFuture
 from gdskv.config import ConfigError
 from gdskv.layout import KVLayout
 from gdskv.store import StoreError, StoreMismatchError
@@ -325,23 +326,40 @@ def test_staging_parts_hold_whole_pages_of_payload(make_config, device):
         assert_same_rows(pool, slots, out, slots)
 
 
+class LateCallbacks(concurrent.futures.Future):
+    """A future whose done-callbacks run 0.2 s after it is done and its waiters are woken."""
+
+    def _invoke_callbacks(self) -> None:
+        time.sleep(0.2)
+        super()._invoke_callbacks()
+
+
 class GatedWrites:
     """A tier's backend whose writes end only when the test opens their gates (the bytes are
     written at once; the future completes later), and a log of the writes and journal commits
-    in the order the call made them."""
+    in the order the call made them. ``kind``: the future the tier gets, ``"thread"`` a
+    ``concurrent.futures.Future`` a thread of its own completes (posix, NIXL), ``"late"`` the
+    same whose done-callbacks run 0.2 s after it has woken its waiters (a busy host can delay
+    them so), or ``"asker"`` one the caller completes when it asks (kvikio's
+    ``WaitingFuture``). ``opened``: every gate open from the start."""
 
-    def __init__(self, tier: Tier) -> None:
+    def __init__(self, tier: Tier, kind: str, opened: bool = False) -> None:
         self.log: list[str] = []
         self.gates: list[threading.Event] = []
+        self.kind, self.opened = kind, opened
         self._write, self._commit = tier.backend.write, tier._persist.journal_commits
         tier.backend.write, tier._persist.journal_commits = self.write, self.commit
 
     def write(self, buffer, extents):
         inner = self._write(buffer, extents)
-        outer: concurrent.futures.Future = concurrent.futures.Future()
         gate = threading.Event()
+        if self.opened:
+            gate.set()
         self.gates.append(gate)
         self.log.append(f"write{len(self.gates)}")
+        if self.kind == "asker":
+            return WaitingFuture(lambda: (gate.wait(), inner.result())[1])
+        outer = LateCallbacks() if self.kind == "late" else concurrent.futures.Future()
 
         def end() -> None:
             gate.wait()
@@ -355,20 +373,30 @@ class GatedWrites:
         self._commit(pages)
 
 
-def test_a_spill_submits_its_next_write_before_committing_the_one_that_ended(make_config,
-                                                                            device):
-    # Two one-page staging parts, four pages: the third chunk needs the part of the first.
-    # The call waits for that write, submits the third, and only then commits the first
-    # (fdatasync, journal): a commit never holds up the call's next write.
+def _one_page_chunks(make_config, device, depth: int, pages: int):
     layout = LAYOUTS["mha-bf16-p16"]
-    config = make_config(staging_size=2 * layout.slot_bytes, pipeline_depth=2)
-    pages = 4
+    config = make_config(staging_size=depth * layout.slot_bytes, pipeline_depth=depth)
     pool = random_pool(layout, pages * layout.page_size, device=device, seed=5)
     slots = torch.arange(pages * layout.page_size, device=device)
-    keys = [f"c{i}" for i in range(pages)]
+    return layout, config, pool, slots, [f"c{i}" for i in range(pages)]
+
+
+def _read_back(tier, keys, pool, slots) -> None:
+    back = empty_like_pool(pool)
+    assert tier.get(keys, back, slots) == [True] * len(keys)
+    assert_same_rows(pool, slots, back, slots)
+
+
+@pytest.mark.parametrize("kind", ["thread", "late", "asker"])
+def test_a_spill_submits_its_next_write_before_committing_the_one_that_ended(make_config,
+                                                                            device, kind):
+    # Two one-page staging parts, four pages: the third chunk needs the part of the first.
+    # The call waits for that write, submits the third, and only then commits the first
+    # (fdatasync, journal), so the commit runs while the third write does.
+    layout, config, pool, slots, keys = _one_page_chunks(make_config, device, 2, 4)
     with Tier(layout, config, device=device) as tier:
         assert tier._chunk_pages == 1 and len(tier._staging) == 2
-        gated = GatedWrites(tier)
+        gated = GatedWrites(tier, kind)
         out: list = []
         call = threading.Thread(target=lambda: out.append(tier.put(keys, pool, slots)))
         call.start()
@@ -384,11 +412,22 @@ def test_a_spill_submits_its_next_write_before_committing_the_one_that_ended(mak
                 for gate in list(gated.gates):
                     gate.set()
                 call.join(0.05)
-        assert out == [[True] * pages]
-        assert gated.log.count("commit") == pages
-        back = empty_like_pool(pool)
-        assert tier.get(keys, back, slots) == [True] * pages
-        assert_same_rows(pool, slots, back, slots)
+        assert out == [[True] * 4]
+        assert gated.log.count("commit") == 4
+        _read_back(tier, keys, pool, slots)
+
+
+@pytest.mark.parametrize("kind", ["thread", "asker"])
+def test_a_spill_with_parts_free_submits_every_write_before_any_commit(make_config, device,
+                                                                       kind):
+    # Four parts, three one-page chunks, writes that end at once: no part is waited for, so
+    # no commit (an fdatasync on a disk) comes between two submits.
+    layout, config, pool, slots, keys = _one_page_chunks(make_config, device, 4, 3)
+    with Tier(layout, config, device=device) as tier:
+        gated = GatedWrites(tier, kind, opened=True)
+        assert tier.put(keys, pool, slots) == [True] * 3
+        assert gated.log == ["write1", "write2", "write3", "commit", "commit", "commit"]
+        _read_back(tier, keys, pool, slots)
 
 
 BAD_GETS = {
