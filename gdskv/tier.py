@@ -777,7 +777,12 @@ class Tier:
         except BaseException:
             if held is not None:
                 self._staging.give_back(held)
-            for item in pending:  # let in-flight I/O end before giving its slots back
+            # let in-flight I/O end before giving its slots back, and its parts too (a write
+            # whose entry was not made yet among them)
+            for fut, part_held in parts_out:
+                fut.exception()
+                part_held.give_back(self._staging)
+            for item in pending:
                 item[_FUT].exception()
             self.directory.abort([s for c in chunks[finished:] for _, s in c])
             self._stats.add(**tally)

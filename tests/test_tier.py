@@ -388,6 +388,31 @@ def _read_back(tier, keys, pool, slots) -> None:
 
 
 @pytest.mark.parametrize("kind", ["thread", "late", "asker"])
+def test_a_spill_failing_after_a_write_was_submitted_gives_every_part_back(make_config, device,
+                                                                           kind):
+    # The second chunk's COMMIT records fail to encode after its write was submitted: the call
+    # raises, and the parts of both writes are back, whoever completes their futures.
+    layout, config, pool, slots, keys = _one_page_chunks(make_config, device, 4, 3)
+    with Tier(layout, config, device=device) as tier:
+        GatedWrites(tier, kind, opened=True)
+        encode, calls = tier._persist.encode_commits, []
+
+        def failing(pages):
+            calls.append(1)
+            if len(calls) == 2:
+                raise RuntimeError("encoding failed")
+            return encode(pages)
+        tier._persist.encode_commits = failing
+        with pytest.raises(RuntimeError, match="encoding failed"):
+            tier.put(keys, pool, slots)
+        assert tier._staging._free.qsize() == len(tier._staging)
+        assert tier.stats()["pages_stored"] == 0
+        tier._persist.encode_commits = encode
+        assert tier.put(keys, pool, slots) == [True] * 3
+        _read_back(tier, keys, pool, slots)
+
+
+@pytest.mark.parametrize("kind", ["thread", "late", "asker"])
 def test_a_spill_submits_its_next_write_before_committing_the_one_that_ended(make_config,
                                                                             device, kind):
     # Two one-page staging parts, four pages: the third chunk needs the part of the first.
