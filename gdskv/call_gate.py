@@ -31,7 +31,9 @@ class CallGate:
     def leave_shared(self) -> None:
         with self._cond:
             self._active -= 1
-            if not self._active:
+            # only an alone-entry waits for the calls in flight to end (a notify is Python
+            # steps on every data call's way out)
+            if not self._active and self._waiting:
                 self._cond.notify_all()
 
     @contextlib.contextmanager
@@ -52,8 +54,11 @@ class CallGate:
             try:
                 while self._active or self._alone:
                     self._cond.wait()
-            finally:
+            except BaseException:  # (interrupted) the data calls it held back may enter
                 self._waiting -= 1
+                self._cond.notify_all()
+                raise
+            self._waiting -= 1
             self._alone = True
             return True
 

@@ -47,6 +47,8 @@ class PageState(enum.IntEnum):
 # Plain ints for the per-page hot paths: on Python 3.11 every ``PageState.X`` lookup goes
 # through the enum metaclass, which cost more than the rest of pin/commit together.
 _FREE, _WRITING, _READY, _EVICTING = (int(s) for s in PageState)
+#: up to this many slots a batch step takes numpy's scalar steps, beyond it one fancy index
+_FEW_SLOTS = 8
 
 
 @dataclass(frozen=True)
@@ -179,14 +181,27 @@ class PageDirectory:
     def commit(self, slots: Sequence[int], checksums: Sequence[int], algorithm: int = 1) -> None:
         """WRITING -> READY once the data is durable and journaled (checksums made with
         ``algorithm``, see gdskv.checksum)."""
+        n = len(slots)
         with self._lock:
-            for slot, csum in zip(slots, checksums):
-                assert self._state[slot] == _WRITING, f"commit of slot {slot} not WRITING"
-                self._state[slot] = _READY
-                self._checksum[slot] = csum
-                self._algorithm[slot] = algorithm
-                self._touch_locked(slot)
-                self._ready += 1
+            if n <= _FEW_SLOTS:  # a few: numpy's scalar steps cost less than its fancy indexing
+                for slot, csum in zip(slots, checksums):
+                    assert self._state[slot] == _WRITING, f"commit of slot {slot} not WRITING"
+                    self._state[slot] = _READY
+                    self._checksum[slot] = csum
+                    self._algorithm[slot] = algorithm
+                    self._touch_locked(slot)
+                    self._ready += 1
+                return
+            idx = np.asarray(slots, dtype=np.int64)
+            assert (self._state[idx] == _WRITING).all(), \
+                f"commit of slots not WRITING: {idx[self._state[idx] != _WRITING].tolist()}"
+            self._state[idx] = _READY
+            self._checksum[idx] = checksums
+            self._algorithm[idx] = algorithm
+            # the order a loop of touches would give them (LRU: the last is the newest)
+            self._last_use[idx] = np.arange(self._clock + 1, self._clock + 1 + n, dtype=np.uint64)
+            self._clock += n
+            self._ready += n
 
     def abort(self, slots: Iterable[int]) -> None:
         """Give back WRITING slots whose write failed."""

@@ -22,7 +22,7 @@ import numpy as np
 from . import checksum, header_scan
 from .config import Eviction, SyncPolicy, TierConfig
 from .directory import PageDirectory
-from .journal import (Encoded, Journal, JournalFollower, Record, RecordKind, encode_all,
+from .journal import (Encoded, Journal, JournalFollower, Record, RecordKind, encode_commits,
                       live_records)
 from .stats import TierStats
 from .store import SlabStore
@@ -144,19 +144,19 @@ class PersistentDirectory:
         """Sequence numbers for ``n`` pages about to be written (their trailers and COMMITs)."""
         return self.journal.next_seqs(n)
 
-    def journal_commits(self, pages: Iterable[tuple[Hashable, int, int, int, int]] | Encoded
-                        ) -> None:
-        """Journal ``(key, slot, checksum, algorithm, seq)`` pages as READY (durable when the
-        call returns, per the sync policy), or the COMMITs :meth:`encode_commits` made. Raises
-        OSError: the pages must then not become READY."""
-        self.journal.append(pages if isinstance(pages, Encoded) else self.encode_commits(pages))
+    def journal_commits(self, commits: Encoded) -> None:
+        """Journal pages as READY (durable when the call returns, per the sync policy): the
+        COMMITs :meth:`encode_commits` made. Raises OSError: the pages must then not become
+        READY."""
+        self.journal.append(commits)
 
     @staticmethod
-    def encode_commits(pages: Iterable[tuple[Hashable, int, int, int, int]]) -> Encoded:
-        """The COMMITs of ``(key, slot, checksum, algorithm, seq)`` pages, encoded ahead of
+    def encode_commits(keys: Sequence[Hashable], slots: Sequence[int], checksums: Sequence[int],
+                       algorithm: int, seqs: Sequence[int]) -> Encoded:
+        """The COMMITs of pages given as columns (``keys[i]`` in ``slots[i]`` with checksum
+        ``checksums[i]`` made by ``algorithm``, sequence number ``seqs[i]``), encoded ahead of
         :meth:`journal_commits` (a spill encodes them while its write runs)."""
-        return encode_all(Record(RecordKind.COMMIT, seq, slot, csum, algo, key)
-                          for key, slot, csum, algo, seq in pages)
+        return encode_commits(keys, slots, checksums, algorithm, seqs)
 
     def journal_evictions(self, evicted: list[tuple[Hashable, int]]) -> None:
         """Journal pages the directory dropped (a follower only forgets them locally)."""

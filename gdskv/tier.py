@@ -153,6 +153,7 @@ class Tier:
                               f"slot per pipeline stage ({depth} x {layout.slot_bytes} B for "
                               f"this layout and pipeline_depth)")
         self._closed = True
+        self._sync_data = self.config.sync == SyncPolicy.DATA  # (an enum lookup less per write)
         self._stats = TierStats()
         self._logged: set[str] = set()
         self.read_only = bool(self.config.read_only)
@@ -815,18 +816,21 @@ class Tier:
         work its commit needs that does not wait for the write is done here, while the write
         runs: its COMMIT records encoded, and whether a store file was removed."""
         t0 = time.perf_counter()
-        commits = self._persist.encode_commits(
-            self._commits(keys, chunk, sums, seqs, range(len(chunk))))
+        commits = self._commits(keys, chunk, sums, seqs)
         lost = self._lost_files()
         self._ledger.settle(wait=False)  # earlier calls' counters
         return chunk, sums, seqs, extents, fut, t0, commits, lost
 
-    def _commits(self, keys, chunk, sums, seqs, positions):
-        """The ``(key, slot, checksum, algorithm, seq)`` COMMITs of a chunk's pages at these
-        positions (:meth:`PersistentDirectory.journal_commits`)."""
-        algo = self._checksums.algorithm
-        return ((keys[chunk[pos][0]], chunk[pos][1], int(sums[pos]), algo, seqs[pos])
-                for pos in positions)
+    def _commits(self, keys, chunk, sums: np.ndarray, seqs, positions=None) -> Encoded:
+        """The encoded COMMITs of a chunk's pages (those at ``positions``; None: all of them)
+        (:meth:`PersistentDirectory.journal_commits`)."""
+        sums = sums.tolist()  # (Python ints pack faster than numpy scalars)
+        if positions is not None:
+            chunk = [chunk[pos] for pos in positions]
+            sums = [sums[pos] for pos in positions]
+            seqs = [seqs[pos] for pos in positions]
+        return self._persist.encode_commits([keys[i] for i, _ in chunk], [s for _, s in chunk],
+                                            sums, self._checksums.algorithm, seqs)
 
     def _count_region_pages(self, mover, n: int, direction: str) -> None:
         """Stats: how put_pages/get_pages pages moved (in place, or staged from regions)."""
@@ -851,7 +855,7 @@ class Tier:
             ok = []
         if ok:
             try:
-                if self.config.sync == SyncPolicy.DATA:
+                if self._sync_data:
                     self.store.sync({e.file for e in extents})
                 self._persist.journal_commits(
                     self._commits(keys, chunk, sums, seqs, ok) if failed else commits)
@@ -860,7 +864,7 @@ class Tier:
                 failed.update(ok)
                 ok = []
         if ok:
-            self.directory.commit([chunk[pos][1] for pos in ok], [int(sums[pos]) for pos in ok],
+            self.directory.commit([chunk[pos][1] for pos in ok], sums[ok] if failed else sums,
                                   self._checksums.algorithm)
         if failed:
             self.directory.abort([chunk[pos][1] for pos in sorted(failed)])

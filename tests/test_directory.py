@@ -184,3 +184,26 @@ def test_remove_unknown_and_writing_ignored(n):
     d = PageDirectory(n + 1)
     d.reserve(["w"])
     assert d.remove(["w", "nope"]) == []
+
+
+@pytest.mark.parametrize("n", [3, 40])
+def test_a_batch_commit_is_the_commits_one_by_one(n):
+    """A commit of many slots (one numpy step per array) leaves what committing them one at a
+    time does: states, checksums, algorithms, the ready count and the LRU order."""
+    one, batch = PageDirectory(64), PageDirectory(64)
+    keys = [f"k{i}" for i in range(n)]
+    slots = one.reserve(keys).slots
+    assert batch.reserve(keys).slots == slots
+    order = slots[::-1]  # not slot order: recency must follow the call's order
+    sums = [(i * 2654435761) % 2**64 for i in range(n)]
+    for slot, csum in zip(order, sums):
+        one.commit([slot], [csum], 3)
+    batch.commit(order, sums, 3)
+    for attr in ("_state", "_checksum", "_algorithm", "_last_use"):
+        assert (getattr(one, attr) == getattr(batch, attr)).all(), attr
+    assert one._ready == batch._ready == n and one._clock == batch._clock
+    # the least recently used go first, in the call's order
+    evicted = batch.reserve([f"new{i}" for i in range(64 - n + 2)]).evicted
+    assert [k for k, _ in evicted] == [keys[slots.index(s)] for s in order[:2]]
+    with pytest.raises(AssertionError, match="not WRITING"):
+        batch.commit(order, sums, 3)

@@ -397,11 +397,11 @@ def test_a_spill_failing_after_a_write_was_submitted_gives_every_part_back(make_
         GatedWrites(tier, kind, opened=True)
         encode, calls = tier._persist.encode_commits, []
 
-        def failing(pages):
+        def failing(*columns):
             calls.append(1)
             if len(calls) == 2:
                 raise RuntimeError("encoding failed")
-            return encode(pages)
+            return encode(*columns)
         tier._persist.encode_commits = failing
         with pytest.raises(RuntimeError, match="encoding failed"):
             tier.put(keys, pool, slots)
