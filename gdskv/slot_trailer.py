@@ -47,6 +47,17 @@ class Trailer(NamedTuple):
     version: int
 
 
+#: the key digest's hasher, copied per key: a copy costs half of a new hasher's arguments
+#: (per page of every spill chunk; never updated itself, so threads may copy it at once)
+_KEY_DIGEST = hashlib.blake2b(digest_size=16)
+
+
+def _key_digest(raw: bytes) -> bytes:
+    h = _KEY_DIGEST.copy()
+    h.update(raw)
+    return h.digest()
+
+
 def _key_bytes(key: Hashable) -> tuple[int, bytes]:
     return (0, key.encode("utf-8")) if isinstance(key, str) else (1, bytes(key))
 
@@ -55,7 +66,7 @@ def encode(version: int, store_id: int, slot: int, key: Hashable, seq: int, chec
            algorithm: int) -> bytes:
     key_type, raw = _key_bytes(key)
     fixed = _FIXED.pack(MAGIC, version, algorithm, key_type, len(raw), store_id, seq, checksum,
-                        slot, hashlib.blake2b(raw, digest_size=16).digest())
+                        slot, _key_digest(raw))
     inline = raw if len(raw) <= KEY_BYTES else b""
     tail = inline.ljust(KEY_BYTES, b"\0")
     return fixed + _CRC.pack(crc32c.crc32c(fixed + tail)) + tail
@@ -111,7 +122,7 @@ def decode(data: bytes | memoryview) -> Trailer | None:
     key: Hashable | None = None
     if key_len <= KEY_BYTES and key_type <= 1:
         raw = tail[:key_len]
-        if hashlib.blake2b(raw, digest_size=16).digest() != digest:
+        if _key_digest(raw) != digest:
             return None
         try:
             key = raw.decode("utf-8") if key_type == 0 else raw
