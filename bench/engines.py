@@ -59,6 +59,7 @@ class EngineSpec:
     randomize: bool              # rand* modes: shuffled page locations
     verify: bool                 # keep written bytes apart from read ones to compare them
     batch_pages: int = 1         # pages per batch (raw warms its per-batch buffers with it)
+    raw_io: str = "pool"         # raw: "pool" (the backend's threads) or "caller" (see run)
 
 
 def page_keys(job: str, thread: int, pages: Sequence[int]) -> list[str]:
@@ -340,8 +341,13 @@ class RawEngine(Engine):
     def run(self, op: str, args: tuple) -> int:
         n, buf, extents = args
         sb = self.spec.layout.slot_bytes
-        fn = self.backend.write if op == "write" else self.backend.read
-        outcome = fn(buf, extents).result()
+        # "caller": what gdskv's io_on_caller does, the same backend call, so that gdskv can be
+        # compared with raw on the same path as well as with raw through the pool
+        fut = self.backend.move_on_caller(op, buf, extents) if self.spec.raw_io == "caller" \
+            else None
+        if fut is None:
+            fut = (self.backend.write if op == "write" else self.backend.read)(buf, extents)
+        outcome = fut.result()
         if outcome.errors:
             failed = set()
             for idx in outcome.errors:

@@ -226,6 +226,10 @@ JOB_OPTIONS: tuple[Opt, ...] = (
     Opt("ioengine", _choice(ENGINES), "gdskv",
         "gdskv (tier put/get) | raw (one contiguous buffer, same backend, no gather, no "
         "directory: the I/O ceiling) | hicachefile (SGLang's HiCacheFile, one file per page)"),
+    Opt("raw_io", _choice(("pool", "caller")), "pool",
+        "raw engine: every call through the backend's threads (pool: kvikio's pwrite/pread, "
+        "what --compare compares with) or, like gdskv's io_on_caller, a call the pool would "
+        "run on one thread moved on the calling thread (caller)"),
     Opt("group_reporting", _bool, False, "report numjobs clones as one", flag=True),
     Opt("verify", _verify, False,
         "fio's methods (crc32c, md5, xxhash, ...), 1 or 0: compare every restored byte with "

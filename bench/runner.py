@@ -342,7 +342,7 @@ def run_job(plan: JobPlan, groupid: int, progress: Progress | None = None) -> li
         spec = EngineSpec(name=o.name, layout=plan.layout, config=config, device=plan.device,
                           threads=o.numjobs, pages=plan.pages, seed=o.randseed,
                           randomize=o.rw.startswith("rand"), verify=o.verify,
-                          batch_pages=plan.pages_per_batch)
+                          batch_pages=plan.pages_per_batch, raw_io=o.raw_io)
         engine = make_engine(plan.engine, spec)
         try:
             engine.open()

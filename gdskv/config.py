@@ -170,6 +170,10 @@ class TierConfig:
     #: (releasing the GIL between polls, one thread at a time) before it sleeps on it; the
     #: host then stays warm for the rest of the call. 0: sleep at once
     io_poll_us: int = 0
+    #: a data call of one chunk whose I/O the backend's pool would run on one thread anyway
+    #: (kvikio: one extent of GPU memory within a task; posix: one piece) moves its bytes on
+    #: the calling thread, with no hand-off to the pool and back; off: always through the pool
+    io_on_caller: bool = True
     direct_io: DirectIO = DirectIO.AUTO
     eviction: Eviction = Eviction.LRU
     sync: SyncPolicy = SyncPolicy.DATA
@@ -344,6 +348,7 @@ FIELD_DOCS: dict[str, str] = {
     "io_threads": "I/O threads (POSIX pool, kvikio thread pool)",
     "io_chunk_size": "stripe unit and largest I/O, a multiple of 4096",
     "io_poll_us": "poll an I/O's completion up to this many µs before sleeping on it (0: off)",
+    "io_on_caller": "a one-chunk call whose I/O is one pool task moves it on the calling thread",
     "direct_io": "auto (O_DIRECT where accepted, else buffered and said so), on or off",
     "eviction": "lru, or none (a put that does not fit fails those pages)",
     "sync": "data (fdatasync before a page is READY) or none",

@@ -154,6 +154,7 @@ class Tier:
                               f"this layout and pipeline_depth)")
         self._closed = True
         self._sync_data = self.config.sync == SyncPolicy.DATA  # (an enum lookup less per write)
+        self._io_on_caller = bool(self.config.io_on_caller)
         self._stats = TierStats()
         self._logged: set[str] = set()
         self.read_only = bool(self.config.read_only)
@@ -729,6 +730,8 @@ class Tier:
             finished += 1
 
         in_place = isinstance(fill, InPlacePages)
+        # one chunk: nothing to overlap its write with, so it may move on this thread
+        on_caller = self._io_on_caller and len(chunks) == 1
         self._count_region_pages(fill, len(todo), "written")
         spill = None
         gpu = None  # the call's stream, once entered: its GPU work goes there
@@ -742,7 +745,7 @@ class Tier:
                     fill.prepare([i for i, _ in todo])
             for chunk in chunks:
                 if in_place:  # no part: the I/O goes straight from the caller's regions
-                    pending.append(self._write_in_place(keys, chunk, fill))
+                    pending.append(self._write_in_place(keys, chunk, fill, on_caller))
                     continue
                 if spill is not None:  # trailers sealed on the GPU: encoded before the wait
                     seqs, trailers = self._trailers(keys, chunk, itertools.repeat(0))
@@ -759,7 +762,8 @@ class Tier:
                                             self._trailer_buffer())
                 extents = self.store.extents([s for _, s in chunk])  # (while the GPU works)
                 self._copies_done(gpu)
-                fut = self.backend.write(part, extents)
+                t0 = time.perf_counter()
+                fut = self._start_io("write", part, extents, on_caller)
                 # the part is free once its bytes are written: fdatasync and journal need not it
                 part_held = _HeldPart(held)
                 fut.add_done_callback(lambda _f, p=part_held: p.give_back(self._staging))
@@ -767,7 +771,7 @@ class Tier:
                 held = None
                 if spill is not None:  # the checksums came back with the sync
                     sums = spill.sums(len(chunk))
-                pending.append(self._writing(keys, chunk, sums, seqs, extents, fut))
+                pending.append(self._writing(keys, chunk, sums, seqs, extents, fut, t0))
                 if waited:  # staging is the limit: commit what ended while this write runs
                     while len(pending) > 1 and pending[0][_FUT].done():
                         finish_oldest()
@@ -801,7 +805,7 @@ class Tier:
                                           int(csum), algo)
                       for (i, slot), seq, csum in zip(chunk, seqs, sums)]
 
-    def _write_in_place(self, keys, chunk, pages: InPlacePages) -> tuple:
+    def _write_in_place(self, keys, chunk, pages: InPlacePages, on_caller: bool) -> tuple:
         """Start writing a chunk straight from the caller's regions (checksummed there); the
         pending entry :meth:`_finish_write` completes."""
         idx = [i for i, _ in chunk]
@@ -809,16 +813,31 @@ class Tier:
             else np.zeros(len(chunk), dtype=np.uint64)
         seqs, trailers = self._trailers(keys, chunk, sums)
         extents = pages.write_extents(self.store.extents([s for _, s in chunk]), idx, trailers)
-        return self._writing(keys, chunk, sums, seqs, extents, self.backend.write(None, extents))
-
-    def _writing(self, keys, chunk, sums, seqs, extents: list[Extent], fut: Future) -> tuple:
-        """A chunk whose write was just submitted, as :meth:`_finish_write` takes it. The host
-        work its commit needs that does not wait for the write is done here, while the write
-        runs: its COMMIT records encoded, and whether a store file was removed."""
         t0 = time.perf_counter()
+        return self._writing(keys, chunk, sums, seqs, extents,
+                             self._start_io("write", None, extents, on_caller), t0)
+
+    def _start_io(self, op: str, part: torch.Tensor | None, extents: list[Extent],
+                  on_caller: bool):
+        """Start a chunk's ``op`` ("write" or "read"); its future. ``on_caller`` (a call of one
+        chunk, with nothing to overlap): the backend moves it on this thread if it can
+        (:meth:`Backend.move_on_caller`), and the future is done on return."""
+        if on_caller:
+            done = self.backend.move_on_caller(op, part, extents)
+            if done is not None:
+                return done
+        return self.backend.write(part, extents) if op == "write" \
+            else self.backend.read(part, extents)
+
+    def _writing(self, keys, chunk, sums, seqs, extents: list[Extent], fut: Future,
+                 t0: float) -> tuple:
+        """A chunk whose write was just started (at ``t0``), as :meth:`_finish_write` takes it.
+        The host work its commit needs that does not wait for the write is done here, while
+        the write runs: its COMMIT records encoded, and whether a store file was removed."""
         commits = self._commits(keys, chunk, sums, seqs)
         lost = self._lost_files()
-        self._ledger.settle(wait=False)  # earlier calls' counters
+        if not fut.done():  # earlier calls' counters, while the write runs (else: later)
+            self._ledger.settle(wait=False)
         return chunk, sums, seqs, extents, fut, t0, commits, lost
 
     def _commits(self, keys, chunk, sums: np.ndarray, seqs, positions=None) -> Encoded:
@@ -893,6 +912,7 @@ class Tier:
         pinned = True
 
         in_place = isinstance(drain, InPlacePages)
+        on_caller = self._io_on_caller and len(chunks) == 1  # (see _put)
         self._count_region_pages(drain, len(todo), "read")
 
         def finish_oldest() -> None:
@@ -909,14 +929,16 @@ class Tier:
                     extents = drain.read_extents(self.store.extents([s for _, s, _ in chunk]),
                                                  [i for i, _, _ in chunk],
                                                  hash_as_read=self.config.verify)
+                    t0 = time.perf_counter()
                     pending.append((chunk, k * self._chunk_pages, None, extents,
-                                    self.backend.read(None, extents), time.perf_counter()))
+                                    self._start_io("read", None, extents, on_caller), t0))
                     continue
                 held = self._take_part(pending, finish_oldest)
                 extents = self.store.extents([s for _, s, _ in chunk])
                 part = self._staging[held]
+                t0 = time.perf_counter()
                 pending.append((chunk, k * self._chunk_pages, held, extents,
-                                self.backend.read(part, extents), time.perf_counter()))
+                                self._start_io("read", part, extents, on_caller), t0))
                 held = None
                 if k == 0:
                     # The first read is under way: the call takes its turn on the stream, its
@@ -930,7 +952,8 @@ class Tier:
                     verdicts = self._gpu_verdicts(drain, todo, gpu)
                     drain.prepare([i for i, _, _ in todo],
                                   into=verdicts.slot_buffers if verdicts is not None else None)
-                    self._ledger.settle(wait=False)  # earlier calls' counters
+                    if not pending[-1][4].done():  # earlier calls' counters (see _writing)
+                        self._ledger.settle(wait=False)
                 if verdicts is not None:  # its launches made while its read runs
                     verdicts.plan(drain, part, k * self._chunk_pages, [i for i, _, _ in chunk],
                                   last=k == len(chunks) - 1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 import torch
@@ -125,6 +126,46 @@ def test_gpu_calls_from_four_threads(tmp_path, backend):
         for a, b in zip(pool, out):
             assert torch.equal(a.view(torch.int16)[:, perm_src], b.view(torch.int16)[:, perm_dst])
         assert tier.stats()["corrupt_pages"] == 0
+
+
+@pytest.mark.parametrize("backend", ["kvikio", "posix"])
+def test_one_page_calls_from_fresh_threads(tmp_path, backend):
+    """A 1-page call moves its bytes on the calling thread (io_on_caller), and a thread that
+    has made no CUDA call yet has no current CUDA context: its first restore (whose read comes
+    before any GPU work) and its first spill must still move every byte. Each call runs on a
+    thread of its own, and the slot indices are host tensors (no CUDA call for them)."""
+    pages = 6
+    pool = _gpu_pool(LLAMA, pages * 16, seed=4)
+    out = tuple(torch.zeros_like(p) for p in pool)
+    slots = [torch.arange(p * 16, (p + 1) * 16) for p in range(pages)]
+    cfg = TierConfig(directories=(str(tmp_path),), capacity="256MiB", backend=backend,
+                     staging_size="16MiB")
+    torch.cuda.synchronize()
+    with Tier(LLAMA, cfg, device="cuda") as tier:
+        moved = []
+        move = tier.backend.move_on_caller
+        tier.backend.move_on_caller = lambda *a: moved.append(move(*a)) or moved[-1]
+
+        def on_fresh_thread(fn) -> object:
+            box = []
+            t = threading.Thread(target=lambda: box.append(fn()))
+            t.start()
+            t.join(timeout=120)
+            return box[0] if box else "no answer"
+
+        for p in range(pages):
+            assert on_fresh_thread(lambda: tier.put([f"f{p}"], pool, slots[p])) == [True]
+        for p in range(pages):
+            got = on_fresh_thread(lambda: tier.get([f"f{p}"], out, slots[pages - 1 - p]))
+            assert got == [True], p
+        torch.cuda.synchronize()
+        # page p went to the slots of page pages-1-p: the pool's pages, in reverse order
+        reverse = torch.arange(pages * 16).view(pages, 16).flip(0).reshape(-1)
+        for a, b in zip(pool, out):
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16)[:, reverse])
+        assert len(moved) == 2 * pages and all(m is not None for m in moved)
+        s = tier.stats()
+        assert s["read_failed"] == 0 and s["write_failed"] == 0 and s["corrupt_pages"] == 0
 
 
 @pytest.mark.parametrize("shuffled", [True, False])

@@ -37,7 +37,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from ..config import TierConfig
-from .base import (MIN_PIECE_BYTES, Backend, CompletionPoller, Extent, IOOutcome,
+from .base import (MIN_PIECE_BYTES, Backend, CompletedIO, CompletionPoller, Extent, IOOutcome,
                    ShortIOError, SlabFile, WaitingFuture, split_extents)
 
 log = logging.getLogger("gdskv.kvikio")
@@ -138,6 +138,8 @@ class KvikioBackend(Backend):
         self._targets: dict[int, tuple[torch.Tensor, object]] = {}  # id -> (part, target)
         self._lock = threading.Lock()
         self._closed = False
+        self._thread = threading.local()  # per calling thread: the device whose context is set
+        self._context_failed = False
         if self._compat:
             log.warning("kvikio: cuFile runs in compat mode (no GPUDirect Storage: nvidia-fs "
                         "loaded=%s); bytes go through host bounce buffers", self._nvidia_fs)
@@ -225,6 +227,50 @@ class KvikioBackend(Backend):
     def read(self, buffer: torch.Tensor | None, extents: Sequence[Extent]) -> WaitingFuture:
         return self._submit("pread", buffer, extents)
 
+    def move_on_caller(self, op: str, buffer: torch.Tensor | None,
+                       extents: Sequence[Extent]) -> CompletedIO | None:
+        """One extent of GPU memory no larger than a task (which kvikio's pool would run on
+        one thread) moves by ``raw_write``/``raw_read`` on this thread: cuFile's synchronous
+        call with GPUDirect Storage, kvikio's bounce-buffer copy and POSIX call in compat
+        mode; the GIL is released meanwhile. Host memory (those calls take none) and larger
+        calls go through the pool."""
+        if (len(extents) != 1 or buffer is None or buffer.device.type != "cuda"
+                or self._closed):
+            return None
+        e = extents[0]
+        if e.memory or e.length > self._task or not self._caller_context(buffer.device):
+            return None
+        handle = self._files[e.file]
+        outcome = IOOutcome()
+        try:
+            n = (handle.raw_write if op == "write" else handle.raw_read)(
+                self._target(buffer), e.length, e.file_offset, e.buffer_offset)
+            if n != e.length:
+                raise ShortIOError(op, self._paths[e.file], e.file_offset, e.length, n)
+            outcome.nbytes = n
+        except Exception as exc:  # noqa: BLE001 - recorded against the extent, as a pool I/O
+            outcome.fail(0, exc, e)
+        return CompletedIO(outcome)
+
+    def _caller_context(self, device: torch.device) -> bool:
+        """Make the device's primary CUDA context current on this thread, once per thread (the
+        compat-mode copy of ``raw_read``/``raw_write`` runs in the caller's context, and a
+        thread that has made no CUDA call has none: CUDA_ERROR_INVALID_CONTEXT; kvikio's own
+        threads set theirs). False where that fails: the call goes through the pool."""
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if getattr(self._thread, "context", None) == index:
+            return True
+        try:
+            _make_context_current(index)
+        except OSError as exc:
+            if not self._context_failed:
+                self._context_failed = True
+                log.warning("kvikio: cannot make the CUDA context current on a calling thread "
+                            "(%s); its small I/O goes through kvikio's threads", exc)
+            return False
+        self._thread.context = index
+        return True
+
     def _submit(self, op: str, buffer: torch.Tensor | None,
                 extents: Sequence[Extent]) -> WaitingFuture:
         if self._closed:
@@ -278,6 +324,31 @@ class KvikioBackend(Backend):
         for f in self._files:
             f.close()
         self._files = []
+
+
+@functools.cache
+def _libcuda() -> ctypes.CDLL:
+    return ctypes.CDLL("libcuda.so.1")
+
+
+@functools.cache
+def _primary_context(ordinal: int) -> ctypes.c_void_p:
+    """The device's primary context (retained once per process: the CUDA runtime, torch's,
+    uses the same one and keeps it for the process's life)."""
+    cuda, dev, ctx = _libcuda(), ctypes.c_int(), ctypes.c_void_p()
+    _check(cuda.cuInit(0), "cuInit")
+    _check(cuda.cuDeviceGet(ctypes.byref(dev), ordinal), "cuDeviceGet")
+    _check(cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+    return ctx
+
+
+def _make_context_current(ordinal: int) -> None:
+    _check(_libcuda().cuCtxSetCurrent(_primary_context(ordinal)), "cuCtxSetCurrent")
+
+
+def _check(status: int, call: str) -> None:
+    if status != 0:
+        raise OSError(f"{call} failed with CUresult {status}")
 
 
 class DeviceBytes:

@@ -18,8 +18,8 @@ import torch
 
 from ..config import TierConfig
 from ..memory import host_numpy
-from .base import (Backend, CompletionPoller, Extent, ShortIOError, SlabFile, combine,
-                   io_pieces)
+from .base import (Backend, CompletedIO, CompletionPoller, Extent, IOOutcome, ShortIOError,
+                   SlabFile, combine, io_pieces)
 from .bounce import HostMirrors
 
 log = logging.getLogger("gdskv.posix")
@@ -68,6 +68,35 @@ class PosixBackend(Backend):
         host = None if buffer is None else self._mirrors.host_buffer(buffer)
         after = None if host is buffer else (lambda: self._mirrors.from_host(host, buffer, extents))
         return self._submit(os.preadv, "read", host, extents, after)
+
+    def move_on_caller(self, op: str, buffer: torch.Tensor | None,
+                       extents: Sequence[Extent]) -> CompletedIO | None:
+        """A call the pool would move as one piece (one thread) moves on this thread: the same
+        ``pwritev``/``preadv`` (the GIL released), through the GPU buffer's host mirror."""
+        if self._pool is None:
+            return None
+        pieces = io_pieces(extents, self._threads, self._chunk, MIN_PIECE_BYTES)
+        if len(pieces) != 1:
+            return None
+        idx, piece = pieces[0]
+        outcome = IOOutcome()
+        host = None
+        try:
+            if buffer is not None:
+                host = self._mirrors.to_host(buffer, extents) if op == "write" \
+                    else self._mirrors.host_buffer(buffer)
+            iov = piece.memory or (host_numpy(host)[piece.buffer_offset:
+                                                    piece.buffer_offset + piece.length],)
+            outcome.nbytes = _move_piece(os.pwritev if op == "write" else os.preadv, op,
+                                         self._files[piece.file], iov, piece)
+        except Exception as exc:  # noqa: BLE001 - recorded against the extent, as a pool I/O
+            outcome.fail(idx, exc, piece)
+        if op == "read" and host is not None and host is not buffer:
+            try:  # what moved reaches the GPU buffer, as after a pool read
+                self._mirrors.from_host(host, buffer, extents)
+            except Exception as exc:  # noqa: BLE001 - every extent failed, as combine() says
+                outcome.fail(idx, exc, piece)
+        return CompletedIO(outcome)
 
     def _submit(self, call, op: str, host: torch.Tensor | None, extents: Sequence[Extent],
                 after=None) -> Future:
