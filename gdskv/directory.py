@@ -145,6 +145,16 @@ class PageDirectory:
         with self._lock:
             return self._algorithm[np.asarray(slots, dtype=np.int64)]
 
+    def all_use(self, slots: Sequence[int], algorithm: int) -> bool:
+        """Whether every one of these (pinned or READY) slots' checksums was made with
+        ``algorithm`` (a few slots are looked at one by one: numpy's gather and reduction
+        cost a cold host 28 µs of a 1-page restore)."""
+        with self._lock:
+            if len(slots) <= _FEW_SLOTS:
+                algos = self._algorithm
+                return all(algos[s] == algorithm for s in slots)
+            return bool((self._algorithm[np.asarray(slots, dtype=np.int64)] == algorithm).all())
+
     @property
     def free_slots(self) -> int:
         with self._lock:

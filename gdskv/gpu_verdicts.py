@@ -66,14 +66,15 @@ class VerdictBuffers:
             self.partial, self.host_trailers, self.host_sums, self.crc_table))
 
     def take(self, n: int) -> None:
-        """Make room for a call of ``n`` pages (``host_want``, ``want``, ``ok``, ``host_flags``,
+        """Make room for a call of ``n`` pages (``host_want``, ``ok``, ``host_flags``,
         ``host_slots``, ``slots``)."""
         if not self.clean:  # (the call that left them may have run on another stream)
             torch.cuda.synchronize(self.device)
         if n > self.capacity:
             self.capacity = max(n, 2 * self.capacity, 64)
+            # the stored checksums, which the verifying scatter reads from pinned memory
             self.host_want = torch.empty(self.capacity, dtype=torch.int64, pin_memory=True)
-            self.want = torch.empty(self.capacity, dtype=torch.int64, device=self.device)
+            self.host_want_np = self.host_want.numpy().view(np.uint64)
             self.ok = torch.empty(self.capacity, dtype=torch.int8, device=self.device)
             self.host_flags = torch.empty(self.capacity, dtype=torch.int8, pin_memory=True)
             self.host_flags_np = self.host_flags.numpy()
@@ -83,7 +84,7 @@ class VerdictBuffers:
             self.slots = torch.empty(tokens, dtype=torch.int64, device=self.device)
             # the addresses a restore's graph key names, read once (each read is a torch call)
             self.slot_addresses = (self.host_slots.data_ptr(), self.slots.data_ptr())
-            self.restore_addresses = (self.partial.data_ptr(), self.want.data_ptr(),
+            self.restore_addresses = (self.partial.data_ptr(), self.host_want.data_ptr(),
                                       self.ok.data_ptr(), self.host_flags.data_ptr())
             self.graphs.clear()  # their keys name the buffers just replaced
         self.clean = False
@@ -106,11 +107,17 @@ class GpuVerdicts:
         self._stream = stream  # the current one, where the tier holds it (a direct launch)
         buffers.take(len(wants))
         self._buf = buffers
-        buffers.host_want.numpy()[:len(wants)] = np.asarray(wants, dtype=np.uint64).view(np.int64)
-        # From pinned memory the upload is asynchronous on the call's stream, which every
-        # kernel of the call runs on. (The whole buffer: no slice op; it is a few KiB.)
-        buffers.want.copy_(buffers.host_want, non_blocking=True)
+        # The verifying scatter reads them from pinned memory (mapped for the GPU; one load
+        # per page and program), as the spill's seal reads its trailers: no upload, whose
+        # torch call cost a cold host 33 µs of a 1-page restore, with its read no longer
+        # there to hide it when the read runs on the calling thread
+        # (bench/results/h200-2026-11-26/call-overhead-12/call4/lines_xget.txt).
+        buffers.host_want_np[:len(wants)] = wants
         self.pages = len(wants)
+        # the call's slot indices in the pinned buffer, not yet uploaded: the entries each
+        # chunk's launches copy up first (0: none; see upload_slots)
+        self._upload = 0
+        self._uploaded = False
         self._queued: list[tuple[int, int]] = []   # (first position, pages) per chunk
         self._plans: dict[int, tuple] = {}         # first position -> (part, pages, last, launches)
         self._read_back = False
@@ -119,6 +126,20 @@ class GpuVerdicts:
     def slot_buffers(self) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
         """See :attr:`VerdictBuffers.slot_buffers`."""
         return self._buf.slot_buffers
+
+    def upload_slots(self, n: int) -> None:
+        """The call's slot indices are in the pinned buffer's first ``n`` entries
+        (:meth:`PoolCopier.prepare` with ``defer_upload``): each chunk's launches copy them
+        up first, one kernel node in its graph instead of a copy call of its own (10 µs of a
+        cold host's time for a 1-page restore)."""
+        self._upload = n
+
+    def slots_uploaded(self) -> None:
+        """Make sure the indices are on the device before a plain (not verified) scatter reads
+        them: queued here if no chunk's launches have copied them up yet."""
+        if self._upload and not self._uploaded:
+            kd.upload(self._buf.host_slots, self._buf.slots, self._upload)
+            self._uploaded = True
 
     def plan(self, drain: PoolCopier, part: torch.Tensor, first: int, page_idx: list[int],
              last: bool = False) -> None:
@@ -140,6 +161,7 @@ class GpuVerdicts:
         else:
             key, launch = self._launches(drain, part, first, page_idx, last)
         self._buf.graphs.run(key, launch, self._stream)
+        self._uploaded = True  # (by these launches, if the call had any to upload)
         self._queued.append((first, n))
         self._read_back = last
 
@@ -149,21 +171,25 @@ class GpuVerdicts:
         n, buf = len(page_idx), self._buf
         slots, address = drain.graph_slots(page_idx)
         table = drain.pool.row_table
+        upload = self._upload
 
         def launch() -> None:
+            if upload:  # the call's slot indices, which the scatter reads
+                kd.upload(buf.host_slots, buf.slots, upload)
             partial = kd.page_partial_sums(part, n, self.page_bytes, self.slot_bytes,
                                            out=buf.partial)
             kd.scatter_pages_verified(drain.pool, drain.layout,
                                       drain.chunk_slots(page_idx) if slots is None else slots,
                                       part,
-                                      kd.Verdicts(partial, buf.want, buf.ok, self.page_bytes,
+                                      kd.Verdicts(partial, buf.host_want, buf.ok, self.page_bytes,
                                                   first))
             if last:
                 buf.host_flags.copy_(buf.ok, non_blocking=True)
 
         # Every address and scalar the launches use (see gdskv.launch_graphs).
-        return ("restore", part.data_ptr(), n, first, last, address, table.table.data_ptr(),
-                table.align, buf.restore_addresses), launch
+        return ("restore", part.data_ptr(), n, first, last, address, upload,
+                table.table.data_ptr(), table.align, buf.restore_addresses,
+                buf.slot_addresses), launch
 
     def read_back(self) -> None:
         """Queue the flags' copy to the host (after every scatter queued so far)."""

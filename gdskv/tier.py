@@ -761,6 +761,8 @@ class Tier:
                     slot_trailer.write_into(part, self.layout.slot_bytes, trailers,
                                             self._trailer_buffer())
                 extents = self.store.extents([s for _, s in chunk])  # (while the GPU works)
+                # (while the GPU works too: a write moved on this thread has no wait to hide it)
+                lost = self._lost_files()
                 self._copies_done(gpu)
                 t0 = time.perf_counter()
                 fut = self._start_io("write", part, extents, on_caller)
@@ -771,7 +773,7 @@ class Tier:
                 held = None
                 if spill is not None:  # the checksums came back with the sync
                     sums = spill.sums(len(chunk))
-                pending.append(self._writing(keys, chunk, sums, seqs, extents, fut, t0))
+                pending.append(self._writing(keys, chunk, sums, seqs, extents, fut, t0, lost))
                 if waited:  # staging is the limit: commit what ended while this write runs
                     while len(pending) > 1 and pending[0][_FUT].done():
                         finish_oldest()
@@ -830,12 +832,14 @@ class Tier:
             else self.backend.read(part, extents)
 
     def _writing(self, keys, chunk, sums, seqs, extents: list[Extent], fut: Future,
-                 t0: float) -> tuple:
+                 t0: float, lost: bool | None = None) -> tuple:
         """A chunk whose write was just started (at ``t0``), as :meth:`_finish_write` takes it.
         The host work its commit needs that does not wait for the write is done here, while
-        the write runs: its COMMIT records encoded, and whether a store file was removed."""
+        the write runs: its COMMIT records encoded, and whether a store file was removed
+        (``lost``, unless the caller looked already)."""
         commits = self._commits(keys, chunk, sums, seqs)
-        lost = self._lost_files()
+        if lost is None:
+            lost = self._lost_files()
         if not fut.done():  # earlier calls' counters, while the write runs (else: later)
             self._ledger.settle(wait=False)
         return chunk, sums, seqs, extents, fut, t0, commits, lost
@@ -950,8 +954,11 @@ class Tier:
                     if isinstance(drain, DeferredCopier):
                         drain = drain.make()
                     verdicts = self._gpu_verdicts(drain, todo, gpu)
-                    drain.prepare([i for i, _, _ in todo],
-                                  into=verdicts.slot_buffers if verdicts is not None else None)
+                    if drain.prepare([i for i, _, _ in todo],
+                                     into=verdicts.slot_buffers if verdicts is not None
+                                     else None, defer_upload=verdicts is not None):
+                        # the indices go up inside the chunks' launch graphs (as a spill's)
+                        verdicts.upload_slots(len(todo) * self.layout.page_size)
                     if not pending[-1][4].done():  # earlier calls' counters (see _writing)
                         self._ledger.settle(wait=False)
                 if verdicts is not None:  # its launches made while its read runs
@@ -1035,6 +1042,8 @@ class Tier:
                     self._log_once("corrupt", "checksum mismatch: %d pages dropped as misses "
                                    "(first key %r)", len(bad), bad[0])
             good = [pos for pos in range(len(chunk)) if pos not in failed]
+            if good and verdicts is not None:  # a plain scatter reads the uploaded indices
+                verdicts.slots_uploaded()
             if good:
                 if len(good) == len(chunk):
                     drain(part, [i for i, _, _ in chunk])
@@ -1141,8 +1150,7 @@ class Tier:
         plain way)."""
         if not todo or not self._gpu_checked(drain):
             return None
-        algos = self.directory.algorithms([s for _, s, _ in todo])
-        if not (algos == checksum.GPU_PAGE).all():
+        if not self.directory.all_use([s for _, s, _ in todo], checksum.GPU_PAGE):
             return None
         return GpuVerdicts([want for _, _, want in todo], self._thread_buffers(),
                            self.layout.page_bytes, self.layout.slot_bytes, gpu)

@@ -207,3 +207,20 @@ def test_a_batch_commit_is_the_commits_one_by_one(n):
     assert [k for k, _ in evicted] == [keys[slots.index(s)] for s in order[:2]]
     with pytest.raises(AssertionError, match="not WRITING"):
         batch.commit(order, sums, 3)
+
+
+@pytest.mark.parametrize("count", [1, 8, 9, 40])
+def test_all_use_tells_whether_every_slot_has_the_algorithm(count):
+    """``all_use`` looks at a few slots one by one and at many with numpy: the same answer,
+    including a slot of another algorithm at either end of the list."""
+    d = PageDirectory(64)
+    keys = [f"k{i}" for i in range(count)]
+    slots = [s for s in d.reserve(keys).slots]
+    d.commit(slots, [7] * count, algorithm=2)
+    assert d.all_use(slots, 2) and not d.all_use(slots, 1)
+    for end in ("first", "last"):
+        other = d.reserve([f"odd-{end}"]).slots[0]
+        d.commit([other], [7], algorithm=1)
+        listed = [other] + slots if end == "first" else slots + [other]
+        assert not d.all_use(listed, 2)
+        assert d.all_use([other], 1)

@@ -1,4 +1,5 @@
-"""Where a real 1-page spill's wall time goes, line by line, on the GPU (issue 14).
+"""Where a real 1-page spill's (or, with ``--get``, restore's) wall time goes, line by line, on
+the GPU (issue 14).
 
 Every statement of the spill path's functions (``Tier.put`` ... ``KvikioBackend._wait``) gets a
 ``perf_counter`` stamp after it, by rewriting those functions' modules' source (AST) before the
@@ -126,29 +127,41 @@ def main() -> None:
     p.add_argument("directory", help="store directory (emptied first), e.g. /dev/shm/x")
     p.add_argument("reps", type=int, nargs="?", default=600, help="timed calls (default 600)")
     p.add_argument("--top", type=int, default=110, help="statements printed, costliest first")
+    p.add_argument("--get", action="store_true",
+                   help="time 1-page Tier.get calls instead (of pages put first, untimed), "
+                        "against a raw kvikio read of the same size")
+    p.add_argument("--pool-io", action="store_true",
+                   help="io_on_caller off: the tier's I/O always through kvikio's pool")
     args = p.parse_args()
     import torch
     # Each module is executed again from its rewritten source, in import order: a module that
     # imports a class from another (tier <- copiers) must come after it to get the stamped one.
     install("gdskv.backends.base", ["WaitingFuture._complete", "WaitingFuture.result", "WaitingFuture.__init__"])
-    install("gdskv.backends.kvikio", ["KvikioBackend._submit", "KvikioBackend._wait"])
+    install("gdskv.backends.kvikio", ["KvikioBackend._submit", "KvikioBackend._wait",
+                                      "KvikioBackend.move_on_caller", "KvikioBackend._caller_context"])
     install("gdskv.launch_graphs", ["LaunchGraphs.run"])
-    install("gdskv.gpu_verdicts", ["VerdictBuffers.take"])
+    install("gdskv.gpu_verdicts", ["VerdictBuffers.take", "GpuVerdicts.__init__", "GpuVerdicts.plan",
+                                   "GpuVerdicts.scatter", "GpuVerdicts._launches", "GpuVerdicts.read_back",
+                                   "GpuVerdicts.settle"])
     install("gdskv.gpu_spill", ["GpuSpill.__init__", "GpuSpill.gather"])
     install("gdskv.pool", ["check_token_slots", "KVPool.check_token_slots", "PoolCache.get", "_leaf_tensors"])
-    install("gdskv.streams", ["CallStream.enter", "current_stream", "CallStream.__init__"])
-    install("gdskv.directory", ["PageDirectory.reserve", "PageDirectory.commit"])
+    install("gdskv.streams", ["CallStream.enter", "current_stream", "CallStream.__init__", "CallStream.leave"])
+    install("gdskv.directory", ["PageDirectory.reserve", "PageDirectory.commit", "PageDirectory.pin",
+                                "PageDirectory.unpin", "PageDirectory.algorithms"])
     install("gdskv.journal", ["Journal.append"])
     install("gdskv.persistence", ["PersistentDirectory.journal_commits", "PersistentDirectory.next_seqs"])
     install("gdskv.store", ["SlabStore.sync", "SlabStore.extents"])
-    install("gdskv.copiers", ["PoolCopier.prepare", "PoolCopier._use", "PoolCopier.graph_slots", "PoolCopier.__init__"])
+    install("gdskv.copiers", ["PoolCopier.prepare", "PoolCopier._use", "PoolCopier.graph_slots", "PoolCopier.__init__",
+                              "DeferredCopier.__init__"])
     install("gdskv.staging", ["StagingParts.try_take", "StagingParts.give_back", "StagingParts._ready"])
     install("gdskv.admission", ["AdmissionFilter.admit"])
     install("gdskv.ledger", ["CallLedger.record", "CallLedger.settle"])
     install("gdskv.call_gate", ["CallGate.enter_shared", "CallGate.leave_shared"])
     install("gdskv.tier", ["Tier.put", "Tier._pool_copier", "Tier._copier_for", "Tier._run", "Tier._put",
                              "Tier._finish_write", "Tier._trailers", "Tier._copies_done", "Tier._call_stream",
-                             "Tier._writing", "Tier._gpu_spill", "Tier._check_keys", "Tier._gpu_checked"])
+                             "Tier._writing", "Tier._gpu_spill", "Tier._check_keys", "Tier._gpu_checked",
+                             "Tier._start_io", "Tier.get", "Tier._get", "Tier._finish_read", "Tier._unpin",
+                             "Tier._gpu_verdicts", "Tier._settle", "Tier._refuse_byte_pages"])
     from gdskv.tier import Tier
     from gdskv.config import TierConfig
     from gdskv.layout import KVLayout
@@ -159,7 +172,8 @@ def main() -> None:
     gpu = torch.cuda.is_available()
     dev = torch.device("cuda" if gpu else "cpu")
     lay = KVLayout(32, 16, 128, 8)
-    tier = Tier(lay, TierConfig(directories=(d,), capacity=4 << 30, backend="kvikio" if gpu else "posix"), device=dev)
+    tier = Tier(lay, TierConfig(directories=(d,), capacity=4 << 30, backend="kvikio" if gpu else "posix",
+                                         io_on_caller=not args.pool_io), device=dev)
     N = 64
     pool = tuple(torch.randn(32, N * 16, 8, 128, device=dev).to(torch.bfloat16) for _ in range(2))
     slots = [torch.arange(p * 16, p * 16 + 16, dtype=torch.int64) for p in range(N)]
@@ -167,19 +181,29 @@ def main() -> None:
         OnStream(torch.cuda.Stream(dev)).__enter__(); torch.cuda.synchronize()
     calls, walls, raws = [], [], []
     part = tier._staging[1]
+    if args.get:  # the pages the gets restore, put first (untimed)
+        for p in range(N):
+            assert tier.put([f"g{p}"], pool, slots[p]) == [True]
     for i in range(reps + 30):
-        key = [f"k{i}"]
         begin(); t0 = time.perf_counter()
-        tier.put(key, pool, slots[i % N])
+        if args.get:  # page i % N into the slots of another page
+            tier.get([f"g{i % N}"], pool, slots[(i + 7) % N])
+        else:
+            tier.put([f"k{i}"], pool, slots[i % N])
         t = time.perf_counter() - t0; st = end()
         # raw: the same slot count, next free-ish slot far away
         ext = tier.store.extents([tier.store.num_slots - 1 - (i % 900)])
         t1 = time.perf_counter()
-        tier.backend.write(part[:lay.slot_bytes], ext).result(); os.fdatasync(tier.store.files[ext[0].file].fd)
+        if args.get:
+            tier.backend.read(part[:lay.slot_bytes], ext).result()
+        else:
+            tier.backend.write(part[:lay.slot_bytes], ext).result(); os.fdatasync(tier.store.files[ext[0].file].fd)
         r = time.perf_counter() - t1
         if i >= 30:
             calls.append(st); walls.append(t); raws.append(r)
-    print(f"put p50 {1e6*statistics.median(walls):.1f} us, raw(write+fdatasync, rotating slots) p50 {1e6*statistics.median(raws):.1f} us")
+    what = "get" if args.get else "put"
+    raw = "read" if args.get else "write+fdatasync"
+    print(f"{what} p50 {1e6*statistics.median(walls):.1f} us, raw({raw} through kvikio's pool, rotating slots) p50 {1e6*statistics.median(raws):.1f} us")
     print(summarize(calls, top=args.top))
     tier.close()
 

@@ -138,6 +138,8 @@ class KvikioBackend(Backend):
         self._targets: dict[int, tuple[torch.Tensor, object]] = {}  # id -> (part, target)
         self._lock = threading.Lock()
         self._closed = False
+        self._device = torch.device(device)  # whose GPU memory its buffers are, when on one
+        self._device_index: int | None = None  # its index, once a call on the caller needs it
         self._thread = threading.local()  # per calling thread: the device whose context is set
         self._context_failed = False
         if self._compat:
@@ -234,17 +236,21 @@ class KvikioBackend(Backend):
         call with GPUDirect Storage, kvikio's bounce-buffer copy and POSIX call in compat
         mode; the GIL is released meanwhile. Host memory (those calls take none) and larger
         calls go through the pool."""
-        if (len(extents) != 1 or buffer is None or buffer.device.type != "cuda"
-                or self._closed):
+        if self._closed or len(extents) != 1 or buffer is None:
             return None
         e = extents[0]
-        if e.memory or e.length > self._task or not self._caller_context(buffer.device):
+        if e.memory or e.length > self._task:
+            return None
+        # (the target, not a torch query, says whether it is GPU memory: each query costs
+        # host time on every small call)
+        target = self._target(buffer)
+        if not isinstance(target, DeviceBytes) or not self._caller_context():
             return None
         handle = self._files[e.file]
         outcome = IOOutcome()
         try:
             n = (handle.raw_write if op == "write" else handle.raw_read)(
-                self._target(buffer), e.length, e.file_offset, e.buffer_offset)
+                target, e.length, e.file_offset, e.buffer_offset)
             if n != e.length:
                 raise ShortIOError(op, self._paths[e.file], e.file_offset, e.length, n)
             outcome.nbytes = n
@@ -252,13 +258,16 @@ class KvikioBackend(Backend):
             outcome.fail(0, exc, e)
         return CompletedIO(outcome)
 
-    def _caller_context(self, device: torch.device) -> bool:
+    def _caller_context(self) -> bool:
         """Make the device's primary CUDA context current on this thread, once per thread (the
         compat-mode copy of ``raw_read``/``raw_write`` runs in the caller's context, and a
         thread that has made no CUDA call has none: CUDA_ERROR_INVALID_CONTEXT; kvikio's own
         threads set theirs). False where that fails: the call goes through the pool."""
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        if getattr(self._thread, "context", None) == index:
+        index = self._device_index
+        if index is None:
+            index = self._device_index = self._device.index if self._device.index is not None \
+                else torch.cuda.current_device()
+        elif getattr(self._thread, "context", None) == index:
             return True
         try:
             _make_context_current(index)
