@@ -66,15 +66,15 @@ class VerdictBuffers:
             self.partial, self.host_trailers, self.host_sums, self.crc_table))
 
     def take(self, n: int) -> None:
-        """Make room for a call of ``n`` pages (``host_want``, ``ok``, ``host_flags``,
+        """Make room for a call of ``n`` pages (``host_want``, ``want``, ``ok``, ``host_flags``,
         ``host_slots``, ``slots``)."""
         if not self.clean:  # (the call that left them may have run on another stream)
             torch.cuda.synchronize(self.device)
         if n > self.capacity:
             self.capacity = max(n, 2 * self.capacity, 64)
-            # the stored checksums, which the verifying scatter reads from pinned memory
             self.host_want = torch.empty(self.capacity, dtype=torch.int64, pin_memory=True)
             self.host_want_np = self.host_want.numpy().view(np.uint64)
+            self.want = torch.empty(self.capacity, dtype=torch.int64, device=self.device)
             self.ok = torch.empty(self.capacity, dtype=torch.int8, device=self.device)
             self.host_flags = torch.empty(self.capacity, dtype=torch.int8, pin_memory=True)
             self.host_flags_np = self.host_flags.numpy()
@@ -85,6 +85,7 @@ class VerdictBuffers:
             # the addresses a restore's graph key names, read once (each read is a torch call)
             self.slot_addresses = (self.host_slots.data_ptr(), self.slots.data_ptr())
             self.restore_addresses = (self.partial.data_ptr(), self.host_want.data_ptr(),
+                                      self.want.data_ptr(),
                                       self.ok.data_ptr(), self.host_flags.data_ptr())
             self.graphs.clear()  # their keys name the buffers just replaced
         self.clean = False
@@ -107,11 +108,10 @@ class GpuVerdicts:
         self._stream = stream  # the current one, where the tier holds it (a direct launch)
         buffers.take(len(wants))
         self._buf = buffers
-        # The verifying scatter reads them from pinned memory (mapped for the GPU; one load
-        # per page and program), as the spill's seal reads its trailers: no upload, whose
-        # torch call cost a cold host 33 µs of a 1-page restore, with its read no longer
-        # there to hide it when the read runs on the calling thread
-        # (bench/results/h200-2026-11-26/call-overhead-12/call4/lines_xget.txt).
+        # They go up inside each chunk's launch graph (a kernel node, :func:`kd.upload`), not
+        # by a copy call of their own, which cost a cold host 33 µs of a 1-page restore once
+        # its read no longer hid it (the read on the calling thread,
+        # bench/results/h200-2026-11-26/call-overhead-12/call4/lines_xget.txt).
         buffers.host_want_np[:len(wants)] = wants
         self.pages = len(wants)
         # the call's slot indices in the pinned buffer, not yet uploaded: the entries each
@@ -171,23 +171,26 @@ class GpuVerdicts:
         n, buf = len(page_idx), self._buf
         slots, address = drain.graph_slots(page_idx)
         table = drain.pool.row_table
-        upload = self._upload
+        upload, pages = self._upload, self.pages
 
         def launch() -> None:
-            if upload:  # the call's slot indices, which the scatter reads
+            # the call's stored checksums and (if still in host memory) its slot indices, which
+            # the verifying scatter reads (each chunk's graph copies them: the same few KiB)
+            kd.upload(buf.host_want, buf.want, pages)
+            if upload:
                 kd.upload(buf.host_slots, buf.slots, upload)
             partial = kd.page_partial_sums(part, n, self.page_bytes, self.slot_bytes,
                                            out=buf.partial)
             kd.scatter_pages_verified(drain.pool, drain.layout,
                                       drain.chunk_slots(page_idx) if slots is None else slots,
                                       part,
-                                      kd.Verdicts(partial, buf.host_want, buf.ok, self.page_bytes,
+                                      kd.Verdicts(partial, buf.want, buf.ok, self.page_bytes,
                                                   first))
             if last:
                 buf.host_flags.copy_(buf.ok, non_blocking=True)
 
         # Every address and scalar the launches use (see gdskv.launch_graphs).
-        return ("restore", part.data_ptr(), n, first, last, address, upload,
+        return ("restore", part.data_ptr(), n, first, last, address, upload, pages,
                 table.table.data_ptr(), table.align, buf.restore_addresses,
                 buf.slot_addresses), launch
 

@@ -91,8 +91,7 @@ class Verdicts:
     """What the verifying scatter needs and gives, for a chunk of ``pages`` pages: their
     ``partial`` checksum sums (int64 ``[>= pages, n_chunks]``), and, at ``first ..
     first + pages - 1``, their stored checksums in ``want`` (int64) and their verdicts in ``ok``
-    (int8: 1 per page that matched and was scattered, 0 otherwise). All on the pool's device,
-    but for ``want``, which the Triton kernel may also read from pinned host memory.
+    (int8: 1 per page that matched and was scattered, 0 otherwise). All on the pool's device.
     (Whole buffers and an offset rather than slices: a slice is a host-side tensor op per chunk.)"""
 
     __slots__ = ("partial", "want", "ok", "page_bytes", "first")
