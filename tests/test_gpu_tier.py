@@ -168,6 +168,39 @@ def test_one_page_calls_from_fresh_threads(tmp_path, backend):
         assert s["read_failed"] == 0 and s["write_failed"] == 0 and s["corrupt_pages"] == 0
 
 
+def test_failed_read_of_one_file_keeps_the_other_files_pages(tmp_path):
+    """A restore of one chunk over two slab files, one of them truncated (kvikio fails the
+    whole extent it cannot read): the pages of the other file are hits, bit-exact, through the
+    plain scatter (the verdict path takes only whole chunks), whose slot indices must be on the
+    GPU although the chunk's launch graph, which uploads them, never ran; the others are misses
+    and leave their slots untouched."""
+    small = KVLayout(num_layers=2, page_size=16, head_dim=64, kv_heads=2, dtype="bf16")
+    pages = 8
+    pool = _gpu_pool(small, 64 * 16, seed=5)
+    out = tuple(torch.zeros_like(p) for p in pool)
+    src = torch.arange(pages * 16)                  # host slot indices (the deferred upload)
+    dst = torch.arange(pages * 16) + 32 * 16
+    cfg = TierConfig(directories=(str(tmp_path),), capacity="64MiB", backend="kvikio",
+                     files_per_dir=2, io_chunk_size=4 * small.slot_bytes)
+    keys = [f"s{i}" for i in range(pages)]
+    torch.cuda.synchronize()
+    with Tier(small, cfg, device="cuda") as tier:
+        assert tier.put(keys, pool, src) == [True] * pages
+        files = [slot_location(tier, k)[0] for k in keys]
+        assert len(set(files)) == 2
+        os.truncate(files[0], 0)
+        expected = [f != files[0] for f in files]
+        assert tier.get(keys, out, dst) == expected
+        torch.cuda.synchronize()
+        for a, b in zip(pool, out):
+            for p, hit in enumerate(expected):
+                got = b.view(torch.int16)[:, (32 + p) * 16:(33 + p) * 16]
+                if hit:
+                    assert torch.equal(a.view(torch.int16)[:, p * 16:(p + 1) * 16], got)
+                else:
+                    assert not got.any()
+
+
 @pytest.mark.parametrize("shuffled", [True, False])
 @pytest.mark.parametrize("into", [False, True])
 @pytest.mark.parametrize("slots_on", ["cpu", "cuda"])
