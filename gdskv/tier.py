@@ -945,9 +945,10 @@ class Tier:
                                 self._start_io("read", part, extents, on_caller), t0))
                 held = None
                 if k == 0:
-                    # The first read is under way: the call takes its turn on the stream, its
-                    # arguments are checked and its slot indices and stored checksums go up
-                    # meanwhile (host work that would otherwise come first).
+                    # The first read is under way (or, moved on this thread, has ended): the
+                    # call takes its turn on the stream, its arguments are checked and its slot
+                    # indices and stored checksums are made ready meanwhile (host work that
+                    # would otherwise come first).
                     if stream is not None:
                         stream.enter()
                         gpu = stream.stream
