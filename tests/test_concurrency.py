@@ -134,6 +134,15 @@ def _hold_until_both_in_flight(tier, barrier: threading.Barrier) -> None:
 
         setattr(tier.backend, name, held)
 
+    # a small call's I/O on the calling thread (io_on_caller): held inside it the same way
+    inner_now = tier.backend.move_on_caller
+
+    def held_now(op, buffer, extents):
+        barrier.wait()
+        return inner_now(op, buffer, extents)
+
+    tier.backend.move_on_caller = held_now
+
 
 @pytest.mark.parametrize("second", ["put", "get"])
 def test_calls_from_two_threads_overlap(tmp_path, second):

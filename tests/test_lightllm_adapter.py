@@ -204,6 +204,10 @@ def test_read_failure_loads_nothing(tmp_path, servers, caplog):
     def broken_read(buffer, extents):
         raise OSError(5, "Input/output error (injected)")
     s.tier.backend.read = broken_read
+    # (a small call's read on the calling thread fails the same way)
+    real_now = s.tier.backend.move_on_caller
+    s.tier.backend.move_on_caller = lambda op, buffer, extents: (
+        broken_read(buffer, extents) if op == "read" else real_now(op, buffer, extents))
     with caplog.at_level(logging.ERROR):
         found, from_disk = s.match(hashes)
     assert (found, from_disk) == ([], 0)
@@ -236,6 +240,9 @@ def test_write_failure_releases_pages_and_stores_nothing(tmp_path, servers):
     def broken_write(buffer, extents):
         raise OSError(28, "No space left on device (injected)")
     s.tier.backend.write = broken_write
+    real_now = s.tier.backend.move_on_caller
+    s.tier.backend.move_on_caller = lambda op, buffer, extents: (
+        broken_write(buffer, extents) if op == "write" else real_now(op, buffer, extents))
     s.offload()
     assert s.ref_counts(pages) == [0] * 3, "LightLLM gets its pages back"
     assert s.worker.service.query(hashes) == [False] * 3
@@ -352,6 +359,13 @@ def test_abort_stops_touching_the_cache(tmp_path, monkeypatch):
             time.sleep(0.05)
             return real_read(buffer, extents)
         svc.tier.backend.read = slow_read
+        real_now = svc.tier.backend.move_on_caller
+
+        def slow_now(op, buffer, extents):
+            if op == "read":
+                time.sleep(0.05)
+            return real_now(op, buffer, extents)
+        svc.tier.backend.move_on_caller = slow_now
         svc._cache[16:].zero_()
         task = svc.create(hashes, torch.arange(16, 32, dtype=torch.int32), "r")
         time.sleep(0.08)

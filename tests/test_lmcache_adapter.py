@@ -263,6 +263,10 @@ def test_read_error_is_a_miss_never_wrong_bytes(adapter, monkeypatch, aligned):
         return bad
 
     monkeypatch.setattr(backend, "read", failing_read)
+    # (a small call's read on the calling thread fails the same way)
+    real_now = backend.move_on_caller
+    monkeypatch.setattr(backend, "move_on_caller", lambda op, buf, extents: (
+        failing_read(buf, extents) if op == "read" else real_now(op, buf, extents)))
     out = obj(torch.zeros(OBJ, dtype=torch.uint8), aligned=aligned)
     assert load(adapter, [key(1)], [out]) == [False]
     in_place = adapter.tier.stats().get("pages_read_in_place", 0) == 1
@@ -282,6 +286,9 @@ def test_write_error_fails_the_store_task(adapter, monkeypatch):
         return bad
 
     monkeypatch.setattr(backend, "write", failing_write)
+    real_now = backend.move_on_caller
+    monkeypatch.setattr(backend, "move_on_caller", lambda op, buf, extents: (
+        failing_write(buf, extents) if op == "write" else real_now(op, buf, extents)))
     assert not store(adapter, [key(1), key(2)], [obj(random_bytes(OBJ, i)) for i in (1, 2)])
     assert lookup(adapter, [key(1), key(2)]) == [False, False]
     assert adapter.get_usage().total_bytes_used == 0

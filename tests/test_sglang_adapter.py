@@ -369,10 +369,13 @@ def test_data_path_failures_become_false(tmp_path, caplog):
         # the disk fails under a read: misses, no exception
         def broken_read(buffer, extents):
             raise OSError(5, "Input/output error (injected)")
-        real_read = s.tier.backend.read
+        real_read, real_now = s.tier.backend.read, s.tier.backend.move_on_caller
         s.tier.backend.read = broken_read
+        # (a small call's read on the calling thread fails the same way)
+        s.tier.backend.move_on_caller = lambda op, buffer, extents: (
+            broken_read(buffer, extents) if op == "read" else real_now(op, buffer, extents))
         assert s.batch_get_v1(hashes, idx) == [False] * 10
-        s.tier.backend.read = real_read
+        s.tier.backend.read, s.tier.backend.move_on_caller = real_read, real_now
 
         # pages whose bytes changed on disk fail their checksums: misses, never wrong data
         for f in s.tier.store.files:
