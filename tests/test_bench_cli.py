@@ -368,3 +368,35 @@ def test_metrics_port_bad_value(capsys, value, says):
     assert cli.main([f"--metrics-port={value}", "--rw=write"]) == 2
     err = capsys.readouterr().err
     assert "--metrics-port" in err and says in err, err
+
+
+@pytest.mark.parametrize("raw_io", ["pool", "caller"])
+def test_raw_io_picks_the_raw_engines_path(tmp_path, capsys, monkeypatch, raw_io):
+    """``raw_io=caller``: the raw engine's 1-page calls move on the calling thread
+    (``Backend.move_on_caller``), as gdskv's do; ``pool`` (the default): never. Either way
+    every byte comes back."""
+    from gdskv.backends.posix import PosixBackend
+
+    moved: list[str] = []
+    real = PosixBackend.move_on_caller
+
+    def spied(self, op, buffer, extents):
+        done = real(self, op, buffer, extents)
+        moved.append(op if done is not None else "none")
+        return done
+
+    monkeypatch.setattr(PosixBackend, "move_on_caller", spied)
+    doc = run_json(capsys, SMALL + ["--size=256K", "--bs=32K", "--rw=write", "--verify=1",
+                                    "--ioengine=raw", "--backend=posix", f"--raw_io={raw_io}",
+                                    f"--directory={tmp_path}"])
+    (job,) = doc["jobs"]
+    assert job["error"] == 0 and job["write"]["io_bytes"] == 256 * 1024
+    if raw_io == "pool":
+        assert moved == []
+    else:  # 8 writes and the verify's 8 reads, each one page
+        assert moved.count("write") == 8 and moved.count("read") >= 8 and "none" not in moved
+
+
+def test_raw_io_refuses_other_values(capsys):
+    assert cli.main(SMALL + ["--rw=write", "--raw_io=thread"]) == 2
+    assert "raw_io" in capsys.readouterr().err
