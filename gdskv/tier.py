@@ -18,6 +18,12 @@ its part, and commits it once its next write is under way), so calls never wait 
 in a cycle. Follower catch-up, ``clear`` and ``close`` wait for the calls in flight and run
 alone.
 
+Small calls (``config.io_on_caller``): a call of one chunk, whose I/O the backend's pool would
+run on one thread anyway, moves its bytes on the calling thread (``Backend.move_on_caller``,
+the GIL released): the hand-off to a pool thread and back cost a 1-page call more than all of
+gdskv's own work the read or write hid (bench/RESULTS.md, "Small calls' I/O on the calling
+thread"). Calls of several chunks keep the pipeline above.
+
 Read-only followers (``config.read_only``): a tier in another process over a store some writer
 tier owns (e.g. the non-writing TP ranks of an MLA model). It takes no lock and writes nothing:
 puts return False, evict/clear only forget pages locally. Before each read call it catches up

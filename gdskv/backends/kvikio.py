@@ -21,6 +21,10 @@ O_DIRECT has one owner, the store (it probes the file system); this backend asks
 same, and :meth:`KvikioBackend.direct_io` reports what kvikio does (its file handles and the
 settings in force), which is what the tier's ``o_direct`` stat shows.
 
+Small calls: one extent of GPU memory within a task moves by ``raw_write``/``raw_read`` on the
+calling thread when the tier asks (:meth:`KvikioBackend.move_on_caller`), with the device's
+primary CUDA context made current there first.
+
 The module imports without a CUDA driver (kvikio opens files and reads its settings on CPU);
 I/O needs CUDA.
 """
