@@ -343,11 +343,8 @@ class RawEngine(Engine):
         sb = self.spec.layout.slot_bytes
         # "caller": what gdskv's io_on_caller does, the same backend call, so that gdskv can be
         # compared with raw on the same path as well as with raw through the pool
-        fut = self.backend.move_on_caller(op, buf, extents) if self.spec.raw_io == "caller" \
-            else None
-        if fut is None:
-            fut = (self.backend.write if op == "write" else self.backend.read)(buf, extents)
-        outcome = fut.result()
+        outcome = self.backend.start(op, buf, extents,
+                                     on_caller=self.spec.raw_io == "caller").result()
         if outcome.errors:
             failed = set()
             for idx in outcome.errors:

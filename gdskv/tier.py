@@ -771,7 +771,7 @@ class Tier:
                 lost = self._lost_files()
                 self._copies_done(gpu)
                 t0 = time.perf_counter()
-                fut = self._start_io("write", part, extents, on_caller)
+                fut = self.backend.start("write", part, extents, on_caller)
                 # the part is free once its bytes are written: fdatasync and journal need not it
                 part_held = _HeldPart(held)
                 fut.add_done_callback(lambda _f, p=part_held: p.give_back(self._staging))
@@ -823,19 +823,7 @@ class Tier:
         extents = pages.write_extents(self.store.extents([s for _, s in chunk]), idx, trailers)
         t0 = time.perf_counter()
         return self._writing(keys, chunk, sums, seqs, extents,
-                             self._start_io("write", None, extents, on_caller), t0)
-
-    def _start_io(self, op: str, part: torch.Tensor | None, extents: list[Extent],
-                  on_caller: bool):
-        """Start a chunk's ``op`` ("write" or "read"); its future. ``on_caller`` (a call of one
-        chunk, with nothing to overlap): the backend moves it on this thread if it can
-        (:meth:`Backend.move_on_caller`), and the future is done on return."""
-        if on_caller:
-            done = self.backend.move_on_caller(op, part, extents)
-            if done is not None:
-                return done
-        return self.backend.write(part, extents) if op == "write" \
-            else self.backend.read(part, extents)
+                             self.backend.start("write", None, extents, on_caller), t0)
 
     def _writing(self, keys, chunk, sums, seqs, extents: list[Extent], fut: Future,
                  t0: float, lost: bool | None = None) -> tuple:
@@ -941,14 +929,14 @@ class Tier:
                                                  hash_as_read=self.config.verify)
                     t0 = time.perf_counter()
                     pending.append((chunk, k * self._chunk_pages, None, extents,
-                                    self._start_io("read", None, extents, on_caller), t0))
+                                    self.backend.start("read", None, extents, on_caller), t0))
                     continue
                 held = self._take_part(pending, finish_oldest)
                 extents = self.store.extents([s for _, s, _ in chunk])
                 part = self._staging[held]
                 t0 = time.perf_counter()
                 pending.append((chunk, k * self._chunk_pages, held, extents,
-                                self._start_io("read", part, extents, on_caller), t0))
+                                self.backend.start("read", part, extents, on_caller), t0))
                 held = None
                 if k == 0:
                     # The first read is under way (or, moved on this thread, has ended): the

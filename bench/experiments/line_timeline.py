@@ -136,7 +136,8 @@ def main() -> None:
     import torch
     # Each module is executed again from its rewritten source, in import order: a module that
     # imports a class from another (tier <- copiers) must come after it to get the stamped one.
-    install("gdskv.backends.base", ["WaitingFuture._complete", "WaitingFuture.result", "WaitingFuture.__init__"])
+    install("gdskv.backends.base", ["WaitingFuture._complete", "WaitingFuture.result", "WaitingFuture.__init__",
+                                    "Backend.start"])
     install("gdskv.backends.kvikio", ["KvikioBackend._submit", "KvikioBackend._wait",
                                       "KvikioBackend.move_on_caller", "KvikioBackend._caller_context"])
     install("gdskv.launch_graphs", ["LaunchGraphs.run"])
@@ -160,7 +161,7 @@ def main() -> None:
     install("gdskv.tier", ["Tier.put", "Tier._pool_copier", "Tier._copier_for", "Tier._run", "Tier._put",
                              "Tier._finish_write", "Tier._trailers", "Tier._copies_done", "Tier._call_stream",
                              "Tier._writing", "Tier._gpu_spill", "Tier._check_keys", "Tier._gpu_checked",
-                             "Tier._start_io", "Tier.get", "Tier._get", "Tier._finish_read", "Tier._unpin",
+                             "Tier.get", "Tier._get", "Tier._finish_read", "Tier._unpin",
                              "Tier._gpu_verdicts", "Tier._settle", "Tier._refuse_byte_pages"])
     from gdskv.tier import Tier
     from gdskv.config import TierConfig

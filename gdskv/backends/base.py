@@ -291,6 +291,17 @@ class Backend(abc.ABC):
         Failures are reported in the outcome, as :meth:`write` / :meth:`read` report them."""
         return None
 
+    def start(self, op: str, buffer: torch.Tensor | None, extents: Sequence[Extent],
+              on_caller: bool = False):
+        """Start ``op`` ("write" or "read"); its future. ``on_caller``: moved on this thread
+        where :meth:`move_on_caller` can (the future is then done on return), else through
+        :meth:`write` / :meth:`read`."""
+        if on_caller:
+            done = self.move_on_caller(op, buffer, extents)
+            if done is not None:
+                return done
+        return self.write(buffer, extents) if op == "write" else self.read(buffer, extents)
+
     def describe(self) -> dict:
         """What runs and why, for stats and logs: name, gpu_direct, ``selected`` (why it was
         picked); implementations add their own (fallbacks, settings...)."""

@@ -116,7 +116,7 @@ class KvikioBackend(Backend):
         # kvikio opens files and reads its settings without CUDA, but every pread/pwrite
         # (compat mode and host buffers included) loads the CUDA driver first.
         try:
-            ctypes.CDLL("libcuda.so.1")
+            _libcuda()
         except OSError as exc:
             return f"kvikio needs the CUDA driver (libcuda.so.1) for every read and write: {exc}"
         return None
