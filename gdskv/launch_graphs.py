@@ -3,7 +3,7 @@
 A restore into a GPU pool launches two Triton kernels per chunk (partial sums, then the
 verifying scatter); a spill launches the gather and the partial sums. Each launch costs 25-90 µs
 of host time (Triton's launcher binds and specializes every argument; measured per step in
-``bench/results/*/call-overhead/steps.json``), more than the GPU needs for a 1-page call. The
+``bench/results/h100-2026-11-23/call-overhead/steps.json``), more than the GPU needs for a 1-page call. The
 launches of one chunk read and write only buffers whose addresses a thread reuses call after
 call (its staging part, its per-thread slot-index and verdict buffers, the pool's row table),
 so :class:`LaunchGraphs` captures them once per *key* into a CUDA graph and replays it: one

@@ -133,7 +133,7 @@ class LaunchConfig:
 
 
 #: Bytes of rows one program moves (at least), and the widest row tile. Measured on an H200
-#: (bench/results/kernels_nvidia-h200.json): whole-row tiles of >= 16 KiB with 8 warps were the
+#: (bench/results/h200-2026-11-22/kernels/kernels_nvidia-h200.json): whole-row tiles of >= 16 KiB with 8 warps were the
 #: best or within noise of it for 2048-byte rows; for 1152-byte rows a whole (masked, 2048-byte)
 #: row tile x 16 tokens beat splitting rows into exact 128/256-byte column tiles by ~4%.
 TILE_BYTES = 16384
