@@ -20,16 +20,16 @@ def test_engine_direct_example_runs(tmp_path):
     assert "restored 50/50 pages into new slots, bit-exact: True" in proc.stdout
 
 
-def readme_block(marker: str) -> str:
-    """The code between ``<!-- marker -->`` and ``<!-- /marker -->`` in README.md."""
-    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+def readme_block(marker: str, doc: str = "docs/api.md") -> str:
+    """The code between ``<!-- marker -->`` and ``<!-- /marker -->`` in ``doc``."""
+    with open(os.path.join(ROOT, doc), encoding="utf-8") as f:
         text = f.read()
     body = text.split(f"<!-- {marker} -->", 1)[1].split(f"<!-- /{marker} -->", 1)[0]
     return "\n".join(line for line in body.strip().splitlines() if not line.startswith("```"))
 
 
 def test_readme_quickstart_runs_as_pasted(tmp_path):
-    """The README's Python API block, run as a user would paste it: from another directory,
+    """The Python API doc's quickstart block, run as a user would paste it: from another directory,
     on the installed package, with no GDSKV_* variables set."""
     script = tmp_path / "quickstart.py"
     script.write_text(readme_block("quickstart"))
