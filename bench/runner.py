@@ -7,7 +7,9 @@ Phases by ``rw`` (fio's meanings, adapted to pages that must exist before they c
 - ``read`` / ``randread``: pages laid out first (untimed, as fio lays out its file), page cache
   dropped, then timed reads.
 - ``rw`` / ``randrw``: layout, cache drop, then a timed mix: each batch is a read with
-  probability ``rwmixread``%, else a rewrite of that batch.
+  probability ``rwmixread``%, else a rewrite of that batch; with ``verify=1`` then an untimed
+  read-back of every page (after a cache drop), as fio verifies what a mixed job wrote: the mix
+  alone may read some batches never (or none at all), and its figures stay the mix's own.
 
 ``rand*`` shuffles the batch order and where pages sit (pool positions for gdskv: a scattered
 gather; store slots for raw: scattered file offsets). ``runtime`` stops early, ``time_based``
@@ -155,15 +157,17 @@ class Progress:
 class _Phase:
     kind: str                 # "write" | "read" | "mixed"
     timed: bool = True
+    label: str = ""           # for the progress bar, when not the kind
 
 
 def _phases(rw: str, verify: bool) -> list[_Phase]:
     if rw in ("write", "randwrite"):
         return [_Phase("write")] + ([_Phase("read")] if verify else [])
-    layout = [_Phase("write", timed=False)]
+    layout = [_Phase("write", timed=False, label="layout")]
     if rw in ("read", "randread"):
         return layout + [_Phase("read")]
-    return layout + [_Phase("mixed")]
+    return layout + [_Phase("mixed")] + ([_Phase("read", timed=False, label="verify")]
+                                         if verify else [])
 
 
 class _ThreadState:
@@ -207,7 +211,7 @@ class _PhaseRun:
             total = (self.plan.batches * self.plan.batch_bytes * threads) if not self.repeat \
                 else 0
             self.progress.start(f"{o.name} {self.engine.name} "
-                                f"{self.phase.kind if self.phase.timed else 'layout'}", total)
+                                f"{self.phase.label or self.phase.kind}", total)
         barrier = threading.Barrier(threads + 1)
         workers = [threading.Thread(target=self._worker, args=(t, barrier),
                                     name=f"bench-job-{t}", daemon=True) for t in range(threads)]

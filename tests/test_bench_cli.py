@@ -14,6 +14,7 @@ import torch
 
 from gdskv.bench import cli, runner
 from gdskv.bench.measurements import EILSEQ, EIO
+from gdskv.bench.options import RW_MODES
 
 # 2 layers x 2 heads x 128 dim bf16, 16 tokens: 32 KiB pages
 SMALL = ["--layers=2", "--kv-heads=2", "--head-dim=128", "--page-tokens=16", "--mem=host"]
@@ -101,6 +102,27 @@ def test_modes_with_clones_and_depth(tmp_path, capsys, rw):
             assert w == 1 << 20 and r == 1 << 20  # verify reads back
         else:
             assert r + w == 1 << 20 and job["read"]["runtime"] == job["write"]["runtime"]
+
+
+# Sizes of one to three 1-page calls. A mix whose draws are all writes (the default seed's two
+# draws are, and rwmixread=0 always) read nothing, so verify once failed with pages_checked=0.
+MIXED = ("rw", "readwrite", "randrw")
+
+
+@pytest.mark.parametrize("size", ["32k", "64k", "96k"])
+@pytest.mark.parametrize("rw, rwmixread", [(rw, 50) for rw in RW_MODES]
+                         + [(rw, 0) for rw in MIXED])
+def test_every_mode_verifies_every_page_of_a_small_job(tmp_path, capsys, rw, size, rwmixread):
+    doc = run_json(capsys, SMALL + [f"--rw={rw}", f"--size={size}", "--bs=32k",
+                                    f"--rwmixread={rwmixread}", "--verify=crc32c",
+                                    f"--directory={tmp_path}"])
+    (job,) = doc["jobs"]
+    pages = int(size[:-1]) // 32
+    assert job["error"] == 0, job["gdskv"]
+    assert job["gdskv"]["verify"] == {"ok": True, "pages_checked": pages, "mismatched": 0,
+                                      "missing": 0}
+    if rw in MIXED:  # the mix's own calls, the read-back not among them
+        assert job["read"]["total_ios"] + job["write"]["total_ios"] == pages
 
 
 def test_time_based_runtime_and_ramp(tmp_path, capsys):
