@@ -244,7 +244,9 @@ JOB_OPTIONS: tuple[Opt, ...] = (
         flag=True),
     Opt("kb_base", _kb_base, 1024,
         "1024 (fio's default: k, KB = 1024; KiB = 1000) or 1000 (k, KB = 1000; KiB = 1024)"),
-    Opt("unlink", _bool, True, "remove the files this job created when it ends", flag=True),
+    Opt("unlink", _bool, False,
+        "remove the store this job made when it ends (default 0, as fio: the store is kept and "
+        "the report's store line names it, for gdskv info/verify)", flag=True),
     Opt("randseed", _int_range(0), 0x5EED, "seed for data and random orders"),
     Opt("thread", _bool, True, "accepted for fio compatibility: clones are always threads",
         flag=True),

@@ -416,7 +416,7 @@ def _gdskv_object(engine: Engine, plan: JobPlan, config: TierConfig, made: list[
         "backend_selected_because": info.get("backend_selected_because", ""),
         "mem": plan.mem, "device": str(plan.device),
         "directories": made, "fs_types": sorted({fs_type(d) for d in made}),
-        "store": plan.placement.describe(),
+        "store": {**plan.placement.describe(), "directories": made, "kept": not o.unlink},
         "layout": lay.to_dict(), "model": o.model,
         "page_bytes": lay.page_bytes, "slot_bytes": lay.slot_bytes,
         "bytes_per_token": lay.page_bytes // lay.page_size,

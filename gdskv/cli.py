@@ -71,7 +71,22 @@ def _manifest(directories: Sequence[str]) -> dict:
                 return load_manifest(path)
             except StoreError:
                 continue  # the copy, or the store's own open reports both damaged
-    raise UsageError(f"no gdskv store in {first!r} (no {MANIFEST}): name a store directory")
+    raise UsageError(f"no gdskv store in {first!r} (no {MANIFEST}): name a store directory"
+                     + _stores_below(first))
+
+
+def _stores_below(directory: str, shown: int = 5) -> str:
+    """``; stores in its subdirectories: ...``: gdskv-bench (and the adapters) make a store
+    in a subdirectory of the directory they were given, the one a user tends to name."""
+    try:
+        below = sorted(e.path for e in os.scandir(directory)
+                       if e.is_dir() and os.path.exists(os.path.join(e.path, MANIFEST)))
+    except OSError:
+        return ""
+    if not below:
+        return ""
+    more = f" and {len(below) - shown} more" if len(below) > shown else ""
+    return f"; stores in its subdirectories: {' '.join(below[:shown])}{more}"
 
 
 def _layout(manifest: dict) -> PageLayout:

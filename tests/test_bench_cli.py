@@ -43,7 +43,36 @@ def test_readme_command_writes_reads_and_verifies(tmp_path, capsys):
     assert g["engine"] == "gdskv" and g["backend"] == "posix" and g["gpu_direct"] is False
     assert g["page_bytes"] == 2 << 20 and g["layout"]["num_layers"] == 32
     assert "summary" in g["invalidate"] and isinstance(g["invalidate"]["done"], bool)
-    assert os.listdir(tmp_path) == []  # unlink=1 removed the job's store
+    assert os.listdir(tmp_path) == [os.path.basename(g["store"]["directories"][0])]  # kept
+
+
+def _store_line(out: str) -> str:
+    (line,) = [x for x in out.splitlines() if x.startswith("  store: ")]
+    return line
+
+
+def test_the_store_is_kept_as_fio_keeps_its_files_and_named_for_gdskv_info(tmp_path, capsys):
+    from gdskv import cli as gdskv_cli
+    assert cli.main(SMALL + ["--size=256k", "--bs=64k", "--rw=write",
+                             f"--directory={tmp_path}"]) == 0
+    line = _store_line(capsys.readouterr().out)
+    (store,) = os.listdir(tmp_path)  # a directory of the job's own under the one given
+    path = os.path.join(tmp_path, store)
+    assert line.startswith(f"  store: kept in {path} ("), line
+    assert gdskv_cli.main(["info", path, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["pages"] == 8
+    assert gdskv_cli.main(["verify", path, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["checked"] == 8
+    # the directory given is not the store, and the error names the one below it
+    with pytest.raises(SystemExit) as exc:
+        gdskv_cli.main(["info", str(tmp_path)])
+    assert exc.value.code == 2 and f"stores in its subdirectories: {path}" in \
+        capsys.readouterr().err
+    # --unlink=1 removes it, and says so
+    assert cli.main(SMALL + ["--size=256k", "--rw=write", "--unlink=1",
+                             f"--directory={tmp_path}"]) == 0
+    assert ", removed (unlink=1) (" in _store_line(capsys.readouterr().out)
+    assert os.listdir(tmp_path) == [store]
 
 
 def _flip_every_slot(engine) -> None:

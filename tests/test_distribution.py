@@ -6,6 +6,7 @@ the README's main command."""
 from __future__ import annotations
 
 import glob
+import json
 import os
 import re
 import shutil
@@ -126,4 +127,10 @@ def test_built_wheel_in_a_fresh_venv_runs_the_readme_main_command(dist, tmp_path
                          cwd=tmp_path, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "verify: OK" in run.stdout and "err= 0" in run.stdout
-    assert "store: in " + str(tmp_path) in run.stdout
+    # the store is kept (fio's unlink=0) and named exactly: gdskv info reads it
+    (store,) = re.findall(r"store: kept in (\S+) \(", run.stdout)
+    assert os.path.dirname(os.path.dirname(store)) == str(tmp_path), store
+    info = subprocess.run([f"{venv}/bin/gdskv", "info", store, "--json"], capture_output=True,
+                          text=True, env=env, cwd=tmp_path, timeout=300)
+    assert info.returncode == 0, info.stderr
+    assert json.loads(info.stdout)["pages"] == 128  # 256 MiB of 2 MiB pages
