@@ -40,7 +40,7 @@ from gdskv.memory import cuda_available
 from .cache import fs_type
 from .engines import Engine, EngineSpec, EngineUnavailable, make_engine, sglang_hicache
 from .measurements import EIO, EILSEQ, DirStats, JobResult, fmt_size_exact, plural
-from .options import JobOptions, OptionError, job_options_dict
+from .options import JobOptions, OptionError, job_options_dict, size_text
 from .placement import Placement, place
 from .presets import ModelPreset, break_even, get_preset
 
@@ -117,20 +117,30 @@ def _layout(opts: JobOptions, preset: ModelPreset | None) -> KVLayout:
 
 
 def _batching(opts: JobOptions, layout: KVLayout) -> tuple[int, int, list[str]]:
-    """Pages per call (bs in whole pages, cut to size) and calls per thread."""
+    """Pages per call (bs in whole pages, cut to size) and calls per thread, with a note for
+    each rounding: the report says why its io= is not the size asked for."""
     notes = []
     page = fmt_size_exact(layout.page_bytes)
-    ppb = max(1, opts.bs // layout.page_bytes)
-    if opts.bs % layout.page_bytes:
-        notes.append(f"bs={fmt_size_exact(opts.bs)} rounded to {plural(ppb, 'whole page')} "
-                     f"of {page}")
     if opts.size < layout.page_bytes:
         raise OptionError(f"job {opts.name!r}: option size={opts.given.get('size', opts.size)} "
                           f"is less than one page ({page})")
+    bs = size_text(opts.given.get("bs"), opts.bs, opts.kb_base)
+    ppb = max(1, opts.bs // layout.page_bytes)
+    if opts.bs < layout.page_bytes:
+        notes.append(f"bs={bs} is less than one page ({page}): 1 page per call")
+    elif opts.bs % layout.page_bytes:
+        notes.append(f"bs={bs} rounded to {plural(ppb, 'whole page')} of {page}")
     if ppb * layout.page_bytes > opts.size:
         ppb = opts.size // layout.page_bytes
         notes.append(f"batch cut to size: {plural(ppb, 'page')}")
-    return ppb, opts.size // (ppb * layout.page_bytes), notes
+    batch = ppb * layout.page_bytes
+    batches = opts.size // batch
+    if batches * batch != opts.size:
+        notes.append(f"size={size_text(opts.given.get('size'), opts.size, opts.kb_base)} "
+                     f"rounded down to {fmt_size_exact(batches * batch)}: "
+                     f"{plural(batches, 'call')} of {fmt_size_exact(batch)} "
+                     f"({plural(ppb, 'page')}), as a job moves whole calls")
+    return ppb, batches, notes
 
 
 # -- running ------------------------------------------------------------------------------------

@@ -227,12 +227,33 @@ def test_normal_report_units_plurals_and_one_boolean_style(tmp_path, capsys):
     rc = cli.main(SMALL + ["--size=64k", "--bs=40k", "--rw=write", f"--directory={tmp_path}"])
     out = capsys.readouterr().out
     assert rc == 0
-    assert "note: bs=40KiB rounded to 1 whole page of 32KiB" in out
+    assert "note: bs=40k (40KiB) rounded to 1 whole page of 32KiB" in out
     assert "batch=1 page," in out
     gdskv_lines = [x for x in out.splitlines() if x.startswith(("  gdskv:", "  store:"))]
     assert len(gdskv_lines) == 2
     assert "gpu_direct=no" in gdskv_lines[0] and re.search(r"O_DIRECT=(yes|no)", gdskv_lines[0])
     assert not re.search(r"=(True|False|0|1)\b", " ".join(gdskv_lines)), gdskv_lines
+
+
+# 32 KiB pages. fio's kb_base=1024 rule: KiB = 1000, k = 1024.
+@pytest.mark.parametrize("argv, io_bytes, note", [
+    (["--size=64KiB", "--bs=32k"], 32 << 10,
+     "size=64KiB (64000 bytes: KiB = 1000^1 with kb_base=1024, as fio) rounded down to 32KiB: "
+     "1 call of 32KiB (1 page), as a job moves whole calls"),
+    (["--size=100k", "--bs=64k"], 64 << 10,
+     "size=100k (100KiB) rounded down to 64KiB: 1 call of 64KiB (2 pages), as a job moves "
+     "whole calls"),
+    (["--size=64k", "--bs=4k"], 64 << 10, "bs=4k (4KiB) is less than one page (32KiB): 1 page "
+     "per call"),
+    (["--size=64k", "--bs=32k"], 64 << 10, ""),  # nothing rounded, nothing said
+])
+def test_what_was_rounded_is_said_in_one_line(tmp_path, capsys, argv, io_bytes, note):
+    doc = run_json(capsys, SMALL + argv + ["--rw=write", f"--directory={tmp_path}"])
+    (job,) = doc["jobs"]
+    assert job["write"]["io_bytes"] == io_bytes and job["gdskv"]["note"] == note
+    assert cli.main(SMALL + argv + ["--rw=write", f"--directory={tmp_path}"]) == 0
+    notes = [x for x in capsys.readouterr().out.splitlines() if x.startswith("  note: ")]
+    assert notes == ([f"  note: {note}"] if note else [])
 
 
 def test_break_even_in_report(tmp_path, capsys):
