@@ -68,6 +68,30 @@ def fio_size(text: str, kb_base: int = 1024) -> int:
     return int(value)
 
 
+def decimal_unit(text: str, kb_base: int = 1024) -> str:
+    """Why a size is not what its unit suggests: ``MiB = 1000^2 with kb_base=1024, as fio``
+    for a unit that counts in powers of 1000 here, else ``""``."""
+    m = _SIZE_RE.match(str(text))
+    if not m or not m.group(2):
+        return ""
+    unit, iec = m.group(2), m.group(3)
+    base = (1000 if kb_base == 1024 else 1024) if iec else kb_base
+    if base != 1000:
+        return ""
+    written = str(text).strip().lstrip("0123456789.").strip()
+    return f"{written} = 1000^{_POWERS[unit.lower()]} with kb_base={kb_base}, as fio"
+
+
+def size_text(given: str | None, nbytes: int, kb_base: int = 1024) -> str:
+    """A size as given and, where that differs, what it came to: ``64MiB (64000000 bytes:
+    MiB = 1000^2 with kb_base=1024, as fio)``, ``100M (100MiB)``, ``32MiB``."""
+    exact = fmt_size_exact(nbytes)
+    if given is None or given.strip() == exact:
+        return exact
+    why = decimal_unit(given, kb_base)
+    return f"{given.strip()} ({f'{nbytes} bytes: {why}' if why else exact})"
+
+
 def _positive_size(text: str, kb_base: int = 1024) -> int:
     n = fio_size(text, kb_base)
     if n <= 0:
@@ -244,7 +268,9 @@ JOB_OPTIONS: tuple[Opt, ...] = (
         flag=True),
     Opt("kb_base", _kb_base, 1024,
         "1024 (fio's default: k, KB = 1024; KiB = 1000) or 1000 (k, KB = 1000; KiB = 1024)"),
-    Opt("unlink", _bool, True, "remove the files this job created when it ends", flag=True),
+    Opt("unlink", _bool, False,
+        "remove the store this job made when it ends (default 0, as fio: the store is kept and "
+        "the report's store line names it, for gdskv info/verify)", flag=True),
     Opt("randseed", _int_range(0), 0x5EED, "seed for data and random orders"),
     Opt("thread", _bool, True, "accepted for fio compatibility: clones are always threads",
         flag=True),
@@ -544,7 +570,9 @@ def build_parser() -> argparse.ArgumentParser:
                 description="fio-style benchmark of the gdskv KV-cache spill tier",
                 epilog="Job files: fio INI ([global] + one section per job, bare keys for "
                        "booleans, ${ENV} substitution). Command-line job options override "
-                       "the files' values. Sizes: k/M/G = 1024^n, KB/MB/GB = 1000^n.")
+                       "the files' values. Sizes as fio reads them, with kb_base=1024 (the "
+                       "default): k/KB/M/MB/G/GB = 1024^n, KiB/MiB/GiB = 1000^n (fio's "
+                       "compatibility rule); --kb_base=1000 swaps the two.")
     p.add_argument("jobfiles", nargs="*", help="fio-style job files")
     g = p.add_argument_group("job options (fio names)")
     for opt in JOB_OPTIONS:

@@ -9,6 +9,7 @@ page bytes, page-cache drop, verify outcome, break-even).
 from __future__ import annotations
 
 import json
+import shlex
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -115,9 +116,14 @@ def _gdskv_lines(g: dict[str, Any]) -> list[str]:
     store = g.get("store")
     if store:
         fs = "/".join(g.get("fs_types") or ["?"])
+        # the job's own directories, as `gdskv info` takes them (a fresh one per job and
+        # engine under each directory given, so runs never reuse a store)
+        where = shlex.join(store["directories"])
         lines.append(
-            f"  store: in {':'.join(store['base_directories'])} ({fs}; directory from "
-            f"{store['directories_from']}), capacity={fmt_size_exact(store['capacity'])} "
+            f"  store: {f'kept in {where}' if store['kept'] else f'{where}, removed (unlink=1)'} "
+            f"({fs}; made under the directory from {store['directories_from']}"
+            f"{'; slab bytes only, no page directory' if g.get('engine') == 'raw' else ''}), "
+            f"capacity={fmt_size_exact(store['capacity'])} "
             f"({store['capacity_from']}), "
             f"{plural(store['files_per_dir'], 'slab file')} per directory, "
             f"preallocated={yes_no(bool(store['preallocate']))}")

@@ -7,7 +7,9 @@ Phases by ``rw`` (fio's meanings, adapted to pages that must exist before they c
 - ``read`` / ``randread``: pages laid out first (untimed, as fio lays out its file), page cache
   dropped, then timed reads.
 - ``rw`` / ``randrw``: layout, cache drop, then a timed mix: each batch is a read with
-  probability ``rwmixread``%, else a rewrite of that batch.
+  probability ``rwmixread``%, else a rewrite of that batch; with ``verify=1`` then an untimed
+  read-back of every page (after a cache drop), as fio verifies what a mixed job wrote: the mix
+  alone may read some batches never (or none at all), and its figures stay the mix's own.
 
 ``rand*`` shuffles the batch order and where pages sit (pool positions for gdskv: a scattered
 gather; store slots for raw: scattered file offsets). ``runtime`` stops early, ``time_based``
@@ -38,7 +40,7 @@ from gdskv.memory import cuda_available
 from .cache import fs_type
 from .engines import Engine, EngineSpec, EngineUnavailable, make_engine, sglang_hicache
 from .measurements import EIO, EILSEQ, DirStats, JobResult, fmt_size_exact, plural
-from .options import JobOptions, OptionError, job_options_dict
+from .options import JobOptions, OptionError, job_options_dict, size_text
 from .placement import Placement, place
 from .presets import ModelPreset, break_even, get_preset
 
@@ -115,20 +117,30 @@ def _layout(opts: JobOptions, preset: ModelPreset | None) -> KVLayout:
 
 
 def _batching(opts: JobOptions, layout: KVLayout) -> tuple[int, int, list[str]]:
-    """Pages per call (bs in whole pages, cut to size) and calls per thread."""
+    """Pages per call (bs in whole pages, cut to size) and calls per thread, with a note for
+    each rounding: the report says why its io= is not the size asked for."""
     notes = []
     page = fmt_size_exact(layout.page_bytes)
-    ppb = max(1, opts.bs // layout.page_bytes)
-    if opts.bs % layout.page_bytes:
-        notes.append(f"bs={fmt_size_exact(opts.bs)} rounded to {plural(ppb, 'whole page')} "
-                     f"of {page}")
     if opts.size < layout.page_bytes:
         raise OptionError(f"job {opts.name!r}: option size={opts.given.get('size', opts.size)} "
                           f"is less than one page ({page})")
+    bs = size_text(opts.given.get("bs"), opts.bs, opts.kb_base)
+    ppb = max(1, opts.bs // layout.page_bytes)
+    if opts.bs < layout.page_bytes:
+        notes.append(f"bs={bs} is less than one page ({page}): 1 page per call")
+    elif opts.bs % layout.page_bytes:
+        notes.append(f"bs={bs} rounded to {plural(ppb, 'whole page')} of {page}")
     if ppb * layout.page_bytes > opts.size:
         ppb = opts.size // layout.page_bytes
         notes.append(f"batch cut to size: {plural(ppb, 'page')}")
-    return ppb, opts.size // (ppb * layout.page_bytes), notes
+    batch = ppb * layout.page_bytes
+    batches = opts.size // batch
+    if batches * batch != opts.size:
+        notes.append(f"size={size_text(opts.given.get('size'), opts.size, opts.kb_base)} "
+                     f"rounded down to {fmt_size_exact(batches * batch)}: "
+                     f"{plural(batches, 'call')} of {fmt_size_exact(batch)} "
+                     f"({plural(ppb, 'page')}), as a job moves whole calls")
+    return ppb, batches, notes
 
 
 # -- running ------------------------------------------------------------------------------------
@@ -155,15 +167,17 @@ class Progress:
 class _Phase:
     kind: str                 # "write" | "read" | "mixed"
     timed: bool = True
+    label: str = ""           # for the progress bar, when not the kind
 
 
 def _phases(rw: str, verify: bool) -> list[_Phase]:
     if rw in ("write", "randwrite"):
         return [_Phase("write")] + ([_Phase("read")] if verify else [])
-    layout = [_Phase("write", timed=False)]
+    layout = [_Phase("write", timed=False, label="layout")]
     if rw in ("read", "randread"):
         return layout + [_Phase("read")]
-    return layout + [_Phase("mixed")]
+    return layout + [_Phase("mixed")] + ([_Phase("read", timed=False, label="verify")]
+                                         if verify else [])
 
 
 class _ThreadState:
@@ -207,7 +221,7 @@ class _PhaseRun:
             total = (self.plan.batches * self.plan.batch_bytes * threads) if not self.repeat \
                 else 0
             self.progress.start(f"{o.name} {self.engine.name} "
-                                f"{self.phase.kind if self.phase.timed else 'layout'}", total)
+                                f"{self.phase.label or self.phase.kind}", total)
         barrier = threading.Barrier(threads + 1)
         workers = [threading.Thread(target=self._worker, args=(t, barrier),
                                     name=f"bench-job-{t}", daemon=True) for t in range(threads)]
@@ -412,7 +426,7 @@ def _gdskv_object(engine: Engine, plan: JobPlan, config: TierConfig, made: list[
         "backend_selected_because": info.get("backend_selected_because", ""),
         "mem": plan.mem, "device": str(plan.device),
         "directories": made, "fs_types": sorted({fs_type(d) for d in made}),
-        "store": plan.placement.describe(),
+        "store": {**plan.placement.describe(), "directories": made, "kept": not o.unlink},
         "layout": lay.to_dict(), "model": o.model,
         "page_bytes": lay.page_bytes, "slot_bytes": lay.slot_bytes,
         "bytes_per_token": lay.page_bytes // lay.page_size,

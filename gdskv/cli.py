@@ -71,7 +71,22 @@ def _manifest(directories: Sequence[str]) -> dict:
                 return load_manifest(path)
             except StoreError:
                 continue  # the copy, or the store's own open reports both damaged
-    raise UsageError(f"no gdskv store in {first!r} (no {MANIFEST}): name a store directory")
+    raise UsageError(f"no gdskv store in {first!r} (no {MANIFEST}): name a store directory"
+                     + _stores_below(first))
+
+
+def _stores_below(directory: str, shown: int = 5) -> str:
+    """``; stores in its subdirectories: ...``: gdskv-bench (and the adapters) make a store
+    in a subdirectory of the directory they were given, the one a user tends to name."""
+    try:
+        below = sorted(e.path for e in os.scandir(directory)
+                       if e.is_dir() and os.path.exists(os.path.join(e.path, MANIFEST)))
+    except OSError:
+        return ""
+    if not below:
+        return ""
+    more = f" and {len(below) - shown} more" if len(below) > shown else ""
+    return f"; stores in its subdirectories: {' '.join(below[:shown])}{more}"
 
 
 def _layout(manifest: dict) -> PageLayout:
@@ -432,9 +447,66 @@ def int_between(low: int, high: int | None, what: str):
 _count = int_between(0, None, "a whole number")
 
 
-def _print(out: dict, as_json: bool) -> None:
+# -- what a person reads (--json prints the subcommand's dict as it is) ----------------------
+def _iec(n: int) -> str:
+    """1.5 MiB, 36 KiB, 512 B."""
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}".replace(".0 ", " ")
+    return f"{n} B"
+
+
+def _plain(value) -> str:
+    """A value as a person writes it: yes/no, none, k=v lists, not Python's repr."""
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if value is None:
+        return "none"
+    if isinstance(value, dict):
+        return ", ".join(f"{k}={_plain(v)}" for k, v in value.items())
+    return str(value)
+
+
+def _info_lines(out: dict, args) -> list[str]:
+    files = out["slab_files"]
+    journal = ("none" if out["journal_bytes"] is None else
+               f"{_iec(out['journal_bytes'])}, last write {out['last_write']}")
+    writer = ("no process on this host holds the store's lock" if out["writer_pid"] is None
+              else f"pid {out['writer_pid']} holds the store's lock")
+    return [f"store:       {' '.join(args.directories)}",
+            f"format:      version {out['format_version']}, store id {out['store_id']}",
+            f"fingerprint: {out['fingerprint']}",
+            f"layout:      {_plain(out['layout'])}",
+            f"pages:       {out['pages']} stored ({_iec(out['bytes'])}) of "
+            f"{out['capacity_pages']} slots ({_iec(out['capacity_bytes'])}); page "
+            f"{_iec(out['page_bytes'])}, slot {_iec(out['slot_bytes'])}",
+            f"slab files:  {len(files)}, {_iec(sum(f['bytes'] for f in files))} on disk",
+            *(f"  {f['path']}  {_iec(f['bytes'])}" for f in files),
+            f"journal:     {journal}",
+            f"O_DIRECT:    {_plain(out['o_direct'])} ({out['o_direct_reason']})",
+            f"writer:      {writer}"]
+
+
+def _verify_lines(out: dict, args) -> list[str]:
+    bad = out["bad"]
+    lines = [f"checked {out['checked']} pages: " + (f"{len(bad)} bad" if bad else "all good")]
+    lines += [f"  key={b['key']}, slot={b['slot']}: {b['why']}" for b in bad]
+    if bad:
+        lines.append(f"dropped {out['dropped']} of them (--repair)" if args.repair else
+                     "gdskv verify --repair drops them")
+    return lines
+
+
+_TEXT = {"info": _info_lines, "verify": _verify_lines}
+
+
+def _print(out: dict, as_json: bool, args=None) -> None:
     if as_json:
         print(json.dumps(out, indent=1, default=str))
+        return
+    text = _TEXT.get(getattr(args, "command", None))
+    if text is not None:
+        print("\n".join(text(out, args)))
         return
     for k, v in out.items():
         if isinstance(v, list):
@@ -453,7 +525,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         out, status = args.fn(args)
     except (UsageError, StoreError, ConfigError) as exc:
         ap.exit(2, f"gdskv: error: {exc}\n")
-    _print(out, args.json)
+    _print(out, args.json, args)
     return status
 
 

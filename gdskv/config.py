@@ -22,6 +22,11 @@ class ConfigError(ValueError):
     """A bad configuration value; the message names the field or variable and the value."""
 
 
+class UnknownFieldError(ConfigError, TypeError):
+    """A keyword that is no field (``TierConfig(capacty=...)``): a TypeError, as Python's own
+    for an unexpected keyword, and a ConfigError, as a misspelt ``GDSKV_*`` variable is."""
+
+
 def suggest(name: str, known: Iterable[str], render: Callable[[str], str] = str) -> str:
     """`` (did you mean X?)`` naming the closest of ``known``, or "" when none is close."""
     close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
@@ -221,6 +226,16 @@ class TierConfig:
     #: cluster: staging buffer of each other node's follower tier (there is one per node, so
     #: it is kept smaller than staging_size; at least one slot per pipeline part)
     cluster_peer_staging_size: int = 64 << 20
+
+    def __new__(cls, *args, **kwargs):
+        # the generated __init__'s TypeError would name no alternative: a misspelt field gets
+        # the did-you-mean of a misspelt GDSKV_* variable (dataclasses.replace comes here too)
+        known = [f.name for f in dataclasses.fields(cls)]
+        for name, value in kwargs.items():
+            if name not in known:
+                raise UnknownFieldError(f"{cls.__name__}: unknown field {name}={value!r}"
+                                        f"{suggest(name, known)}; known: {', '.join(known)}")
+        return super().__new__(cls)
 
     def __post_init__(self) -> None:
         # Every field is checked and converted here, the same way whether it came from Python,

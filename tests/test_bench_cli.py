@@ -14,6 +14,7 @@ import torch
 
 from gdskv.bench import cli, runner
 from gdskv.bench.measurements import EILSEQ, EIO
+from gdskv.bench.options import RW_MODES
 
 # 2 layers x 2 heads x 128 dim bf16, 16 tokens: 32 KiB pages
 SMALL = ["--layers=2", "--kv-heads=2", "--head-dim=128", "--page-tokens=16", "--mem=host"]
@@ -42,7 +43,36 @@ def test_readme_command_writes_reads_and_verifies(tmp_path, capsys):
     assert g["engine"] == "gdskv" and g["backend"] == "posix" and g["gpu_direct"] is False
     assert g["page_bytes"] == 2 << 20 and g["layout"]["num_layers"] == 32
     assert "summary" in g["invalidate"] and isinstance(g["invalidate"]["done"], bool)
-    assert os.listdir(tmp_path) == []  # unlink=1 removed the job's store
+    assert os.listdir(tmp_path) == [os.path.basename(g["store"]["directories"][0])]  # kept
+
+
+def _store_line(out: str) -> str:
+    (line,) = [x for x in out.splitlines() if x.startswith("  store: ")]
+    return line
+
+
+def test_the_store_is_kept_as_fio_keeps_its_files_and_named_for_gdskv_info(tmp_path, capsys):
+    from gdskv import cli as gdskv_cli
+    assert cli.main(SMALL + ["--size=256k", "--bs=64k", "--rw=write",
+                             f"--directory={tmp_path}"]) == 0
+    line = _store_line(capsys.readouterr().out)
+    (store,) = os.listdir(tmp_path)  # a directory of the job's own under the one given
+    path = os.path.join(tmp_path, store)
+    assert line.startswith(f"  store: kept in {path} ("), line
+    assert gdskv_cli.main(["info", path, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["pages"] == 8
+    assert gdskv_cli.main(["verify", path, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["checked"] == 8
+    # the directory given is not the store, and the error names the one below it
+    with pytest.raises(SystemExit) as exc:
+        gdskv_cli.main(["info", str(tmp_path)])
+    assert exc.value.code == 2 and f"stores in its subdirectories: {path}" in \
+        capsys.readouterr().err
+    # --unlink=1 removes it, and says so
+    assert cli.main(SMALL + ["--size=256k", "--rw=write", "--unlink=1",
+                             f"--directory={tmp_path}"]) == 0
+    assert ", removed (unlink=1) (" in _store_line(capsys.readouterr().out)
+    assert os.listdir(tmp_path) == [store]
 
 
 def _flip_every_slot(engine) -> None:
@@ -101,6 +131,27 @@ def test_modes_with_clones_and_depth(tmp_path, capsys, rw):
             assert w == 1 << 20 and r == 1 << 20  # verify reads back
         else:
             assert r + w == 1 << 20 and job["read"]["runtime"] == job["write"]["runtime"]
+
+
+# Sizes of one to three 1-page calls. A mix whose draws are all writes (the default seed's two
+# draws are, and rwmixread=0 always) read nothing, so verify once failed with pages_checked=0.
+MIXED = ("rw", "readwrite", "randrw")
+
+
+@pytest.mark.parametrize("size", ["32k", "64k", "96k"])
+@pytest.mark.parametrize("rw, rwmixread", [(rw, 50) for rw in RW_MODES]
+                         + [(rw, 0) for rw in MIXED])
+def test_every_mode_verifies_every_page_of_a_small_job(tmp_path, capsys, rw, size, rwmixread):
+    doc = run_json(capsys, SMALL + [f"--rw={rw}", f"--size={size}", "--bs=32k",
+                                    f"--rwmixread={rwmixread}", "--verify=crc32c",
+                                    f"--directory={tmp_path}"])
+    (job,) = doc["jobs"]
+    pages = int(size[:-1]) // 32
+    assert job["error"] == 0, job["gdskv"]
+    assert job["gdskv"]["verify"] == {"ok": True, "pages_checked": pages, "mismatched": 0,
+                                      "missing": 0}
+    if rw in MIXED:  # the mix's own calls, the read-back not among them
+        assert job["read"]["total_ios"] + job["write"]["total_ios"] == pages
 
 
 def test_time_based_runtime_and_ramp(tmp_path, capsys):
@@ -176,12 +227,33 @@ def test_normal_report_units_plurals_and_one_boolean_style(tmp_path, capsys):
     rc = cli.main(SMALL + ["--size=64k", "--bs=40k", "--rw=write", f"--directory={tmp_path}"])
     out = capsys.readouterr().out
     assert rc == 0
-    assert "note: bs=40KiB rounded to 1 whole page of 32KiB" in out
+    assert "note: bs=40k (40KiB) rounded to 1 whole page of 32KiB" in out
     assert "batch=1 page," in out
     gdskv_lines = [x for x in out.splitlines() if x.startswith(("  gdskv:", "  store:"))]
     assert len(gdskv_lines) == 2
     assert "gpu_direct=no" in gdskv_lines[0] and re.search(r"O_DIRECT=(yes|no)", gdskv_lines[0])
     assert not re.search(r"=(True|False|0|1)\b", " ".join(gdskv_lines)), gdskv_lines
+
+
+# 32 KiB pages. fio's kb_base=1024 rule: KiB = 1000, k = 1024.
+@pytest.mark.parametrize("argv, io_bytes, note", [
+    (["--size=64KiB", "--bs=32k"], 32 << 10,
+     "size=64KiB (64000 bytes: KiB = 1000^1 with kb_base=1024, as fio) rounded down to 32KiB: "
+     "1 call of 32KiB (1 page), as a job moves whole calls"),
+    (["--size=100k", "--bs=64k"], 64 << 10,
+     "size=100k (100KiB) rounded down to 64KiB: 1 call of 64KiB (2 pages), as a job moves "
+     "whole calls"),
+    (["--size=64k", "--bs=4k"], 64 << 10, "bs=4k (4KiB) is less than one page (32KiB): 1 page "
+     "per call"),
+    (["--size=64k", "--bs=32k"], 64 << 10, ""),  # nothing rounded, nothing said
+])
+def test_what_was_rounded_is_said_in_one_line(tmp_path, capsys, argv, io_bytes, note):
+    doc = run_json(capsys, SMALL + argv + ["--rw=write", f"--directory={tmp_path}"])
+    (job,) = doc["jobs"]
+    assert job["write"]["io_bytes"] == io_bytes and job["gdskv"]["note"] == note
+    assert cli.main(SMALL + argv + ["--rw=write", f"--directory={tmp_path}"]) == 0
+    notes = [x for x in capsys.readouterr().out.splitlines() if x.startswith("  note: ")]
+    assert notes == ([f"  note: {note}"] if note else [])
 
 
 def test_break_even_in_report(tmp_path, capsys):

@@ -94,7 +94,9 @@ def test_normal_report_says_where_it_wrote(tmp_path, capsys, no_gdskv_env):
     out, _ = _run(capsys, SMALL + ["--size=1M", "--rw=write", f"--directory={tmp_path}"])
     (line,) = [x for x in out.splitlines() if x.startswith("  store: ")]
     fs = cache.fs_type(str(tmp_path))
-    assert f"in {tmp_path} ({fs}; directory from command line)" in line
+    (store,) = os.listdir(tmp_path)
+    assert f"kept in {tmp_path / store} ({fs}; made under the directory from command line)" \
+        in line
     assert "capacity=" in line and "(sized to the job)" in line
     assert "4 slab files per directory, preallocated=yes" in line
 

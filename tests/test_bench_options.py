@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import sys
 
 import pytest
 
 from gdskv.bench import cli
-from gdskv.bench.options import OptionError, parse_args, read_job_file
+from gdskv.bench.options import OptionError, fio_size, parse_args, read_job_file
 from gdskv.bench.placement import SetupError
 from gdskv.bench.runner import resolve
 from gdskv.memory import cuda_available
@@ -62,6 +63,17 @@ def test_sizes_follow_fio_units_and_kb_base(kb_base, unit, nbytes):
     argv = [f"--size=400{unit}"] + ([f"--kb_base={kb_base}"] if kb_base != 1024 else [])
     assert parse_args(argv).jobs[0].size == nbytes
     assert parse_args(["--size=1G"]).jobs[0].size == 1 << 30
+
+
+def test_help_states_the_units_the_parser_uses():
+    """--help once said KB/MB/GB = 1000^n while --size=64MB read as 64 MiB (fio's rule)."""
+    text = " ".join(cli.build_parser().format_help().split())
+    claims = re.findall(r"([A-Za-z/]+) = (1024|1000)\^n", text)
+    said = {unit: int(base) for units, base in claims for unit in units.split("/")}
+    assert {"k", "KB", "MB", "GB", "KiB", "MiB", "GiB"} <= set(said), claims
+    powers = {"k": 1, "m": 2, "g": 3}
+    for unit, base in said.items():
+        assert fio_size("1" + unit) == base ** powers[unit[0].lower()], unit
 
 
 def test_kb_base_in_a_job_file_applies_to_its_sizes(tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -52,7 +53,12 @@ def test_info(store, capsys):
                                                                         "slab-001.bin"]
     assert out["journal_bytes"] == os.path.getsize(store / JOURNAL) and out["writer_pid"] is None
     status, text, _ = gdskv(capsys, "info", store)
-    assert status == 0 and "pages: 20" in text
+    assert status == 0 and f"pages:       20 stored ({20 * PAGE // 1024} KiB) of 64 slots" in text
+    # lines a person reads: no Python reprs (a dict, None, True) as info once printed
+    assert not re.search(r"[{}]|\bNone\b|\bTrue\b|\bFalse\b", text), text
+    assert f"layout:      model_name={LAYOUT.model_name}, " in text and ", mla=no" in text
+    assert "writer:      no process on this host holds the store's lock" in text
+    assert f"store:       {store}\n" in text and f"  {store / 'slab-000.bin'}  " in text
 
 
 def test_ls(store, capsys):
@@ -64,6 +70,8 @@ def test_ls(store, capsys):
 
 
 def test_verify_finds_and_repairs_bad_pages(store, capsys):
+    status, text, _ = gdskv(capsys, "verify", store)
+    assert status == 0 and text == "checked 20 pages: all good\n"  # no empty "bad:" line
     with Tier(LAYOUT, small_config(store), device="cpu") as tier:
         where = {k: slot_location(tier, k) for k in ("k3", "k11")}
     for path, off in where.values():
@@ -76,6 +84,12 @@ def test_verify_finds_and_repairs_bad_pages(store, capsys):
     assert status == 1 and out["checked"] == 20
     assert sorted(b["key"] for b in out["bad"]) == ["k11", "k3"]
     assert {b["why"] for b in out["bad"]} == {"checksum mismatch"} and out["dropped"] == 0
+    status, text, _ = gdskv(capsys, "verify", store)
+    lines = text.splitlines()
+    assert status == 1 and lines[0] == "checked 20 pages: 2 bad"
+    assert sorted(x.split(",")[0] for x in lines[1:3]) == ["  key=k11", "  key=k3"]
+    assert all(x.endswith(": checksum mismatch") for x in lines[1:3])
+    assert lines[3:] == ["gdskv verify --repair drops them"]
     status, out, _ = gdskv(capsys, "verify", store, "--sample", 5, "--json")
     assert out["checked"] == 5 and status == (1 if out["bad"] else 0)
     status, out, _ = gdskv(capsys, "verify", store, "--repair", "--json")

@@ -1,11 +1,13 @@
 """The package as users get it: ``python -m build`` makes a wheel and an sdist that pass
 ``twine check``, carry the Apache-2.0 LICENSE that pyproject declares, ship only the library and
-``gdskv-bench``; and the built wheel, installed into a fresh venv (not this editable tree), runs
-the README's main command."""
+``gdskv-bench``; the built wheel, installed into a fresh venv (not this editable tree), runs
+the README's main command; and integrations/light_mem builds and installs beside it. These are
+the install forms the docs may give (tests/test_install_lines.py holds them to it)."""
 
 from __future__ import annotations
 
 import glob
+import json
 import os
 import re
 import shutil
@@ -17,9 +19,11 @@ import zipfile
 
 import pytest
 
+from test_install_lines import built_wheel_name
+
 # the test extra brings both; a machine without them (the GPU machine) skips with the reason
-pytest.importorskip("build", reason="needs the build package (pip install gdskv[test])")
-pytest.importorskip("twine", reason="needs twine (pip install gdskv[test])")
+pytest.importorskip("build", reason="needs the build package (pip install -e '.[test]')")
+pytest.importorskip("twine", reason="needs twine (pip install -e '.[test]')")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IGNORE = shutil.ignore_patterns(".git", ".venv*", "build", "*.egg-info", "__pycache__",
@@ -98,13 +102,15 @@ def _main_command_args() -> str:
     return cmd.split(".venv/bin/gdskv-bench", 1)[1]
 
 
-def test_built_wheel_in_a_fresh_venv_runs_the_readme_main_command(dist, tmp_path):
+def _fresh_venv(tmp_path, wheels: list[str]) -> tuple[str, str, dict]:
+    """A new venv with these wheels installed (no index): its directory, its site-packages and
+    an environment to run it in."""
     pytest.importorskip("ensurepip", reason="python3 -m venv needs ensurepip (python3-venv)")
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
     py = venv / "bin" / "python"
     proc = subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-index", "--no-deps",
-                           _one(dist, "*.whl")], capture_output=True, text=True, timeout=300)
+                           *wheels], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     # torch and the other dependencies come from this test venv (a second 2 GB torch install
     # would only test pip); its editable gdskv stays invisible: a plain path in a .pth file
@@ -117,7 +123,17 @@ def test_built_wheel_in_a_fresh_venv_runs_the_readme_main_command(dist, tmp_path
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("GDSKV_") and k != "PYTHONPATH"}
     env["TMPDIR"] = str(tmp_path)
-    where = subprocess.run([str(py), "-c", "import gdskv, gdskv.kernels, gdskv.bench.cli; "
+    return str(venv), site, env
+
+
+def test_the_wheel_is_named_as_the_docs_install_it(dist):
+    assert os.path.basename(_one(dist, "*.whl")) == built_wheel_name()
+
+
+def test_built_wheel_in_a_fresh_venv_runs_the_readme_main_command(dist, tmp_path):
+    venv, site, env = _fresh_venv(tmp_path, [_one(dist, "*.whl")])
+    py = f"{venv}/bin/python"
+    where = subprocess.run([py, "-c", "import gdskv, gdskv.kernels, gdskv.bench.cli; "
                             "print(gdskv.__file__); print(gdskv.kernels.__file__)"],
                            capture_output=True, text=True, env=env, cwd=tmp_path, check=True)
     assert all(p.startswith(site) for p in where.stdout.split()), where.stdout
@@ -126,4 +142,30 @@ def test_built_wheel_in_a_fresh_venv_runs_the_readme_main_command(dist, tmp_path
                          cwd=tmp_path, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "verify: OK" in run.stdout and "err= 0" in run.stdout
-    assert "store: in " + str(tmp_path) in run.stdout
+    # the store is kept (fio's unlink=0) and named exactly: gdskv info reads it
+    (store,) = re.findall(r"store: kept in (\S+) \(", run.stdout)
+    assert os.path.dirname(os.path.dirname(store)) == str(tmp_path), store
+    info = subprocess.run([f"{venv}/bin/gdskv", "info", store, "--json"], capture_output=True,
+                          text=True, env=env, cwd=tmp_path, timeout=300)
+    assert info.returncode == 0, info.stderr
+    assert json.loads(info.stdout)["pages"] == 128  # 256 MiB of 2 MiB pages
+
+
+def test_light_mem_folder_builds_and_installs_beside_the_wheel(dist, tmp_path):
+    """The docs' ``pip install /path/to/gdskv/integrations/light_mem``: pip builds the folder
+    into a wheel, as here, and installs it; beside gdskv's wheel, ``light_mem`` imports."""
+    src = tmp_path / "light_mem_src"
+    shutil.copytree(os.path.join(ROOT, "integrations", "light_mem"), src, ignore=IGNORE)
+    out = tmp_path / "light_mem_dist"
+    proc = subprocess.run([sys.executable, "-m", "build", "--no-isolation", "--wheel",
+                           "--outdir", str(out), str(src)], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    venv, site, env = _fresh_venv(tmp_path, [_one(dist, "*.whl"), _one(str(out), "*.whl")])
+    where = subprocess.run([f"{venv}/bin/python", "-c", "import light_mem, gdskv; "
+                            "print(light_mem.__file__); print(gdskv.__file__); "
+                            "print(light_mem.PyLocalCacheService.__name__)"],
+                           capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert where.returncode == 0, where.stderr
+    *paths, name = where.stdout.split()
+    assert all(p.startswith(site) for p in paths) and name == "PyLocalCacheService", where.stdout

@@ -62,6 +62,19 @@ def test_from_env_reads_every_kind():
     assert TierConfig.from_env(env, io_threads=2).io_threads == 2  # overrides win
 
 
+def test_a_misspelt_field_gets_the_did_you_mean_of_a_misspelt_variable():
+    for make in (lambda: TierConfig(capacty="1GiB"), lambda: TierConfig().replace(capacty=1),
+                 lambda: TierConfig.from_env({}, capacty="1GiB")):
+        with pytest.raises(TypeError, match=r"unknown field capacty=.* \(did you mean "
+                                            r"capacity\?\); known: directories, capacity, "):
+            make()
+    with pytest.raises(ConfigError, match="did you mean io_threads"):  # what the CLIs catch
+        TierConfig(io_thread=4)
+    with pytest.raises(ConfigError, match=r"unknown field zzz=1; known: "):  # nothing close
+        TierConfig(zzz=1)
+    assert TierConfig(capacity="1GiB").capacity == 1 << 30  # a real field goes through
+
+
 @pytest.mark.parametrize("var, value, match", [
     ("GDSKV_CAPACITTY", "1G", "unknown environment variable GDSKV_CAPACITTY"),
     ("GDSKV_CAPACITY", "lots", "GDSKV_CAPACITY='lots'"),

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import ast
 import os
+import shutil
 import subprocess
 import sys
+
+import pytest
 
 import gdskv
 import gdskv.kernels
@@ -53,3 +56,17 @@ def test_nothing_imports_the_top_level_name_kernels():
                 if name.endswith(".py") and "kernels" in _imports_of(path):
                     offenders.append(os.path.relpath(path, ROOT))
     assert offenders == []
+
+
+@pytest.mark.parametrize("path", [
+    "dist/gdskv-0.1.0-py3-none-any.whl", "dist/gdskv-0.1.0.tar.gz", "build/lib/gdskv/tier.py",
+    "gdskv.egg-info/PKG-INFO", ".eggs/setuptools.egg",
+    "gdskv/_native.cpython-312-x86_64-linux-gnu.so",
+    "integrations/light_mem/dist/x.whl", "wheels/x.whl"])
+def test_build_outputs_are_ignored_by_git(path):
+    """``python -m build`` (the README's wheel line) leaves dist/ and build/ in the clone."""
+    if not os.path.exists(os.path.join(ROOT, ".git")) or shutil.which("git") is None:
+        pytest.skip("not a git checkout with git at hand (an unpacked sdist?): .gitignore "
+                    "does not apply")
+    proc = subprocess.run(["git", "check-ignore", "--no-index", "-q", path], cwd=ROOT)
+    assert proc.returncode == 0, f"{path} is not ignored by .gitignore"

@@ -27,7 +27,7 @@ for label in $PLACES; do
     echo "== $label $name (bs=$BS iodepth=$IODEPTH)"
     $PY -m gdskv.bench.cli --name="$name" --model="$model" --page-tokens="$pages" --size="$SIZE" \
       --bs="$BS" --iodepth="$IODEPTH" --rw=write --verify=crc32c --drop_caches --mem=gpu \
-      --directory="$dir" --backend=kvikio --compare --output-format=json --output="$OUT/$label/$name.json" \
+      --directory="$dir" --unlink=1 --backend=kvikio --compare --output-format=json --output="$OUT/$label/$name.json" \
       || echo "  failed (its error is above)"
   done
   rm -rf "$dir"/gdskv-bench-* 2>/dev/null

@@ -96,7 +96,7 @@ if [ -n "$SWEEP_BS" ]; then
   echo "== sweep bs=$SWEEP_BS on $SWEEP_PLACE (llama3-8b, 16-token pages; gdskv vs raw, and" \
        "hicachefile when sglang imports; default backend)"
   $BENCH --name=sweep --model=llama3-8b --page-tokens=16 --size="$SWEEP_SIZE" --rw=write \
-    --verify=crc32c --drop_caches --mem="$MEM" --directory="$sweep_dir" --compare --sweep=bs="$SWEEP_BS" \
+    --verify=crc32c --drop_caches --mem="$MEM" --directory="$sweep_dir" --unlink=1 --compare --sweep=bs="$SWEEP_BS" \
     --sweep-dir="$OUT/sweep" --output-format=normal > "$OUT/sweep/sweep.txt" 2>&1 \
     || echo "sweep: exit $? (see $OUT/sweep/sweep.txt)"
   tail -n 12 "$OUT/sweep/sweep.txt" 2>/dev/null
