@@ -482,11 +482,52 @@ def test_storage_metrics(tmp_path):
     s.close()
 
 
-def test_unsupported_pool_layout_fails_at_attach(tmp_path):
-    pool = build_pool(False, "page_first")
-    pool.layout = "page_head"
-    with pytest.raises(ValueError, match="page_head"):
-        attach(storage_config(tmp_path), pool)
+# -- issue 48: a host pool gdskv does not move in place goes through SGLang's page calls -------
+def test_pool_not_moved_in_place_goes_through_sglangs_page_calls(tmp_path, caplog):
+    """A KV host pool gdskv has no in-place path for (here SGLang's page_head layout; a new
+    SGLang pool class alike) used to be refused at attach. Its pages now go through SGLang's
+    generic page calls, in the v1 calls and the per-page calls alike (the same bytes), and
+    come back after a restart."""
+    src = build_pool(False, "page_head")
+    fill_random(src, seed=31)
+    hashes = page_hashes(10, seed=32)
+    idx = host_indices_for(list(range(10)))
+    with caplog.at_level(logging.WARNING, logger="gdskv.sglang"):
+        s = attach(storage_config(tmp_path), src)
+    try:
+        assert any("layout 'page_head'" in r.message and "generic page calls" in r.message
+                   for r in caplog.records)
+        assert s.kv_layout is None and os.path.isdir(tmp_path / "l3" / "org-tiny-llama" / "kv")
+        assert controller_backup(s, hashes[:5], idx[:5 * PAGE]) == 5
+        assert s.batch_set(hashes[5:], [src.get_data_page(p * PAGE) for p in range(5, 10)])
+    finally:
+        s.close()
+    dst = build_pool(False, "page_head")
+    s = attach(storage_config(tmp_path), dst)  # a restart
+    try:
+        assert controller_hit_query(s, hashes) == 10
+        assert controller_prefetch(s, hashes, idx) == 10
+        got = s.batch_get(hashes[:5], [dst.get_dummy_flat_data_page() for _ in range(5)])
+        for p in range(10):
+            assert torch.equal(page_bytes(dst, p), page_bytes(src, p))
+            if p < 5:
+                assert torch.equal(got[p].view(torch.uint8), page_bytes(src, p))
+    finally:
+        s.close()
+
+
+def test_pool_with_no_page_calls_fails_at_attach(tmp_path):
+    """A pool neither moved in place nor handed over by SGLang's page calls stops SGLang at
+    start-up, naming both reasons, rather than failing every call later."""
+    class NoPages:
+        layout, page_size, size = "page_head", PAGE, 64
+    with pytest.raises(ValueError, match=r"NoPages has layout 'page_head' .* and SGLang's "
+                       r"generic page calls do not take it either: .*get_dummy_flat_data_page"):
+        attach(storage_config(tmp_path), NoPages())
+    # SGLang's page_unified layout: a dummy page, but no get_data_page for it
+    with pytest.raises(ValueError, match=r"layout 'page_unified' .* do not take it either: "
+                       r"Unsupported layout: page_unified"):
+        attach(storage_config(tmp_path), build_pool(False, "page_unified"))
     assert os.path.isdir(tmp_path / "l3")
 
 

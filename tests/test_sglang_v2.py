@@ -912,11 +912,13 @@ def test_sidecar_store_sizes(tmp_path):
 def test_registration_refusals(tmp_path):
     kv = kv_host()
     b = StorageBackendFactory.create_backend("dynamic", storage_config(tmp_path), kv)
-    with pytest.raises(RuntimeError, match="register_mem_pool_host"):
-        b.register_mem_host_pool_v2(mamba_host(), PoolName.MAMBA)
-    b.register_mem_pool_host(kv)
+    # a sidecar pool before the KV pool (issue 48: it was refused): a store of its own, its
+    # capacity the KV capacity (no KV host pool to scale it by yet)
+    b.register_mem_host_pool_v2(mamba_host(), PoolName.MAMBA)
     try:
-        b.register_mem_host_pool_v2(mamba_host(), PoolName.MAMBA)
+        m = b.sidecars["mamba"]
+        assert not m.in_kv_page and m.store.tier.config.capacity == b.config.capacity
+        b.register_mem_pool_host(kv)
         with pytest.raises(ValueError, match="already registered"):
             b.register_mem_host_pool_v2(mamba_host(), PoolName.MAMBA)
 
@@ -924,6 +926,10 @@ def test_registration_refusals(tmp_path):
             page_size = 1
         with pytest.raises(ValueError, match="get_dummy_flat_data_page.*SGLang cannot hand"):
             b.register_mem_host_pool_v2(NoPages(), PoolName.SWA)
+        # the KV store is open for the first KV pool: a second one would be served by it
+        b.on_host_pools_registered()
+        with pytest.raises(RuntimeError, match="KV store is open already"):
+            b.register_mem_pool_host(kv_host(layout="page_first"))
     finally:
         b.close()
     with pytest.raises(ConfigError, match="pool_capacity"):
@@ -932,6 +938,41 @@ def test_registration_refusals(tmp_path):
         GdskvHiCacheStorage(storage_config(tmp_path, pool_capacity={"mamba": "lots"}), {})
     with pytest.raises(ConfigError, match="sidecar_in_kv_page"):
         GdskvHiCacheStorage(storage_config(tmp_path, sidecar_in_kv_page="sometimes"), {})
+
+
+def test_kv_transfers_of_the_v2_calls_reach_the_kv_store(tmp_path):
+    """issue 48: a KV transfer sent through batch_set_v2 / batch_get_v2 (as SGLang's own unit
+    tests send one) used to be "never registered" and stored nothing; it is the KV store's,
+    moved in place as the v1 calls move it, and MLA ranks that do not write report success."""
+    kv, dst = kv_host(), kv_host()
+    fill_random(kv, seed=41)
+    keys = page_hashes(6, seed=42)
+    b = attach(storage_config(tmp_path), kv, {})
+    try:
+        idx = slots(kv, list(range(6)))
+        assert b.batch_set_v2([PoolTransfer(name=PoolName.KV, keys=keys, host_indices=idx)]) \
+            == {PoolName.KV: [True] * 6}
+        assert b.batch_exists(keys) == 6 and b.batch_exists_v2(keys).kv_hit_pages == 6
+        assert b.batch_get_v1(keys, idx) == [True] * 6  # the store the v1 calls read
+    finally:
+        b.close()
+    b = attach(storage_config(tmp_path), dst, {})
+    try:
+        got = b.batch_get_v2([PoolTransfer(name=PoolName.KV, keys=keys,
+                                           host_indices=slots(dst, list(range(6))))])
+        assert got == {PoolName.KV: [True] * 6}
+        for p in range(6):
+            assert torch.equal(page_of(dst, p * PAGE), page_of(kv, p * PAGE))
+    finally:
+        b.close()
+    (tmp_path / "mla").mkdir()
+    reader = attach(storage_config(tmp_path / "mla", mla=True, tp_rank=1, tp_size=2),
+                    kv_host(mla=True), {})
+    try:
+        assert reader.batch_set_v2([PoolTransfer(name=PoolName.KV, keys=keys,
+                                                 host_indices=idx)]) == {PoolName.KV: [True] * 6}
+    finally:
+        reader.close()
 
 
 def test_bad_transfers_are_misses_never_exceptions(tmp_path, caplog):

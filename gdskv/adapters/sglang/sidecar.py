@@ -28,6 +28,7 @@ remembers what the KV read brought in, for the rider's ``batch_get_v2`` that fol
 from __future__ import annotations
 
 import bisect
+import numbers
 import threading
 from collections.abc import Sequence
 from typing import Optional
@@ -102,15 +103,28 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
+def _plain(host_pool, attr: str, kind: type, default):
+    """``host_pool.attr`` where it is a plain integer (``kind`` int) or string, else
+    ``default``: a pool class need not have it, and a stand-in's may be anything."""
+    value = getattr(host_pool, attr, default)
+    if kind is int:
+        ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, kind)
+    return kind(value) if ok else default
+
+
 class SidecarPool:
     """One registered sidecar pool: its page size, how pages move, and the byte layout of its
-    store.
+    store. Also the KV pool of a host pool class the adapter does not move in place, with
+    ``regions=False``: its pages then always go through SGLang's page calls, the bytes the
+    per-page ``get``/``set`` calls hand over.
 
     Raises ValueError at registration for a pool SGLang cannot hand over as pages (no
     ``get_dummy_flat_data_page`` / ``get_data_page`` / ``set_from_flat_data_page``, or empty
     pages)."""
 
-    def __init__(self, name, host_pool) -> None:
+    def __init__(self, name, host_pool, *, regions: bool = True) -> None:
         self.name = name
         self.host_pool = host_pool
         missing = [m for m in ("get_dummy_flat_data_page", "get_data_page",
@@ -126,10 +140,10 @@ class SidecarPool:
         if self.page_bytes < 1:
             raise ValueError(f"gdskv: host pool {name!s} ({type(host_pool).__name__}) has empty "
                              "pages")
-        self.page_size = int(getattr(host_pool, "page_size", 1) or 1)
-        self.num_slots = int(getattr(host_pool, "size", 0) or 0)  # 0: not known
-        self.host_layout = str(getattr(host_pool, "layout", "") or "-")
-        self.mode = REGIONS if self._regions_work() else FLAT
+        self.page_size = _plain(host_pool, "page_size", int, 1) or 1
+        self.num_slots = _plain(host_pool, "size", int, 0)  # 0: not known
+        self.host_layout = _plain(host_pool, "layout", str, "") or "-"
+        self.mode = REGIONS if regions and self._regions_work() else FLAT
         #: host memory the pool holds (its pages x page bytes): the basis of its disk share
         self.host_bytes = self.page_bytes * max(1, self.num_slots // self.page_size)
 
@@ -160,6 +174,17 @@ class SidecarPool:
                                  f"expected {self.page_bytes}")
             pages.append([data])
         return pages
+
+    def move(self, op: str, tier, keys: Sequence, host_indices: torch.Tensor,
+             num_pages: int) -> list[bool]:
+        """Store (``op`` "set") or load ("get") these host pages under ``keys`` through
+        ``tier``; per page, whether it moved."""
+        if op == "set":
+            return tier.put_pages(keys, self.write_pages(host_indices, num_pages))
+        targets, finish = self.read_targets(host_indices, num_pages)
+        hits = tier.get_pages(keys, targets)
+        finish(hits)
+        return hits
 
     def read_targets(self, host_indices: torch.Tensor, num_pages: int):
         """Where to read these host pages: (regions per page, ``finish(hits)``), ``finish``
@@ -239,6 +264,30 @@ class SidecarPool:
                              "pool's buffers")
         start = addr - found[0]
         return found[2][start:start + size]
+
+
+class PagesOnly:
+    """The host pool of a KV store used through the per-page calls alone (``get`` / ``set`` of
+    flat pages) with no host pool registered, as SGLang's own storage unit tests use a backend:
+    its page is the first page handed over (its dtype and size). It holds no pages, so a call
+    by host index fails (a miss / not stored)."""
+
+    def __init__(self, page: torch.Tensor) -> None:
+        self._dummy = torch.zeros(page.numel(), dtype=page.dtype)
+
+    def get_dummy_flat_data_page(self) -> torch.Tensor:
+        return self._dummy.clone()
+
+    def get_data_page(self, index, flat: bool = True) -> torch.Tensor:
+        raise self._no_pages()
+
+    def set_from_flat_data_page(self, index, data_page: torch.Tensor) -> None:
+        raise self._no_pages()
+
+    @staticmethod
+    def _no_pages() -> ValueError:
+        return ValueError("no host pool is registered (register_mem_pool_host): only the "
+                          "per-page calls with flat pages can store and load")
 
 
 # -- riders: KV-derived pools stored in the KV page ------------------------------------------------

@@ -26,6 +26,10 @@ How host-pool pages reach the tier (gdskv page format ``[kv][layer][token][row]`
 - ``page_first`` (token-major within a page) and ``layer_first``: the pool is handed to
   :meth:`Tier.put` / :meth:`Tier.get` as per-layer strided views of ``kv_buffer``; the tier's
   gather/scatter kernels do the reorder while filling or draining staging.
+- any other host pool (another layout, a pool class SGLang adds later): its pages go through
+  SGLang's generic page calls (``get_data_page(flat=True)`` / ``set_from_flat_data_page``, a
+  copy each way) into a store of byte pages under ``<directory>/<model>/kv/<shard>``; a KV
+  transfer of the v2 calls goes to the KV store like the v1 calls' pages.
 
 Sharding: each rank owns a KV store under ``<directory>/<model>/<shard>``; the shard name and the
 store fingerprint carry model, TP/PP (and CP/DP where used) ranks, and keys get SGLang's
@@ -100,6 +104,7 @@ from .rank_store import RankStore
 from .sidecar import (
     REGIONS,
     LastRead,
+    PagesOnly,
     SidecarPool,
     kv_slot_config,
     kv_slot_layout,
@@ -212,6 +217,8 @@ class GdskvHiCacheStorage(HiCacheStorage):
         self.enable_metrics = bool(sc.enable_storage_metrics)
         self.kv_layout: Optional[KVLayout] = None
         self._kv_store: Optional[RankStore] = None
+        #: the KV pool when its pages go through SGLang's generic page calls (not in place)
+        self._kv_generic: Optional[SidecarPool] = None
         self._kv_store_lock = threading.Lock()
         self._kv_host_bytes = 0
         self._last_read = LastRead()
@@ -280,19 +287,34 @@ class GdskvHiCacheStorage(HiCacheStorage):
             os.makedirs(d, mode=0o700, exist_ok=True)
 
     def register_mem_pool_host(self, mem_pool_host) -> None:
-        """Open this rank's store for the host pool's KV geometry (SGLang calls this once,
-        right after construction). Unsupported pools raise here, at start-up."""
+        """Open this rank's store for the host pool's KV (SGLang calls this once, right after
+        construction). A pool gdskv moves in place (:meth:`_kv_in_place`) has its pages moved
+        as views of its ``kv_buffer``; any other pool's pages go through SGLang's generic page
+        calls (``get_data_page`` / ``set_from_flat_data_page``), a copy each way. A pool that
+        offers neither raises here, at start-up."""
         super().register_mem_pool_host(mem_pool_host)
+        if self._kv_store is not None:
+            raise RuntimeError("gdskv: the KV store is open already (for pages of "
+                               f"{self._kv_store.layout.page_bytes} B): register_mem_pool_host "
+                               "comes before any data call")
+        why_not = self._kv_in_place(mem_pool_host)
+        if why_not is not None:
+            self._kv_through_page_calls(mem_pool_host, why_not)
+        if not self._riders_possible():
+            self._open_kv_store()
+        # else the store opens at on_host_pools_registered (or first use), once the pools
+        # that ride in its pages are known
+
+    def _kv_in_place(self, mem_pool_host) -> Optional[str]:
+        """Take ``mem_pool_host`` as a KV pool whose pages move in place (SGLang's MHA and MLA
+        token pools in a layout of ``_LAYOUTS``), or say why it is not one (nothing is set
+        then). Raises where the pool contradicts the storage config."""
         layout_name = getattr(mem_pool_host, "layout", None)
         if layout_name not in _LAYOUTS:
-            raise ValueError(f"gdskv: host pool layout {layout_name!r} is not supported; use "
-                             f"--hicache-mem-layout {' or '.join(_LAYOUTS)}")
-        self.layout_name = layout_name
-        self.page_size = int(mem_pool_host.page_size)
-        buf = mem_pool_host.kv_buffer
+            return f"has layout {layout_name!r} (in place: {', '.join(_LAYOUTS)})"
+        buf = getattr(mem_pool_host, "kv_buffer", None)
         if not isinstance(buf, torch.Tensor):
-            raise TypeError(f"gdskv: host pool kv_buffer must be one tensor, got "
-                            f"{type(buf).__name__}")
+            return f"has a kv_buffer of {type(buf).__name__}, not one tensor"
         if buf.dtype in _BYTE_DTYPES:
             buf = buf.view(torch.float8_e4m3fn)
         pool_is_mla = hasattr(mem_pool_host, "kv_cache_dim")
@@ -300,20 +322,27 @@ class GdskvHiCacheStorage(HiCacheStorage):
             raise ValueError(f"gdskv: storage_config.is_mla_model={self.is_mla} but the host "
                              f"pool is {type(mem_pool_host).__name__}")
         sc = self.storage_config
-        if self.is_mla:
-            heads, head_dim = 1, int(mem_pool_host.kv_cache_dim)
-            # One leading K/V axis of size 1, so both pool kinds index the same way below.
-            buf = buf.unsqueeze(0)
-        else:
-            heads, head_dim = int(mem_pool_host.head_num), int(mem_pool_host.head_dim)
-            v_dim = int(getattr(mem_pool_host, "v_head_dim", head_dim))
-            if v_dim != head_dim:
-                raise ValueError(f"gdskv: K and V head dims differ ({head_dim} vs {v_dim})")
-        self.kv_layout = KVLayout(
-            num_layers=int(mem_pool_host.layer_num), page_size=self.page_size, head_dim=head_dim,
-            kv_heads=heads, dtype=buf.dtype, mla=self.is_mla, model_name=self.model_name,
-            tp_rank=0 if self.is_mla else sc.tp_rank, tp_size=1 if self.is_mla else sc.tp_size,
-            pp_rank=sc.pp_rank, pp_size=sc.pp_size)
+        try:
+            page_size = int(mem_pool_host.page_size)
+            if self.is_mla:
+                heads, head_dim = 1, int(mem_pool_host.kv_cache_dim)
+                # One leading K/V axis of size 1, so both pool kinds index the same way below.
+                buf = buf.unsqueeze(0)
+            else:
+                heads, head_dim = int(mem_pool_host.head_num), int(mem_pool_host.head_dim)
+                v_dim = int(getattr(mem_pool_host, "v_head_dim", head_dim))
+                if v_dim != head_dim:
+                    return f"has K and V head dims that differ ({head_dim} vs {v_dim})"
+            kv_layout = KVLayout(
+                num_layers=int(mem_pool_host.layer_num), page_size=page_size, head_dim=head_dim,
+                kv_heads=heads, dtype=buf.dtype, mla=self.is_mla, model_name=self.model_name,
+                tp_rank=0 if self.is_mla else sc.tp_rank,
+                tp_size=1 if self.is_mla else sc.tp_size, pp_rank=sc.pp_rank, pp_size=sc.pp_size)
+        except (AttributeError, TypeError, ValueError) as exc:
+            return f"has no KV geometry gdskv's page format takes ({exc})"
+        self.layout_name = layout_name
+        self.page_size = page_size
+        self.kv_layout = kv_layout
         self._kv = buf  # [kv, ...layout dims...] in the layout's dtype
         if layout_name == "page_first_direct":
             self._pool_views = None  # pages are addressed whole, see _page_regions
@@ -321,12 +350,31 @@ class GdskvHiCacheStorage(HiCacheStorage):
             self._pool_views = self._as_pool(buf.transpose(1, 2))
         else:  # layer_first: [kv, layers, tokens, heads, dim]
             self._pool_views = self._as_pool(buf)
-        self._kv_host_bytes = self.kv_layout.page_bytes * max(
-            1, int(getattr(mem_pool_host, "size", 0) or 0) // self.page_size)
-        if not self._riders_possible():
-            self._open_kv_store()
-        # else the store opens at on_host_pools_registered (or first use), once the pools
-        # that ride in its pages are known
+        self._kv_host_bytes = kv_layout.page_bytes * max(
+            1, int(getattr(mem_pool_host, "size", 0) or 0) // page_size)
+        return None
+
+    def _kv_through_page_calls(self, mem_pool_host, why_not: str) -> None:
+        """The KV pool's pages through SGLang's generic page calls: ``get_data_page(flat=True)``
+        to store, ``set_from_flat_data_page`` to load, by host index and in the per-page calls
+        alike (the same bytes), in a store of byte pages under ``<model>/kv/<shard>``."""
+        what = f"{type(mem_pool_host).__name__} {why_not}"
+        try:
+            pool = SidecarPool(PoolName.KV, mem_pool_host, regions=False)
+            # a layout SGLang has no page calls for fails here rather than on every call
+            page = mem_pool_host.get_data_page(0, flat=True)
+            if page.numel() * page.element_size() != pool.page_bytes:
+                raise ValueError(f"get_data_page gives {page.numel() * page.element_size()} B, "
+                                 f"get_dummy_flat_data_page {pool.page_bytes} B")
+        except Exception as exc:  # noqa: BLE001 - any pool class: one clear start-up error
+            raise ValueError(f"gdskv: the KV host pool {what}, and SGLang's generic page calls "
+                             f"do not take it either: {exc}") from exc
+        self._kv_generic = pool
+        self.page_size = self._kv_generic.page_size
+        self._kv_host_bytes = self._kv_generic.host_bytes
+        log.warning("gdskv: the KV host pool %s: its pages go through SGLang's generic page "
+                    "calls (get_data_page / set_from_flat_data_page), a copy each way, rather "
+                    "than in place", what)
 
     def _riders_possible(self) -> bool:
         """Whether KV-derived pools may still join the KV page: the option is on, the KV store
@@ -337,16 +385,22 @@ class GdskvHiCacheStorage(HiCacheStorage):
 
     def _open_kv_store(self) -> Optional[RankStore]:
         """This rank's KV store, opened on first need after register_mem_pool_host: a plain KV
-        store, or one whose pages carry the riders (:func:`.sidecar.kv_slot_layout`) in a
-        directory of its own (``<model>/kv+<riders>/<shard>``)."""
-        if self._kv_store is not None or self.kv_layout is None:
+        store, one whose pages carry the riders (:func:`.sidecar.kv_slot_layout`) in a
+        directory of its own (``<model>/kv+<riders>/<shard>``), or, for a pool whose pages go
+        through SGLang's page calls, a store of byte pages (``<model>/kv/<shard>``)."""
+        if self._kv_store is not None or (self.kv_layout is None and self._kv_generic is None):
             return self._kv_store
         with self._kv_store_lock:
             if self._kv_store is None:
                 riders = self._kv_page_riders
-                what = f"{self.layout_name} {'MLA' if self.is_mla else 'MHA'} KV"
-                if riders:
+                if self._kv_generic is not None:
+                    what = f"KV {self._kv_generic.describe()}"
+                    layout = self._pool_layout(self._kv_generic, replicated=self.is_mla)
+                    config = self.config.replace(directories=self._store_dirs("kv",
+                                                                              self.shard_dir))
+                elif riders:
                     names = "+".join(safe_name(_pool_name(side.pool.name)) for side in riders)
+                    what = f"{self.layout_name} {'MLA' if self.is_mla else 'MHA'} KV + {names}"
                     layout = kv_slot_layout(self.kv_layout, self.layout_name,
                                             [(side.pool.describe(), side.pool.page_bytes)
                                              for side in riders])
@@ -354,8 +408,8 @@ class GdskvHiCacheStorage(HiCacheStorage):
                                             [side.pool.page_bytes for side in riders],
                                             directories=self._store_dirs(f"kv+{names}",
                                                                          self.shard_dir))
-                    what += f" + {names}"
                 else:
+                    what = f"{self.layout_name} {'MLA' if self.is_mla else 'MHA'} KV"
                     layout = self.kv_layout
                     config = self.config.replace(directories=self._store_dirs(self.shard_dir))
                 # On an MLA rank that does not write, nothing is written from here: the writer
@@ -367,6 +421,14 @@ class GdskvHiCacheStorage(HiCacheStorage):
                     side.store = store
                 self._kv_store = store
         return self._kv_store
+
+    def _pool_layout(self, pool: SidecarPool, *, replicated: bool):
+        """The byte-page layout of ``pool``'s store, sharded like a pool that is the same on
+        every TP rank (``replicated``) or split by TP rank."""
+        sc = self.storage_config
+        return pool.layout(model_name=self.model_name, tp_rank=0 if replicated else sc.tp_rank,
+                           tp_size=1 if replicated else sc.tp_size, pp_rank=sc.pp_rank,
+                           pp_size=sc.pp_size)
 
     def _as_pool(self, kv_layer_first: torch.Tensor):
         """(k, v) or the MLA tensor as the tier's KVPool takes it: [layers, tokens, heads, dim]."""
@@ -389,7 +451,10 @@ class GdskvHiCacheStorage(HiCacheStorage):
 
     def _flat_page_view(self, flat: torch.Tensor) -> torch.Tensor:
         """A flat page as SGLang's get_data_page(flat=True) gives it, viewed in page format
-        ``[kv][layer][token][row]`` (a strided view for page_first)."""
+        ``[kv][layer][token][row]`` (a strided view for page_first); the page's bytes as they
+        are where pages go through SGLang's page calls."""
+        if self.kv_layout is None:
+            return flat.view(-1).view(torch.uint8)
         lay = self.kv_layout
         t = flat.view(torch.uint8)
         if self.layout_name == "page_first":  # flat order: [kv][token][layer][row]
@@ -415,13 +480,16 @@ class GdskvHiCacheStorage(HiCacheStorage):
     def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor,
                      extra_info=None) -> List[bool]:
         """Write host-pool pages at ``host_indices``; per-page success."""
-        if self.is_mla and not self.is_writer:
-            return [True] * len(keys)  # the writer rank stores this (identical) MLA page
         return self._transfer("set", keys, host_indices)
 
-    def _transfer(self, op: str, keys: List[str], host_indices: torch.Tensor) -> List[bool]:
-        """One v1 batch through the tier; any failure is a miss / not stored, never raised."""
+    def _transfer(self, op: str, keys: List[str], host_indices: torch.Tensor,
+                  call: str = "") -> List[bool]:
+        """One batch of KV pages by host index through the tier (``batch_get_v1`` /
+        ``batch_set_v1``, or a KV transfer of the v2 calls, named ``call``); any failure is a
+        miss / not stored, never raised."""
         n = len(keys)
+        if op == "set" and self.is_mla and not self.is_writer:
+            return [True] * n  # the writer rank stores this (identical) MLA page
         try:
             tier = self._kv_tier()
             if tier is None:
@@ -431,7 +499,9 @@ class GdskvHiCacheStorage(HiCacheStorage):
             riders = self._kv_page_riders
             if riders and op == "get":
                 self._last_read.forget()
-            if riders and op == "set":
+            if self._kv_generic is not None:  # a pool not moved in place: SGLang's page calls
+                res = self._kv_generic.move(op, tier, skeys, host_indices, n)
+            elif riders and op == "set":
                 # A KV page carrying riders is written whole by a rider's batch_set_v2, which
                 # SGLang's hybrid controller sends first with these keys and host indices; a KV
                 # page written alone would carry whatever bytes the riders' slots held.
@@ -449,7 +519,8 @@ class GdskvHiCacheStorage(HiCacheStorage):
                              self._kv_store.layout.page_bytes, time.perf_counter() - t0)
             return [bool(r) for r in res]
         except Exception as exc:  # noqa: BLE001 - the data path never raises
-            self._log_once(op, "batch_%s_v1 of %d pages failed, reported as %s: %r", op, n,
+            call = call or f"batch_{op}_v1"
+            self._log_once(call, "%s of %d KV pages failed, reported as %s: %r", call, n,
                            "misses" if op == "get" else "not stored", exc)
             return [False] * n
 
@@ -501,7 +572,7 @@ class GdskvHiCacheStorage(HiCacheStorage):
                   target_sizes: Optional[Any] = None) -> List[torch.Tensor | None]:
         n = len(keys)
         try:
-            tier = self._kv_tier()
+            tier = self._flat_pages_tier(target_locations)
             if target_locations is None or tier is None or self._generic_refused():
                 return [None] * n
             views = [self._flat_page_view(t) for t in target_locations]
@@ -517,6 +588,19 @@ class GdskvHiCacheStorage(HiCacheStorage):
         except Exception as exc:  # noqa: BLE001
             self._log_once("get", "batch_get of %d pages failed, reported as misses: %r", n, exc)
             return [None] * n
+
+    def _flat_pages_tier(self, pages) -> Optional[Tier]:
+        """The KV tier for the per-page calls. With no host pool registered (SGLang's own
+        storage unit tests use a backend so) the KV store opens for pages of the first page's
+        size (:class:`.sidecar.PagesOnly`)."""
+        if pages and self.kv_layout is None and self._kv_generic is None:
+            with self._kv_store_lock:
+                if self.kv_layout is None and self._kv_generic is None:
+                    self._kv_generic = SidecarPool(PoolName.KV, PagesOnly(pages[0]),
+                                                   regions=False)
+                    log.info("gdskv: no host pool registered: the KV store takes the per-page "
+                             "calls' pages of %d B", self._kv_generic.page_bytes)
+        return self._kv_tier()
 
     def _generic_refused(self) -> bool:
         """The per-page calls move KV pages alone, which a KV store whose pages carry riders
@@ -543,7 +627,7 @@ class GdskvHiCacheStorage(HiCacheStorage):
         if self.is_mla and not self.is_writer:
             return True
         try:
-            tier = self.tier
+            tier = self._flat_pages_tier(values)
             if tier is None or values is None or self._generic_refused():
                 return False
             pages = [[self._flat_page_view(v).contiguous().view(-1)] for v in values]
@@ -556,15 +640,15 @@ class GdskvHiCacheStorage(HiCacheStorage):
     # -- hybrid models: SGLang's v2 interface (sidecar pools) ----------------------------------
     def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
         """Open this rank's store for one sidecar pool. The KV pool, which SGLang also
-        registers here under ``kv``, has its store from :meth:`register_mem_pool_host`. A pool
-        that cannot be stored raises here: at start-up, or when SGLang adds a sidecar later."""
+        registers here under ``kv``, has its store from :meth:`register_mem_pool_host` (which
+        this calls where the KV pool is registered here only). A pool that cannot be stored
+        raises here: at start-up, or when SGLang adds a sidecar later."""
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
         name = _pool_name(host_pool_name)
         if name == _pool_name(PoolName.KV):
+            if self.kv_layout is None and self._kv_generic is None:
+                self.register_mem_pool_host(host_pool)
             return
-        if self.kv_layout is None:
-            raise RuntimeError("gdskv: register_mem_pool_host (the KV pool) must come before "
-                               f"sidecar pool {name!r}")
         if name in self.sidecars:
             raise ValueError(f"gdskv: sidecar pool {name!r} is already registered")
         pool = SidecarPool(host_pool_name, host_pool)
@@ -579,15 +663,12 @@ class GdskvHiCacheStorage(HiCacheStorage):
             self.sidecars[name] = _Sidecar(pool, None, self.key_suffix, in_kv_page=True)
             return
         shard_dir, suffix = self._shard_names(replicated=replicated)
-        sc = self.storage_config
-        layout = pool.layout(model_name=self.model_name,
-                             tp_rank=0 if replicated else sc.tp_rank,
-                             tp_size=1 if replicated else sc.tp_size,
-                             pp_rank=sc.pp_rank, pp_size=sc.pp_size)
+        layout = self._pool_layout(pool, replicated=replicated)
         config = store_config(self.config, layout,
                               directories=self._store_dirs(safe_name(name), shard_dir),
                               kv_capacity=self.config.capacity, pool_host_bytes=pool.host_bytes,
-                              kv_host_bytes=self._kv_host_bytes,
+                              # before the KV host pool is known: the KV capacity
+                              kv_host_bytes=self._kv_host_bytes or pool.host_bytes,
                               capacity=self.pool_capacity.get(name))
         store = RankStore(name, layout, config, self.device,
                           follower=replicated and not self.is_writer, log_once=self._log_once,
@@ -679,6 +760,9 @@ class GdskvHiCacheStorage(HiCacheStorage):
         n = len(getattr(transfer, "keys", None) or [])
         if not n:
             return []
+        if name == _pool_name(PoolName.KV):  # the KV store, as batch_get_v1 / batch_set_v1 move it
+            return self._transfer(op, list(transfer.keys), getattr(transfer, "host_indices", None),
+                                  call=f"batch_{op}_v2")
         try:
             side = self.sidecars.get(name)
             if side is None:
@@ -705,12 +789,8 @@ class GdskvHiCacheStorage(HiCacheStorage):
                     moved_bytes = 0  # the KV read brought them in (and counted them)
                 else:
                     res = self._read_rider_alone(tier, side, skeys, transfer.host_indices, n)
-            elif op == "set":
-                res = tier.put_pages(skeys, side.pool.write_pages(transfer.host_indices, n))
             else:
-                targets, finish = side.pool.read_targets(transfer.host_indices, n)
-                res = tier.get_pages(skeys, targets)
-                finish(res)
+                res = side.pool.move(op, tier, skeys, transfer.host_indices, n)
             if moved_bytes:
                 self._record("prefetch" if op == "get" else "backup", sum(res), moved_bytes,
                              time.perf_counter() - t0)
