@@ -35,8 +35,8 @@ from importlib.metadata import PackageNotFoundError, version
 from . import checksum, namespaces
 from .config import ConfigError, TierConfig, check_node_id
 from .layout import BytePageLayout, KVLayout, PageLayout
-from .store import (JOURNAL, LOCK, MANIFEST, MANIFEST_COPY, StoreError, StoreLockedError,
-                    load_manifest, manifest_geometry)
+from .store import (JOURNAL, LOCK, MANIFEST, MANIFEST_COPY, StoreError, load_manifest,
+                    manifest_geometry)
 from .tier import Tier
 
 
@@ -278,12 +278,13 @@ def cmd_cluster_list(args) -> tuple[dict, int]:
     _check_dirs(roots)
     try:
         names, ignored = namespaces.list_namespaces(roots)
-        running: dict = namespaces.writers_running(roots, names)
-        unknown = None
-    except StoreLockedError as exc:  # writers starting: list what can be read anyway
-        running, unknown = {}, f"whether each writer runs is not known: {exc}"
     except OSError as exc:
         raise UsageError(f"cannot list the cluster in {', '.join(roots)}: {exc}") from None
+    try:
+        running: dict = namespaces.writers_running(roots, names)
+        unknown = None
+    except OSError as exc:  # writers kept starting, or a read-only mount: list the rest
+        running, unknown = {}, f"whether each writer runs is not known: {exc}"
     nodes = []
     for name in names:
         dirs = [os.path.join(r, name) for r in roots]

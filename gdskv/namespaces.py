@@ -29,7 +29,7 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
-from .store import (CREATING, JOURNAL, LOCK, MANIFEST, MANIFEST_COPY, StoreError,
+from .store import (JOURNAL, LOCK, MANIFEST, MANIFEST_COPY, StoreError, StoreLockedError,
                     StoreLockedError, is_store_file)
 
 START_LOCK = ".gdskv-cluster.lock"
@@ -78,7 +78,13 @@ def _flock_all(paths: Sequence[str], mode: int, wait: float) -> list[int] | None
         fds: list[int] = []
         try:
             for path in paths:
-                fds.append(_open_lock_file(path, create=True))
+                try:
+                    fds.append(_open_lock_file(path, create=True))
+                except StoreError:
+                    raise
+                except OSError as exc:  # e.g. a read-only mount, another user's file
+                    raise StoreError(exc.errno, f"cannot open the cluster start lock {path!r}: "
+                                     f"{exc.strerror}") from None
                 fcntl.flock(fds[-1], mode | fcntl.LOCK_NB)
             return fds
         except BlockingIOError:
@@ -235,7 +241,7 @@ class _Namespace:
         if LOCK not in self.files:
             return -1  # never opened by a writer: nothing to take
         fd = _open_lock_file(LOCK, dir_fd=self.fd)
-        for attempt in range(2):
+        for _ in range(2):
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 return fd
@@ -291,14 +297,16 @@ def _open_namespace(roots: Sequence[str], node: str) -> list[_Namespace]:
         raise
     problems = [p for c in copies for p in c.problems]
     if problems:
+        inside = any(c.fd is not None for c in copies if c.problems)  # entries, not the dir
         for c in copies:
             c.close()
         if all(c.missing for c in copies):
             raise StoreError(errno.ENOENT, f"no namespace {node!r} in {', '.join(roots)}: see "
                              "gdskv cluster list")
         raise StoreError(f"namespace {node!r} cannot be reclaimed (nothing removed): "
-                         f"{'; '.join(problems)}. Reclaim removes only gdskv's own files of a "
-                         "namespace directory: move the rest away first")
+                         f"{'; '.join(problems)}" + (". Reclaim removes only gdskv's own files "
+                                                     "of a namespace directory: move the rest "
+                                                     "away first" if inside else ""))
     return copies
 
 
