@@ -209,19 +209,20 @@ class TierConfig:
     #: system); this node writes its own namespace ``<directory>/<node_id>`` and reads every
     #: other node's as a follower (:mod:`gdskv.cluster`)
     cluster: bool = False
-    #: this node's namespace in a cluster store (a directory name); "" = host name + GPU
-    #: index (and the engine's ranks, which the adapters add)
+    #: this node's namespace in a cluster store (a directory name, taken as given: never
+    #: trimmed); "" = host name + GPU index (and the engine's ranks, which the adapters add)
     node_id: str = ""
     #: cluster: a put skips keys another node already holds (true), or stores its own copy
     cluster_dedup: bool = True
     #: cluster: milliseconds between listings of the shared directory for new or vanished
-    #: namespaces (one readdir and one manifest stat per namespace each time)
+    #: namespaces (one readdir and one manifest stat per namespace each time); 1..60000
     cluster_discovery_ms: int = 1000
     #: cluster: at most how often (ms) a lookup or read catches up with another node's journal
-    #: (one stat of it each time; new records are read only when it grew)
+    #: (one stat of it each time; new records are read only when it grew); 1..60000
     cluster_follow_ms: int = 50
     #: cluster: staging buffer of each other node's follower tier (there is one per node, so
-    #: it is kept smaller than staging_size; at least one slot per pipeline part)
+    #: it is kept smaller than staging_size; at least one slot per pipeline part); a
+    #: ClusterStore refuses more than the memory free on its device
     cluster_peer_staging_size: int = 64 << 20
 
     def __post_init__(self) -> None:
@@ -376,8 +377,10 @@ FIELD_DOCS: dict[str, str] = {
     "cluster": "share directories with other nodes: write <dir>/<node_id>, read the others'",
     "node_id": "this node's namespace in a cluster (default: host name + GPU index + ranks)",
     "cluster_dedup": "cluster: a put skips keys another node already holds",
-    "cluster_discovery_ms": "cluster: ms between listings of the shared directory for nodes",
-    "cluster_follow_ms": "cluster: ms between catch-ups with another node's journal (one stat)",
+    "cluster_discovery_ms": "cluster: ms between listings of the shared directory for nodes "
+                            "(1..60000)",
+    "cluster_follow_ms": "cluster: ms between catch-ups with another node's journal (one stat; "
+                         "1..60000)",
     "cluster_peer_staging_size": "cluster: staging buffer of each other node's follower tier",
 }
 

@@ -30,7 +30,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 from .store import (JOURNAL, LOCK, MANIFEST, MANIFEST_COPY, StoreError, StoreLockedError,
-                    StoreLockedError, is_store_file)
+                    is_store_file)
 
 START_LOCK = ".gdskv-cluster.lock"
 #: how long a starting writer waits for a listing or reclaim to end (they hold the start lock
