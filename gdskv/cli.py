@@ -24,7 +24,6 @@ status: 0 done, 1 verify found bad pages, 2 bad input or a store that cannot be 
 from __future__ import annotations
 
 import argparse
-import fcntl
 import json
 import os
 import random
@@ -33,11 +32,11 @@ import time
 from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, version
 
-from . import checksum
+from . import checksum, namespaces
 from .config import ConfigError, TierConfig, check_node_id
 from .layout import BytePageLayout, KVLayout, PageLayout
-from .store import (JOURNAL, LOCK, MANIFEST, MANIFEST_COPY, StoreError, is_store_file,
-                    load_manifest, manifest_geometry)
+from .store import (JOURNAL, LOCK, MANIFEST, MANIFEST_COPY, StoreError, load_manifest,
+                    manifest_geometry)
 from .tier import Tier
 
 
@@ -146,17 +145,12 @@ class _Progress:
 
 # -- subcommands -----------------------------------------------------------------------------
 def _lock_holder(directory: str) -> int | None:
-    """pid holding the store's writer lock now (from /proc/locks), None if nobody."""
+    """pid holding the store's writer lock now (on this host), None if nobody."""
     try:
-        ino = os.stat(os.path.join(directory, LOCK)).st_ino
-        with open("/proc/locks") as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) > 5 and parts[1] == "FLOCK" and parts[5].endswith(f":{ino}"):
-                    return int(parts[4])
+        pids = namespaces.lock_holders(os.stat(os.path.join(directory, LOCK)))
     except OSError:
         return None
-    return None
+    return min(pids) if pids else None
 
 
 def cmd_info(args) -> tuple[dict, int]:
@@ -284,10 +278,6 @@ def cmd_clear(args) -> tuple[dict, int]:
 
 
 # -- cluster stores (gdskv.cluster): one namespace per node under the shared directories ---
-def _namespace(roots: Sequence[str], node: str) -> list[str]:
-    return [os.path.join(r, node) for r in roots]
-
-
 def _confirm(args, what: str, effect: str, question: str) -> None:
     """Ask on a terminal before ``what`` (the subcommand) destroys data, unless --yes."""
     if args.yes:
@@ -298,87 +288,50 @@ def _confirm(args, what: str, effect: str, question: str) -> None:
         raise UsageError(f"{what} not confirmed: nothing changed")
 
 
-def _take_writer_locks(directories: Sequence[str]) -> list[int] | None:
-    """The writer locks of a store, taken (flock, which NFS and parallel file systems carry to
-    other hosts), or None when a writer holds one: it runs, here or on another node."""
-    fds: list[int] = []
-    for d in directories:
-        path = os.path.join(d, LOCK)
-        if not os.path.exists(path):
-            continue  # never opened by a writer
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-        fds.append(fd)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            for f in fds:
-                os.close(f)
-            return None
-    return fds
-
-
-def _release(fds: Sequence[int]) -> None:
-    for fd in fds:
-        os.close(fd)
-
-
 def cmd_cluster_list(args) -> tuple[dict, int]:
     roots = args.directories
     _check_dirs(roots)
+    try:
+        names, ignored = namespaces.list_namespaces(roots)
+    except OSError as exc:
+        raise UsageError(f"cannot list the cluster in {', '.join(roots)}: {exc}") from None
+    try:
+        running: dict = namespaces.writers_running(roots, names)
+        unknown = None
+    except OSError as exc:  # writers kept starting, or a read-only mount: list the rest
+        running, unknown = {}, f"whether each writer runs is not known: {exc}"
     nodes = []
-    for name in sorted(os.listdir(roots[0])):
-        dirs = _namespace(roots, name)
-        if not all(os.path.isdir(d) for d in dirs) or name.startswith("."):
-            continue
-        locks = _take_writer_locks(dirs)
-        entry = {"node": name, "writer_running": locks is None}
-        if locks is not None:
-            _release(locks)
+    for name in names:
+        dirs = [os.path.join(r, name) for r in roots]
+        entry = {"node": name, "writer_running": running.get(name)}
         try:
             info, _ = cmd_info(argparse.Namespace(directories=dirs))
-        except (UsageError, StoreError, ConfigError) as exc:
+        except (UsageError, ConfigError, OSError) as exc:  # OSError: e.g. reclaimed meanwhile
             entry["store"] = f"none readable ({exc})"
         else:
             entry.update({k: info[k] for k in ("pages", "bytes", "capacity_bytes",
                                                "fingerprint", "last_write", "writer_pid")})
         nodes.append(entry)
-    return {"directories": list(roots), "nodes": nodes}, 0
+    out = {"directories": list(roots), "nodes": nodes, "ignored": ignored}
+    if unknown:
+        out["writers_unknown"] = unknown
+    return out, 0
 
 
 def cmd_cluster_reclaim(args) -> tuple[dict, int]:
     roots = args.directories
     _check_dirs(roots)
     node = check_node_id(args.node)
-    dirs = _namespace(roots, node)
-    for d in dirs:
-        if not os.path.isdir(d):
-            raise UsageError(f"no namespace {node!r} in {os.path.dirname(d)!r} ({d!r} is not a "
-                             "directory): see gdskv cluster list")
-    foreign = sorted(os.path.join(d, n) for d in dirs for n in os.listdir(d)
-                     if not is_store_file(n))
-    if foreign:
-        raise UsageError(f"namespace {node!r} holds files gdskv did not make: "
-                         f"{', '.join(foreign)}; move them away first (nothing removed)")
-    locks = _take_writer_locks(dirs)
-    if locks is None:
-        raise UsageError(f"node {node!r}'s namespace is in use: its writer lock is held (pid "
-                         f"{_lock_holder(dirs[0]) or 'on another host'}); stop that engine "
-                         "process first (nothing removed)")
-    freed, removed = 0, 0
-    try:  # the locks are held from the question on: no writer starts under the removal
+    try:
+        namespaces.check_reclaimable(roots, node)
         _confirm(args, "reclaim", "removes a node's pages", f"remove node {node!r}'s namespace "
-                 f"and its pages ({', '.join(dirs)})")
-        for d in dirs:
-            for n in sorted(os.listdir(d)):
-                path = os.path.join(d, n)
-                freed += os.lstat(path).st_size
-                os.unlink(path)
-                removed += 1
-    finally:
-        _release(locks)
-    for d in dirs:
-        os.rmdir(d)
-    return {"reclaimed": node, "files_removed": removed, "bytes_freed": freed}, 0
+                 f"and its pages ({', '.join(os.path.join(r, node) for r in roots)})")
+        # checked again, under the start lock and the writer locks, before anything is removed
+        return namespaces.reclaim(roots, node), 0
+    except StoreError:
+        raise
+    except OSError as exc:
+        raise UsageError(f"cannot reclaim node {node!r}: {exc}") from None
 
 
 # -- the command line ------------------------------------------------------------------------

@@ -31,9 +31,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from . import namespaces
 from .config import ConfigError, TierConfig, check_node_id
 from .layout import PageLayout
 from .memory import check_device, cuda_available
+from .staging import StagingParts
 from .store import (MANIFEST, StoreError, StoreLockedError, StoreMismatchError,
                     manifest_geometry, read_manifest)
 from .tier import Tier, TierClosedError
@@ -140,6 +142,13 @@ class ClusterStore:
         self._discovered_at = float("-inf")
         self._closed = False
         self.own: Tier | None = None
+        # each other namespace's follower tier stages this much on this node's device (a
+        # writer's Tier defaults to the GPU, a read-only node to the CPU): refused before
+        # anything is made on disk, naming this setting, not when each peer opens
+        default = "cuda" if cuda_available() and not self.read_only else "cpu"
+        StagingParts.check_fits(config.cluster_peer_staging_size,
+                                check_device(device if device is not None else default),
+                                "cluster_peer_staging_size")
         if not self.read_only:
             self.own = self._open_own(device)
         self.device = self.own.device if self.own is not None else \
@@ -156,18 +165,22 @@ class ClusterStore:
 
     def _open_own(self, device) -> Tier:
         dirs = tuple(os.path.join(d, self.node_id) for d in self.config.directories)
-        for d in dirs:
-            if os.path.lexists(d) and not os.path.isdir(d):
-                raise StoreError(f"{d!r} (node {self.node_id!r}'s namespace) exists but is not "
-                                 "a directory; remove it or choose another node_id")
-            os.makedirs(d, mode=0o700, exist_ok=True)
-        try:
-            return Tier(self.layout, self._tier_config.replace(directories=dirs), device=device,
-                        metrics_registry=self._registry)
-        except StoreLockedError as exc:
-            raise StoreLockedError(f"{exc}: node id {self.node_id!r} is in use by another "
-                                   "process; give each engine process its own node_id "
-                                   "(GDSKV_NODE_ID)") from None
+        # a gdskv cluster reclaim of this namespace cannot run until the store holds its lock
+        with namespaces.starting_writer(self.config.directories):
+            for d in dirs:
+                if os.path.islink(d) or os.path.lexists(d) and not os.path.isdir(d):
+                    raise StoreError(f"{d!r} (node {self.node_id!r}'s namespace) exists but is "
+                                     "not a directory of its own (a file, or a link, which the "
+                                     "other nodes would not read); remove it or choose another "
+                                     "node_id")
+                os.makedirs(d, mode=0o700, exist_ok=True)
+            try:
+                return Tier(self.layout, self._tier_config.replace(directories=dirs),
+                            device=device, metrics_registry=self._registry)
+            except StoreLockedError as exc:
+                raise StoreLockedError(f"{exc}: node id {self.node_id!r} is in use by another "
+                                       "process; give each engine process its own node_id "
+                                       "(GDSKV_NODE_ID)") from None
 
     # -- namespaces -----------------------------------------------------------------------------
     @property
@@ -227,6 +240,7 @@ class ClusterStore:
             # one slot per pipeline part at least: peers' pages may be larger than ours
             staging = max(self.config.cluster_peer_staging_size,
                           self.config.pipeline_depth * int(manifest["slot_bytes"]))
+            StagingParts.check_fits(staging, self.device, "cluster_peer_staging_size")
             cfg = self._tier_config.replace(directories=dirs, read_only=True, preallocate=False,
                                             staging_size=staging, **geometry)
             tier = Tier(self.layout, cfg, device=self.device, metrics_registry=self._registry)
@@ -236,7 +250,11 @@ class ClusterStore:
             self._log_once(f"skip:{name}", logging.INFO, "cluster: namespace %s skipped: %s",
                            name, exc)
             return
-        except (StoreError, ConfigError, OSError) as exc:
+        except ConfigError as exc:  # e.g. no memory left for its staging now
+            self._log_once(f"open:{name}:{exc}", logging.WARNING, "cluster: namespace %s not "
+                           "readable: %s; trying again at each listing", name, exc)
+            return
+        except (StoreError, OSError) as exc:
             # e.g. its writer is still creating the store: tried again at the next listing
             self._log_once(f"open:{name}:{exc}", logging.INFO, "cluster: namespace %s not "
                            "readable yet (%s); trying again", name, exc)

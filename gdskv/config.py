@@ -67,6 +67,8 @@ _SIZE_RE = re.compile(r"^\s*(\d+)(?:\.(\d+))?\s*([kmgtp]?)(i?b?)\s*$", re.IGNORE
 _UNITS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
 #: the largest size or count a field takes (file offsets and numpy indices are 64-bit signed)
 MAX_INT = (1 << 63) - 1
+#: the longest cluster discovery or follow interval (ms)
+MAX_CLUSTER_INTERVAL_MS = 60_000
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
@@ -212,19 +214,20 @@ class TierConfig:
     #: system); this node writes its own namespace ``<directory>/<node_id>`` and reads every
     #: other node's as a follower (:mod:`gdskv.cluster`)
     cluster: bool = False
-    #: this node's namespace in a cluster store (a directory name); "" = host name + GPU
-    #: index (and the engine's ranks, which the adapters add)
+    #: this node's namespace in a cluster store (a directory name, taken as given: never
+    #: trimmed); "" = host name + GPU index (and the engine's ranks, which the adapters add)
     node_id: str = ""
     #: cluster: a put skips keys another node already holds (true), or stores its own copy
     cluster_dedup: bool = True
     #: cluster: milliseconds between listings of the shared directory for new or vanished
-    #: namespaces (one readdir and one manifest stat per namespace each time)
+    #: namespaces (one readdir and one manifest stat per namespace each time); 1..60000
     cluster_discovery_ms: int = 1000
     #: cluster: at most how often (ms) a lookup or read catches up with another node's journal
-    #: (one stat of it each time; new records are read only when it grew)
+    #: (one stat of it each time; new records are read only when it grew); 1..60000
     cluster_follow_ms: int = 50
     #: cluster: staging buffer of each other node's follower tier (there is one per node, so
-    #: it is kept smaller than staging_size; at least one slot per pipeline part)
+    #: it is kept smaller than staging_size; at least one slot per pipeline part); a
+    #: ClusterStore refuses more than the memory free on its device
     cluster_peer_staging_size: int = 64 << 20
 
     def __new__(cls, *args, **kwargs):
@@ -246,11 +249,17 @@ class TierConfig:
             raise ConfigError(f"pipeline_depth: must be an integer in 2..64, got "
                               f"{self.pipeline_depth!r}")
         for name in ("capacity", "staging_size", "io_threads", "io_chunk_size",
-                     "files_per_dir", "admit_after", "cluster_discovery_ms", "cluster_follow_ms",
-                     "cluster_peer_staging_size"):
+                     "files_per_dir", "admit_after", "cluster_peer_staging_size"):
             value = getattr(self, name)
             if value < 1:
                 raise ConfigError(f"{name}: must be a positive integer, got {value!r}")
+        for name in ("cluster_discovery_ms", "cluster_follow_ms"):
+            # a longer interval would leave other nodes' new pages or namespaces unseen for
+            # longer than they are worth (2**63-1 ms: never)
+            value = getattr(self, name)
+            if not 1 <= value <= MAX_CLUSTER_INTERVAL_MS:
+                raise ConfigError(f"{name}: must be 1..{MAX_CLUSTER_INTERVAL_MS} ms (at most a "
+                                  f"minute), got {value!r}")
         if self.io_poll_us < 0:
             raise ConfigError(f"io_poll_us: must be 0 (off) or a positive number of µs, got "
                               f"{self.io_poll_us!r}")
@@ -311,10 +320,13 @@ def check_node_id(node_id: str) -> str:
     """A node id as a cluster namespace's directory name: letters, digits, ``.``, ``_``,
     ``-``, starting with a letter or digit, at most 128 characters."""
     if not isinstance(node_id, str) or not _NODE_ID_RE.fullmatch(node_id):
+        blank = isinstance(node_id, str) and node_id.strip() != node_id
         raise ConfigError(f"node_id: {node_id!r} cannot name a namespace directory; use 1-128 "
                           "letters, digits, '.', '_' or '-', starting with a letter or digit "
-                          "(e.g. node07-gpu3)")
+                          "(e.g. node07-gpu3)" + ("; it has whitespace (leave node_id unset "
+                                                  "or empty for the default)" if blank else ""))
     return node_id
+
 _ENUMS = {"BackendKind": BackendKind, "DirectIO": DirectIO, "Eviction": Eviction,
           "SyncPolicy": SyncPolicy, "NixlPlugin": NixlPlugin}
 
@@ -338,7 +350,8 @@ def _coerce(f: dataclasses.Field, value):
         return _parse_enum(_ENUMS[f.type], value, f.name)
     if not isinstance(value, str):
         raise ConfigError(f"{f.name}: expected a string, got {value!r}")
-    return value.strip()
+    # a node id names a directory: taken as given, so "a\n" or "  " is refused, not trimmed
+    return value if f.name == "node_id" else value.strip()
 
 
 def _parse_enum(enum_cls: type[enum.Enum], value, what: str):
@@ -379,8 +392,10 @@ FIELD_DOCS: dict[str, str] = {
     "cluster": "share directories with other nodes: write <dir>/<node_id>, read the others'",
     "node_id": "this node's namespace in a cluster (default: host name + GPU index + ranks)",
     "cluster_dedup": "cluster: a put skips keys another node already holds",
-    "cluster_discovery_ms": "cluster: ms between listings of the shared directory for nodes",
-    "cluster_follow_ms": "cluster: ms between catch-ups with another node's journal (one stat)",
+    "cluster_discovery_ms": "cluster: ms between listings of the shared directory for nodes "
+                            "(1..60000)",
+    "cluster_follow_ms": "cluster: ms between catch-ups with another node's journal (one stat; "
+                         "1..60000)",
     "cluster_peer_staging_size": "cluster: staging buffer of each other node's follower tier",
 }
 

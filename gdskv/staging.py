@@ -41,16 +41,17 @@ def staging_part_pages(part_budget: int, layout) -> int:
 
 class StagingParts:
     @staticmethod
-    def check_fits(nbytes: int, device: torch.device) -> None:
-        """Refuse (ConfigError naming staging_size) a staging buffer larger than the memory
-        free on ``device`` now."""
+    def check_fits(nbytes: int, device: torch.device, option: str = "staging_size") -> None:
+        """Refuse (ConfigError naming ``option``, the setting that sized it) a staging buffer
+        larger than the memory free on ``device`` now."""
         if device.type == "cuda":
             free, where = torch.cuda.mem_get_info(device)[0], f"free on {device}"
         else:
             free, where = available_host_memory(), "of host memory available"
         if nbytes > free:
-            raise ConfigError(f"staging_size: a staging buffer of {nbytes} B does not fit "
-                              f"({free} B {where}); lower staging_size (GDSKV_STAGING_SIZE)")
+            raise ConfigError(f"{option}: a staging buffer of {nbytes} B does not fit "
+                              f"({free} B {where}); lower {option} "
+                              f"(GDSKV_{option.upper()}) below {free} B")
 
     def __init__(self, part_bytes: int, depth: int, device: torch.device) -> None:
         try:

@@ -138,3 +138,77 @@ def stale_reader(root: str, node: str, old: list[str], new: list[str], ready, go
         after = read_until_all(cs, new, wrong)
         dump(result_path, {"before": before["hits"], "stale_hits": stale["hits"],
                            "corrupt": corrupt, "after": after["hits"], "wrong": wrong})
+
+
+def restart_loop(root: str, node: str, seconds: float, result_path: str) -> None:
+    """A writer that restarts over and over (open, put one page, read it back, close) for
+    ``seconds``, beside a reclaim and a listing of its namespace: every start must succeed
+    and see its page. Errors are collected as ``Type: message``."""
+    errors: list[str] = []
+    starts = hits = 0
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        key = f"{node}/start-{starts}"
+        try:
+            with ClusterStore(LAYOUT, cluster_config(root, node, capacity=16 * SLOT)) as cs:
+                starts += 1
+                put(cs, [key])
+                hits += check_pages(cs, [key])["hits"]
+        except Exception as exc:  # noqa: BLE001 - each one is a failure the parent reports
+            errors.append(f"{type(exc).__name__}: {exc}")
+        time.sleep(0.002)
+    dump(result_path, {"starts": starts, "hits": hits, "errors": errors})
+
+
+def _cli(argv: list[str]) -> tuple[int | None, str, str]:
+    """``gdskv ARGV`` in this process: (exit status or None for an uncaught exception, its
+    stderr, the exception as ``Type: message``)."""
+    import contextlib
+    import io
+
+    from gdskv.cli import main
+    err, out = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+            return main(argv), err.getvalue(), ""
+    except SystemExit as exc:
+        return exc.code, err.getvalue(), ""
+    except Exception as exc:  # noqa: BLE001 - an uncaught traceback is what the test counts
+        return None, err.getvalue(), f"{type(exc).__name__}: {exc}"
+
+
+def reclaim_loop(root: str, node: str, writer_pid: int, seconds: float,
+                 result_path: str) -> None:
+    """``gdskv cluster reclaim NODE --yes`` over and over: each run removes the namespace, finds
+    none, or is refused because the writer (``writer_pid``, on this host) runs. Anything else
+    (a traceback, another refusal, a pid that is not the writer's) is collected."""
+    counts = {"reclaimed": 0, "in_use": 0, "absent": 0}
+    tracebacks: list[str] = []
+    misleading: list[str] = []
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        code, err, exc = _cli(["cluster", "reclaim", node, root, "--yes"])
+        if exc:
+            tracebacks.append(exc)
+        elif code == 0:
+            counts["reclaimed"] += 1
+        elif "in use" in err and f"pid {writer_pid}" in err:
+            counts["in_use"] += 1
+        elif "no namespace" in err:
+            counts["absent"] += 1
+        else:
+            misleading.append(err.strip())
+    dump(result_path, dict(counts, tracebacks=tracebacks, misleading=misleading))
+
+
+def list_loop(root: str, seconds: float, result_path: str) -> None:
+    """``gdskv cluster list`` over and over: each must exit 0."""
+    runs = 0
+    failures: list[str] = []
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        code, err, exc = _cli(["cluster", "list", root, "--json"])
+        runs += 1
+        if exc or code != 0:
+            failures.append(exc or err.strip())
+    dump(result_path, {"runs": runs, "failures": failures})

@@ -7,10 +7,14 @@ compared with the bytes its key stands for: 0 wrong pages, everywhere."""
 
 from __future__ import annotations
 
+import collections
+import fcntl
+import json
 import os
 import re
 import signal
 import socket
+import threading
 
 import pytest
 import torch
@@ -19,12 +23,13 @@ from gdskv import open_tier
 from gdskv.cli import main as gdskv_main
 from gdskv.cluster import ClusterStore, default_node_id
 from gdskv.config import ConfigError, TierConfig
-from gdskv.store import StoreLockedError
+from gdskv.store import StoreError, StoreLockedError
 from gdskv.tier import Tier
 
 import cluster_helpers as ch
 from conftest import HAS_CUDA, NEEDS_NIXL, random_pool
-from reliability_helpers import LAYOUT, SLOT, check_pages, forkserver, put, wait_for
+from reliability_helpers import (LAYOUT, SLOT, check_pages, forkserver, put, small_config,
+                                 wait_for)
 
 NODES = ["node0", "node1", "node2", "node3"]
 
@@ -47,9 +52,14 @@ def shared(request, tmp_path):
 
 
 def _json(path):
-    import json
     with open(path) as f:
         return json.load(f)
+
+
+def _kinds(messages: list[str]) -> collections.Counter:
+    """Messages counted by kind: quoted paths and numbers left out."""
+    return collections.Counter(re.sub(r"\d+", "N", re.sub(r"'[^']*'", "'...'", m))[:140]
+                               for m in messages)
 
 
 def _join(procs) -> None:
@@ -286,6 +296,41 @@ def test_node_id_and_cluster_options_are_checked():
     assert cfg.cluster and cfg.node_id == "host7-gpu3"
 
 
+
+@pytest.mark.parametrize("var", ["GDSKV_CLUSTER_FOLLOW_MS", "GDSKV_CLUSTER_DISCOVERY_MS"])
+@pytest.mark.parametrize("value", [str(2 ** 63 - 1), "60001", "0"])
+def test_cluster_intervals_are_bounded(var, value):
+    """A follow or discovery interval of 2**63-1 ms would never see another node's new pages
+    or namespaces: refused, naming the variable, the value and the range."""
+    with pytest.raises(ConfigError, match=f"{var}='{value}'.*must be 1..60000 ms"):
+        TierConfig.from_env({"GDSKV_CLUSTER": "1", var: value})
+    assert getattr(TierConfig.from_env({"GDSKV_CLUSTER": "1", var: "60000"}),
+                   var[len("GDSKV_"):].lower()) == 60000
+
+
+@pytest.mark.parametrize("size", ["4TiB", str(2 ** 63 - 1)])
+def test_a_peer_staging_size_that_cannot_fit_is_refused_at_start(shared, size):
+    """Each other node's follower tier stages this much: more than the memory there is made
+    every peer unreadable, with one INFO line naming staging_size. Refused at start instead,
+    naming the variable, the value and the most there is room for; nothing made on disk."""
+    cfg = TierConfig.from_env({"GDSKV_CLUSTER_PEER_STAGING_SIZE": size},
+                              **{k: v for k, v in vars(ch.cluster_config(shared, "n0")).items()
+                                 if k != "cluster_peer_staging_size"})
+    with pytest.raises(ConfigError, match=r"cluster_peer_staging_size: a staging buffer of "
+                       rf"{cfg.cluster_peer_staging_size} B does not fit .*"
+                       r"GDSKV_CLUSTER_PEER_STAGING_SIZE\) below \d+ B"):
+        ClusterStore(LAYOUT, cfg)
+    assert os.listdir(shared) == []
+
+
+@pytest.mark.parametrize("node_id", ["a\n", "  ", " n1", "n1\t"])
+def test_a_node_id_with_whitespace_is_refused_not_trimmed(node_id):
+    with pytest.raises(ConfigError, match=r"GDSKV_NODE_ID=.*cannot name a namespace.*whitespace"):
+        TierConfig.from_env({"GDSKV_CLUSTER": "1", "GDSKV_NODE_ID": node_id})
+    with pytest.raises(ConfigError, match="whitespace"):
+        TierConfig(cluster=True, node_id=node_id)
+    assert TierConfig.from_env({"GDSKV_CLUSTER": "1", "GDSKV_NODE_ID": ""}).node_id == ""
+
 def test_tier_refuses_a_cluster_config_and_open_tier_picks(shared):
     cfg = ch.cluster_config(shared, "n0")
     with pytest.raises(ConfigError, match="open_tier"):
@@ -330,3 +375,144 @@ def test_reclaim_refuses_foreign_files_and_unknown_nodes(shared, capsys):
             gdskv_main(argv)
         assert refused.value.code == 2 and says in capsys.readouterr().err
     assert os.path.exists(keep) and len(os.listdir(os.path.join(shared, "old"))) > 1
+
+
+
+def _store_files(directory) -> dict:
+    """Each file's name and size in a directory (what a refused reclaim must leave as it was)."""
+    return {n: os.lstat(os.path.join(directory, n)).st_size for n in os.listdir(directory)}
+
+
+def test_reclaim_never_follows_links_nor_removes_what_gdskv_did_not_make(shared, tmp_path,
+                                                                       capsys):
+    """A namespace that is a link to another store is neither listed nor reclaimed (that store
+    keeps every file and page); a namespace holding a directory, a link or a FIFO under a
+    store file's name is refused in one message naming each, before anything is removed."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    with Tier(LAYOUT, small_config(elsewhere)) as other:
+        assert all(put(other, ["e0", "e1"]))
+    os.symlink(elsewhere, os.path.join(shared, "linked"))
+    kept = _store_files(elsewhere)
+    assert gdskv_main(["cluster", "list", shared, "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert [n["node"] for n in listed["nodes"]] == []
+    assert "linked" in listed["ignored"][0] and "symbolic link" in listed["ignored"][0]
+    with pytest.raises(SystemExit) as refused:
+        gdskv_main(["cluster", "reclaim", "linked", shared, "--yes"])
+    err = capsys.readouterr().err
+    assert refused.value.code == 2 and "symbolic link" in err and "nothing removed" in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert os.path.islink(os.path.join(shared, "linked")) and _store_files(elsewhere) == kept
+    with Tier(LAYOUT, small_config(elsewhere)) as other:
+        assert check_pages(other, ["e0", "e1"])["hits"] == 2
+
+    with ClusterStore(LAYOUT, ch.cluster_config(shared, "odd")) as odd:
+        assert all(put(odd, ["o0"]))
+    ns = os.path.join(shared, "odd")
+    os.mkdir(os.path.join(ns, "slab-999.bin"))
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(b"x" * 100)
+    os.symlink(outside, os.path.join(ns, "slab-998.bin"))
+    os.mkfifo(os.path.join(ns, "gdskv-journal.log.tmp"))
+    before = _store_files(ns)
+    with pytest.raises(SystemExit) as refused:
+        gdskv_main(["cluster", "reclaim", "odd", shared, "--yes"])
+    err = capsys.readouterr().err
+    assert refused.value.code == 2 and "nothing removed" in err and err.count("\n") == 1
+    for name, kind in (("slab-999.bin", "a directory"), ("slab-998.bin", "a symbolic link"),
+                       ("gdskv-journal.log.tmp", "a FIFO")):
+        assert f"{name}' is {kind}, not a regular file" in err, err
+    assert _store_files(ns) == before and outside.read_bytes() == b"x" * 100
+    for name in ("slab-999.bin", "slab-998.bin", "gdskv-journal.log.tmp"):
+        p = os.path.join(ns, name)
+        os.rmdir(p) if name == "slab-999.bin" else os.unlink(p)
+    with ClusterStore(LAYOUT, ch.cluster_config(shared, "odd")) as odd:  # its pages are there
+        assert check_pages(odd, ["o0"])["hits"] == 1
+    assert gdskv_main(["cluster", "reclaim", "odd", shared, "--yes"]) == 0
+    assert "odd" not in os.listdir(shared)
+
+
+def test_a_namespace_that_is_a_link_is_not_written_through(shared, tmp_path):
+    """This node's own namespace must be a directory of its own: the other nodes never read
+    through a link (and reclaim refuses one)."""
+    target = tmp_path / "target"
+    target.mkdir()
+    os.symlink(target, os.path.join(shared, "me"))
+    with pytest.raises(StoreError, match="not a directory of its own.*link"):
+        ClusterStore(LAYOUT, ch.cluster_config(shared, "me"))
+    assert os.listdir(target) == []
+
+
+def test_starts_wait_for_reclaims_and_reclaims_for_starts(shared, capsys, monkeypatch):
+    """The cluster start lock, deterministically: a writer does not create or open its
+    namespace while a reclaim or listing holds the lock; a reclaim (or a listing's writer
+    probe) is refused, after its wait, while a writer is starting; nothing is removed."""
+    from gdskv import namespaces
+    with ClusterStore(LAYOUT, ch.cluster_config(shared, "old")) as old:
+        assert all(put(old, ["o0"]))
+    fd = os.open(os.path.join(shared, namespaces.START_LOCK), os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # what a reclaim or a listing holds
+        opened = []
+        starter = threading.Thread(target=lambda: opened.append(
+            ClusterStore(LAYOUT, ch.cluster_config(shared, "new"))))
+        starter.start()
+        starter.join(0.5)
+        assert starter.is_alive() and "new" not in os.listdir(shared)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        starter.join(30)
+        assert not starter.is_alive() and "new" in os.listdir(shared)
+        opened[0].close()
+
+        fcntl.flock(fd, fcntl.LOCK_SH)  # what a starting writer holds
+        monkeypatch.setattr(namespaces, "RECLAIM_WAIT_S", 0.2)
+        monkeypatch.setattr(namespaces, "LIST_WAIT_S", 0.2)
+        with pytest.raises(SystemExit) as refused:
+            gdskv_main(["cluster", "reclaim", "old", shared, "--yes"])
+        err = capsys.readouterr().err
+        assert refused.value.code == 2 and "kept starting" in err and "nothing removed" in err
+        assert gdskv_main(["cluster", "list", shared, "--json"]) == 0
+        listed = json.loads(capsys.readouterr().out)
+        assert "kept starting" in listed["writers_unknown"]
+        assert {n["node"]: n["writer_running"] for n in listed["nodes"]} == \
+            {"new": None, "old": None}
+        assert listed["nodes"][1]["pages"] == 1
+    finally:
+        os.close(fd)
+    assert gdskv_main(["cluster", "reclaim", "old", shared, "--yes"]) == 0
+    assert sorted(os.listdir(shared)) == [namespaces.START_LOCK, "new"]
+
+def test_reclaim_and_listings_racing_a_restarting_writer(shared, tmp_path):
+    """A writer restarts in a loop under one node id while another process reclaims its
+    namespace in a loop and a third lists the cluster in a loop. Starts and reclaims exclude
+    each other: every start succeeds and reads back its page, every reclaim removes the whole
+    namespace or is refused naming the writer's pid, and no listing or reclaim fails."""
+    ctx = forkserver()
+    seconds = 4.0
+    out = {n: str(tmp_path / f"{n}.json") for n in ("writer", "reclaim", "list")}
+    writer = ctx.Process(target=ch.restart_loop, name="writer",
+                         args=(shared, "racer", seconds, out["writer"]))
+    writer.start()
+    others = [ctx.Process(target=ch.reclaim_loop, name="reclaim",
+                          args=(shared, "racer", writer.pid, seconds, out["reclaim"])),
+              ctx.Process(target=ch.list_loop, name="list", args=(shared, seconds, out["list"]))]
+    for p in others:
+        p.start()
+    _join([writer] + others)
+    w, r, ls = (_json(out[n]) for n in ("writer", "reclaim", "list"))
+    print(f"race over {seconds} s: writer {w['starts']} starts, {len(w['errors'])} errors; "
+          f"reclaim {r['reclaimed']} removed, {r['in_use']} refused (writer running), "
+          f"{r['absent']} absent, {len(r['tracebacks'])} tracebacks, "
+          f"{len(r['misleading'])} misleading; list {ls['runs']} runs, "
+          f"{len(ls['failures'])} failures")
+    for what, msgs in (("writer", w["errors"]), ("reclaim traceback", r["tracebacks"]),
+                       ("reclaim refusal", r["misleading"]), ("list", ls["failures"])):
+        for kind, n in _kinds(msgs).most_common():
+            print(f"  {what}: {n} x {kind}")
+    assert w["errors"] == [], w["errors"][:5]
+    assert r["tracebacks"] == [], r["tracebacks"][:5]
+    assert r["misleading"] == [], r["misleading"][:5]
+    assert ls["failures"] == [], ls["failures"][:5]
+    assert w["hits"] == w["starts"] > 0
+    assert r["reclaimed"] > 0 and ls["runs"] > 0

@@ -29,6 +29,7 @@ except ImportError as exc:  # the main venv has no sglang
 
 from gdskv.adapters.sglang import GdskvHiCacheStorage  # noqa: E402
 from gdskv.config import ConfigError  # noqa: E402
+from gdskv.namespaces import START_LOCK  # noqa: E402
 
 from sglang_pools import make_host_pool, pool_kind  # noqa: E402
 
@@ -623,7 +624,8 @@ def test_cluster_store_dp_ranks_share_pages(tmp_path):
         try:
             assert dp0.tier.node_id.endswith("-dp0") and dp1.tier.node_id.endswith("-dp1")
             shard = os.path.dirname(dp0.tier.store.directories[0])
-            assert sorted(os.listdir(shard)) == sorted([dp0.tier.node_id, dp1.tier.node_id])
+            assert sorted(os.listdir(shard)) == sorted([START_LOCK, dp0.tier.node_id,
+                                                        dp1.tier.node_id])
             # dp1 reads dp0's pages
             assert controller_hit_query(dp1, first) == NUM_PAGES
             assert controller_prefetch(dp1, first, host_indices_for(dst)) == NUM_PAGES
