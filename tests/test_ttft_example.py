@@ -156,3 +156,33 @@ def test_ttft_bench_tiny_on_cpu(tmp_path):
     assert run["paths"]["restore"]["restored_tokens"] == 48  # whole pages, a token left
     assert run["decode"]["spills_finished"] >= 1
     assert out.stdout.rstrip().splitlines()[-1].split()[-1] == "ok"  # the table comes last
+
+
+def test_ttft_bench_table_and_plot_from_results(tmp_path, capsys):
+    """``--from-json``: the table (and plot) of results written before, two calls' as one."""
+    ttft = pytest.importorskip("ttft")  # bench/experiments, on pytest's pythonpath
+    run = {"tokens": 4096, "dir": "/mnt/x", "medium": {"fs_type": "ext4"},
+           "raw_kvikio": {"gbps": 2.0}, "spill": {"ms": 300.0}, "break_even_gbps": 1.5,
+           "decode": {"slowdown": 1.25},
+           "paths": {"restore": {"ttft_ms": 200.0, "speedup": 2.5, "restore_gbps": 1.8,
+                                 "restore_vs_raw": 0.9, "bit_exact_kv": True,
+                                 "bit_exact_logits": True},
+                     "hit50": {"oom": "OutOfMemoryError()"}}}
+    first = {"device": {"name": "GPU"}, "model": {"name": "m"},
+             "prefill": {"4096": {"ttft_ms": 500.0}}, "runs": [run]}
+    second = {**first, "prefill": {"8192": {"oom": "OutOfMemoryError()"}}, "runs": []}
+    paths = []
+    for i, r in enumerate((first, second)):
+        paths.append(tmp_path / f"{i}.json")
+        paths[-1].write_text(json.dumps(r))
+    png = tmp_path / "ttft.png"
+    assert ttft.main(["--from-json", ",".join(map(str, paths)), "--plot", str(png)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert png.stat().st_size > 1000 if "plot written" in lines[0] else "skipped" in lines[0]
+    assert lines[-5].split() == ["N", "medium", "path", "TTFT", "ms", "speedup", "GB/s", "raw",
+                                 "r/raw", "need", "spill", "ms", "decode", "exact"]
+    assert lines[-4].split()[:4] == ["4096", "-", "prefill", "500.0"]
+    assert lines[-3].split() == ["8192", "-", "prefill", "oom:", "OutOfMemoryError()"]
+    assert lines[-2].split() == ["4096", "ext4:x", "restore", "200.0", "2.50x", "1.80", "2.00",
+                                 "0.90", "1.50", "300.0", "1.25x", "ok"]
+    assert lines[-1].split() == ["4096", "ext4:x", "hit50", "OutOfMemoryError()"]

@@ -36,6 +36,7 @@ bench/results/ with the device and date).
         --json ttft.json --plot ttft.png    # minutes: split --tokens over calls if time is short
     python bench/experiments/ttft.py --quick --dirs /dev/shm/gdskv --json quick.json
     python bench/experiments/ttft.py --device cpu --tiny --tokens 64,128 --dirs /tmp/ttft
+    python bench/experiments/ttft.py --from-json ttft.json --plot ttft.png   # table and plot again
 """
 
 from __future__ import annotations
@@ -553,8 +554,12 @@ def device_info(device: torch.device) -> dict:
 
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--dirs", required=True,
-                    help="store directories, comma separated (e.g. /dev/shm/x,/var/tmp/x)")
+    ap.add_argument("--dirs", help="store directories, comma separated (e.g. "
+                                   "/dev/shm/x,/var/tmp/x)")
+    ap.add_argument("--from-json", metavar="PATH[,PATH...]",
+                    help="run nothing: print the table of results written before, several "
+                         "calls' as one (and --plot them: where matplotlib is, if the GPU "
+                         "machine has none)")
     ap.add_argument("--tokens", type=parse_tokens, default=None,
                     help="prompt lengths, comma separated, 'k' = 1024 (default "
                          "1k,2k,8k,32k,64k,128k; --quick: 2k,8k; --tiny: 64,128)")
@@ -580,6 +585,10 @@ def parse_args(argv):
     ap.add_argument("--json", help="write the result here")
     ap.add_argument("--plot", help="write a PNG of TTFT against N here (needs matplotlib)")
     args = ap.parse_args(argv)
+    if args.from_json:
+        return args
+    if not args.dirs:
+        ap.error("--dirs is required (or --from-json)")
     args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if args.device.type == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA device here (use --device cpu --tiny)")
@@ -608,6 +617,20 @@ def parse_args(argv):
 @torch.no_grad()
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.from_json:
+        result = None
+        for path in args.from_json.split(","):  # several calls' results as one
+            with open(path, encoding="utf-8") as f:
+                part = json.load(f)
+            if result is None:
+                result = part
+            else:
+                result["prefill"].update(part["prefill"])
+                result["runs"] += part["runs"]
+        if args.plot:
+            print(plot(result, args.plot))
+        print(table(result))
+        return 0
     import transformers
     sys.path.insert(0, os.path.join(REPO, "examples"))
     import transformers_prefix_cache as ex  # the code a user copies is the code measured
