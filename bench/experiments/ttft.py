@@ -1,0 +1,743 @@
+"""Time to first token with a real model (issue 49): a prompt's KV restored from gdskv against
+its prefill recomputed.
+
+The model is a Llama-3-8B-shaped transformers model with random weights (``LlamaConfig``, built
+on the GPU, nothing downloaded; ``--tiny``: the 2-layer model of the example, for the CPU). For
+each prompt length N (``--tokens``) and store directory (``--dirs``), every path ends with the
+first token's logits (``logits_to_keep=1``) and a device sync:
+
+  prefill            the N tokens prefilled on an empty cache;
+  restore            the whole pages of the first N-1 tokens restored by
+                     examples/transformers_prefix_cache.py (straight into new cache tensors, no
+                     copy), the last 1..page_size tokens prefilled;
+  restore_pool_copy  the same pages restored into a token-major pool ([layers, tokens, heads,
+                     head_dim], an engine's layout), then copied into the cache: the copy the
+                     other path avoids (not with --quick);
+  hit90, hit50       90 % / 50 % of the prompt's pages restored, the rest prefilled.
+
+The page cache is dropped before every restore (fadvise on the slab files, and
+/proc/sys/vm/drop_caches when root; the JSON says what worked). Per N and directory also: the
+spill's time; raw kvikio reading the very slab extents the restore read (same files, same
+process, kvikio's settings as the tier set them); and a decode of another request (64 steps
+after a 2k-token cache) timed alone and while the N-token prefix is spilled over and over on
+the tier's workers (``put_async``): the decode slowdown.
+
+Correctness, every run: the restored KV bit-identical to the prefill's (``torch.equal`` per
+layer), and the suffix's logits on the restored cache bit-identical to the same suffix on the
+prefill's own cache cut to the restored length. The difference to the full prefill's logits is
+reported apart: it runs other kernels, so it may differ in the last bits (issue 49). Exit
+status 1 if a check fails or a run fails other than by running out of GPU memory (recorded, and
+the next N tried).
+
+Result it produced: not kept as a file yet (written for the GPU machine; its run goes under
+bench/results/ with the device and date).
+
+    python bench/experiments/ttft.py --dirs /dev/shm/gdskv,/var/tmp/gdskv \\
+        --json ttft.json --plot ttft.png    # minutes: split --tokens over calls if time is short
+    python bench/experiments/ttft.py --quick --dirs /dev/shm/gdskv --json quick.json
+    python bench/experiments/ttft.py --device cpu --tiny --tokens 64,128 --dirs /tmp/ttft
+    python bench/experiments/ttft.py --from-json ttft.json --plot ttft.png   # table and plot again
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+
+import torch
+
+from experiment_helpers import REPO
+from gdskv.bench.cache import drop_page_cache, fs_type
+from gdskv.config import TierConfig
+
+FULL_TOKENS = (1024, 2048, 8192, 32768, 65536, 131072)
+QUICK_TOKENS = (2048, 8192)
+#: prompts longer than this are timed once (each sample of a 128k prefill takes seconds)
+REPEAT_UP_TO = 32768
+
+
+def parse_tokens(text: str) -> list[int]:
+    out = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        mult = 1024 if part.endswith("k") else 1
+        try:
+            n = int(part[:-1] if mult > 1 else part) * mult
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--tokens: {part!r} is not a count (e.g. 2k,8192)")
+        if n < 2:
+            raise argparse.ArgumentTypeError(f"--tokens: {n} is under 2 tokens")
+        out.append(n)
+    return out
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(device, fn):
+    """``(fn(), seconds)`` with the device idle before and after."""
+    sync(device)
+    t0 = time.perf_counter()
+    out = fn()
+    sync(device)
+    return out, time.perf_counter() - t0
+
+
+def free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+def llama3_8b(device, max_tokens: int):
+    """Llama-3-8B's shape with random weights, built where it runs (built on the CPU first it
+    took minutes), bf16, sdpa attention."""
+    import transformers
+    config = transformers.LlamaConfig(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+        max_position_embeddings=max(131072, max_tokens), rms_norm_eps=1e-5,
+        tie_word_embeddings=False)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(
+            config, dtype=torch.bfloat16, attn_implementation="sdpa")
+    return model.eval()
+
+
+def medium(path: str) -> dict:
+    """What a store directory sits on: file system type and block device (None for RAM)."""
+    st = os.stat(path)
+    dev = f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+    block = os.path.basename(os.path.realpath(dev)) if os.path.exists(dev) else None
+    return {"dir": path, "fs_type": fs_type(path), "block_device": block}
+
+
+def slab_files(store: str) -> list[str]:
+    return sorted(os.path.join(store, f) for f in os.listdir(store)
+                  if f.startswith("slab-") and f.endswith(".bin"))
+
+
+def tier_config(args, store: str, slot_bytes: int, pages: int) -> TierConfig:
+    """The environment's GDSKV_* settings, with this run's directory, backend and a capacity
+    that holds ``pages`` (plus the stripes lost to rounding: the store uses whole stripes, the
+    same number per slab file)."""
+    base = TierConfig.from_env(directories=(store,), backend=args.backend)
+    if args.tiny:  # a few KiB a page: small stripes and staging
+        base = base.replace(io_chunk_size=1 << 20, staging_size=8 << 20)
+    stripe = max(1, base.io_chunk_size // slot_bytes) * slot_bytes
+    extra = 2 * base.files_per_dir * len(base.directories) * stripe
+    return base.replace(capacity=pages * slot_bytes + extra)
+
+
+def backend_choice(device: torch.device) -> tuple[str, str]:
+    if device.type != "cuda":
+        return "posix", "CPU run: kvikio needs a CUDA device"
+    try:
+        import kvikio  # noqa: F401
+    except ImportError as exc:
+        return "posix", f"kvikio not importable ({exc})"
+    return "kvikio", "kvikio importable and a CUDA device"
+
+
+class Run:
+    """One N: the prompt, its prefill, the references every restore is checked against."""
+
+    def __init__(self, args, ex, model, n: int) -> None:
+        self.args, self.ex, self.model, self.n = args, ex, model, n
+        self.device = args.device
+        page = args.page_size
+        g = torch.Generator().manual_seed(n)
+        self.ids = torch.randint(0, model.config.vocab_size, (1, n), generator=g).to(self.device)
+        self.keys, hash_s = timed(torch.device("cpu"), lambda: ex.page_keys(self.ids, page))
+        self.hash_ms = hash_s * 1e3
+        self.repeats = args.repeat if n <= REPEAT_UP_TO else 1
+        samples = []
+        self.cache = None
+        for _ in range(self.repeats):
+            self.cache = None
+            (self.logits, self.cache), s = timed(self.device, lambda: ex.forward(model, self.ids))
+            samples.append(s * 1e3)
+        self.prefill = {"ttft_ms": statistics.median(samples), "samples_ms": samples}
+        whole = (n - 1) // page  # pages restorable with one token left to prefill
+        self.hits: dict[str, int] = {}
+        self.refs: dict[int, torch.Tensor | dict] = {}
+        if whole == 0:
+            return  # no whole page before the last token: nothing to restore
+        self.hits["restore"] = whole
+        if not args.quick:
+            self.hits["restore_pool_copy"] = whole
+        for name, frac in (("hit90", 0.9), ("hit50", 0.5)):
+            self.hits[name] = max(1, min(whole, round(frac * len(self.keys))))
+        # the references, before any restore: the suffix's logits on the prefill's own cache
+        # cut to each restored length (one at a time: each costs a cache's worth of memory)
+        for pages in sorted(set(self.hits.values())):
+            self.refs[pages] = guarded(lambda: self._reference(pages))
+
+    def _reference(self, pages: int) -> torch.Tensor:
+        t = pages * self.args.page_size
+        cut = self.ex.cache_from([layer.keys[..., :t, :] for layer in self.cache.layers],
+                                 [layer.values[..., :t, :] for layer in self.cache.layers])
+        return self.ex.forward(self.model, self.ids[:, t:], cut)[0]
+
+    def unchecked(self, pages: int) -> dict | None:
+        """Why a restore of ``pages`` pages cannot be checked (its reference failed), or None."""
+        ref = self.refs[pages]
+        return {k: f"reference: {v}" for k, v in ref.items()} if isinstance(ref, dict) else None
+
+    def checks(self, cache, logits: torch.Tensor, pages: int) -> dict:
+        t = pages * self.args.page_size
+        kv = all(torch.equal(a.keys[..., :t, :], b.keys[..., :t, :]) and
+                 torch.equal(a.values[..., :t, :], b.values[..., :t, :])
+                 for a, b in zip(cache.layers, self.cache.layers))
+        diff = (logits.float() - self.logits.float()).abs().max().item()
+        return {"bit_exact_kv": kv, "bit_exact_logits": torch.equal(logits, self.refs[pages]),
+                "vs_full_prefill": {"max_abs_logit_diff": diff,
+                                    "same_argmax": bool(logits.argmax() == self.logits.argmax())}}
+
+
+def drop(paths: list[str], args) -> str:
+    """Drop the page cache of the slab files (and the machine's, unless --drop-caches files)."""
+    return drop_page_cache(paths, machine_wide=args.drop_caches == "machine")["summary"]
+
+
+def restore_path(run: Run, pc, pages: int, store: str) -> dict:
+    """TTFT through the example's PrefixCache.restore (gdskv scatters into the cache's own
+    tensors) and a prefill of the rest."""
+    samples, cache, logits, tokens = [], None, None, 0
+    for _ in range(run.repeats):
+        cache = logits = None
+        dropped = drop(slab_files(store), run.args)
+        sync(run.device)
+        t0 = time.perf_counter()
+        cache, tokens = pc.restore(run.keys[:pages])
+        sync(run.device)
+        t1 = time.perf_counter()
+        logits, cache = run.ex.forward(run.model, run.ids[:, tokens:], cache)
+        sync(run.device)
+        samples.append((t1 - t0, time.perf_counter() - t1))
+    if tokens != pages * run.args.page_size:
+        return {"error": f"restored {tokens} tokens of {pages * run.args.page_size}"}
+    return {**summary(samples, pages, pc.layout.slot_bytes, run), "page_cache": dropped,
+            **run.checks(cache, logits, pages)}
+
+
+def summary(samples, pages: int, slot_bytes: int, run: Run) -> dict:
+    restore_s = statistics.median(s[0] for s in samples)
+    ttft = [sum(s) * 1e3 for s in samples]
+    nbytes = pages * slot_bytes
+    return {"pages": pages, "restored_tokens": pages * run.args.page_size,
+            "prefilled_tokens": run.n - pages * run.args.page_size,
+            "ttft_ms": statistics.median(ttft), "samples_ms": ttft,
+            "restore_ms": restore_s * 1e3,
+            "suffix_ms": statistics.median(s[1] for s in samples) * 1e3,
+            "speedup": run.prefill["ttft_ms"] / statistics.median(ttft),
+            "bytes": nbytes, "restore_gbps": nbytes / restore_s / 1e9}
+
+
+def spill(run: Run, pc) -> dict:
+    stored, s = timed(run.device, lambda: pc.spill(run.keys, run.cache))
+    nbytes = len(run.keys) * pc.layout.slot_bytes
+    if stored != len(run.keys):
+        raise RuntimeError(f"spill stored {stored} of {len(run.keys)} pages")
+    return {"ms": s * 1e3, "gbps": nbytes / s / 1e9, "pages": stored}
+
+
+def raw_kvikio(tier, keys: list[str], args) -> dict:
+    """kvikio ``pread`` of the slab extents holding ``keys`` into one GPU buffer, all at once."""
+    if tier.stats()["backend"] != "kvikio":
+        return {"skipped": f"backend is {tier.stats()['backend']}, not kvikio"}
+    import kvikio
+    handles = tier.pin(keys)
+    try:  # where the pages are (the store's own mapping: these are the bytes get() reads)
+        extents = tier.store.extents(handles)
+        paths = [f.path for f in tier.store.files]
+    finally:
+        tier.unpin(handles)
+    nbytes = sum(e.length for e in extents)
+    buf = torch.empty(nbytes, dtype=torch.uint8, device=tier.device)
+    files = {i: kvikio.CuFile(paths[i], "r") for i in sorted({e.file for e in extents})}
+    try:
+        dropped = drop(paths, args)
+        sync(tier.device)
+        t0 = time.perf_counter()
+        futures = [files[e.file].pread(buf[e.buffer_offset:e.buffer_offset + e.length],
+                                       file_offset=e.file_offset) for e in extents]
+        got = sum(f.get() for f in futures)
+        sync(tier.device)
+        s = time.perf_counter() - t0
+    finally:
+        for f in files.values():
+            f.close()
+    if got != nbytes:
+        raise RuntimeError(f"raw kvikio read {got} of {nbytes} bytes")
+    return {"gbps": nbytes / s / 1e9, "ms": s * 1e3, "bytes": nbytes, "extents": len(extents),
+            "page_cache": dropped}
+
+
+class Decoder:
+    """Another request: a cache of ``context`` tokens, then ``steps`` greedy one-token steps."""
+
+    def __init__(self, ex, model, context: int, steps: int, device) -> None:
+        self.ex, self.model, self.steps, self.device = ex, model, steps, device
+        g = torch.Generator().manual_seed(7)
+        ids = torch.randint(0, model.config.vocab_size, (1, context + 1), generator=g).to(device)
+        _, cache = ex.forward(model, ids[:, :context])
+        self.keys = [layer.keys for layer in cache.layers]
+        self.values = [layer.values for layer in cache.layers]
+        self.first = ids[:, context:]
+        self.loop()  # warm: the kernels of one-token steps
+
+    def loop(self) -> float:
+        cache = self.ex.cache_from(self.keys, self.values)  # (the first step copies, not edits)
+        tok = self.first
+
+        def steps():
+            nonlocal cache, tok
+            for _ in range(self.steps):
+                logits, cache = self.ex.forward(self.model, tok, cache)
+                tok = logits.argmax(-1, keepdim=True)
+        return timed(self.device, steps)[1] * 1e3
+
+
+def decode_slowdown(run: Run, pc, decoder: Decoder) -> dict:
+    """The decode while this N's prefix is evicted and spilled again, over and over, by another
+    thread through ``put_async`` (the tier's workers and stream), against the mean of the same
+    decode alone just before and just after."""
+    before = decoder.loop()
+    pool, slots = pc.pool([layer.keys for layer in run.cache.layers],
+                          [layer.values for layer in run.cache.layers], len(run.keys))
+    stop, started, spills, errors = threading.Event(), threading.Event(), [], []
+
+    def spill_loop():
+        try:
+            while not stop.is_set():
+                pc.tier.evict(run.keys)
+                fut = pc.tier.put_async(run.keys, pool, slots)
+                started.set()
+                t0 = time.perf_counter()
+                ok = sum(fut.result())
+                spills.append((ok, time.perf_counter() - t0))
+        except Exception as exc:  # noqa: BLE001 - reported with the result
+            errors.append(repr(exc))
+        finally:
+            started.set()
+
+    worker = threading.Thread(target=spill_loop, name="ttft-spill")
+    worker.start()
+    started.wait()
+    try:
+        during = decoder.loop()
+    finally:
+        stop.set()
+        worker.join()
+    if errors:
+        raise RuntimeError(f"spill during decode: {errors[0]}")
+    after = decoder.loop()
+    alone = (before + after) / 2
+    return {"steps": decoder.steps, "alone_ms": alone, "alone_before_after_ms": [before, after],
+            "during_spill_ms": during,
+            "slowdown": during / alone, "spills_finished": len(spills),
+            "spill_ms_each": [round(s * 1e3, 2) for _, s in spills],
+            "pages_each": [ok for ok, _ in spills]}
+
+
+def restore_pool_copy(run: Run, args, store: str) -> dict:
+    """The pages in a token-major layout: spilled from a copy of the cache in that layout,
+    restored into a token-major pool and copied into new cache tensors."""
+    from gdskv import KVLayout
+    from gdskv.tier import Tier
+    layers, heads, head_dim = run.ex.kv_geometry(run.model.config)
+    page, dev = args.page_size, run.device
+    layout = KVLayout(num_layers=layers, page_size=page, head_dim=head_dim, kv_heads=heads,
+                      dtype=run.model.dtype, model_name="ttft-token-major")
+    cfg = tier_config(args, store, layout.slot_bytes, len(run.keys))
+    with Tier(layout, cfg, device=dev) as tier:
+        def put():
+            t = len(run.keys) * page
+            pool = tuple(torch.stack([getattr(layer, part)[0, :, :t].transpose(0, 1)
+                                      for layer in run.cache.layers])
+                         for part in ("keys", "values"))
+            return sum(tier.put(run.keys, pool, torch.arange(t, device=dev)))
+        stored, spill_s = timed(dev, put)
+        if stored != len(run.keys):
+            raise RuntimeError(f"spill stored {stored} of {len(run.keys)} pages")
+        pages = run.hits["restore_pool_copy"]
+        t = pages * page
+        samples, cache, logits = [], None, None
+        for _ in range(run.repeats):
+            cache = logits = None
+            dropped = drop(slab_files(store), run.args)
+            sync(dev)
+            t0 = time.perf_counter()
+            pool = tuple(torch.empty(layers, t, heads, head_dim, dtype=run.model.dtype,
+                                     device=dev) for _ in range(2))
+            hits = tier.get(run.keys[:pages], pool, torch.arange(t, device=dev))
+            cache = run.ex.cache_from(*([part[i].transpose(0, 1).unsqueeze(0).contiguous()
+                                         for i in range(layers)] for part in pool))
+            del pool
+            sync(dev)
+            t1 = time.perf_counter()
+            logits, cache = run.ex.forward(run.model, run.ids[:, t:], cache)
+            sync(dev)
+            samples.append((t1 - t0, time.perf_counter() - t1))
+            if not all(hits):
+                return {"error": f"restored {sum(hits)} of {pages} pages"}
+    return {**summary(samples, pages, layout.slot_bytes, run), "page_cache": dropped,
+            "spill_ms": spill_s * 1e3, **run.checks(cache, logits, pages)}
+
+
+def run_medium(run: Run, args, base: str, decoder: Decoder | None) -> dict:
+    """Every restore path of one N from one store directory."""
+    out: dict = {"tokens": run.n, "dir": base, "paths": {}}
+    store = tempfile.mkdtemp(prefix="gdskv-ttft-", dir=base)
+    try:
+        layout = run.ex.cache_layout(run.model.config, args.page_size, run.model.dtype)
+        cfg = tier_config(args, store, layout.slot_bytes, len(run.keys))
+        with run.ex.PrefixCache(run.model.config, cfg, page_size=args.page_size,
+                                dtype=run.model.dtype, device=run.device,
+                                model_name="ttft-llama") as pc:
+            stats = pc.tier.stats()
+            out["backend"] = {k: stats[k] for k in ("backend", "gpu_direct", "o_direct",
+                                                    "o_direct_reason", "backend_detail")}
+            out["spill"] = spill(run, pc)
+            pc.restore(run.keys[:1])  # warm: this pool shape's first call
+            for name, pages in run.hits.items():
+                if name != "restore_pool_copy":
+                    out["paths"][name] = run.unchecked(pages) or guarded(
+                        lambda: restore_path(run, pc, pages, store))
+            whole = run.keys[:run.hits["restore"]]
+            out["raw_kvikio"] = guarded(lambda: raw_kvikio(pc.tier, whole, args))
+            if decoder is not None:
+                out["decode"] = guarded(lambda: decode_slowdown(run, pc, decoder))
+        shutil.rmtree(store)
+        if "restore_pool_copy" in run.hits:
+            store = tempfile.mkdtemp(prefix="gdskv-ttft-", dir=base)
+            out["paths"]["restore_pool_copy"] = run.unchecked(run.hits["restore_pool_copy"]) or \
+                guarded(lambda: restore_pool_copy(run, args, store))
+    finally:
+        shutil.rmtree(store, ignore_errors=True)
+    raw = out.get("raw_kvikio", {}).get("gbps")
+    for name, p in out["paths"].items():
+        if "restore_gbps" in p and raw:
+            p["restore_vs_raw"] = p["restore_gbps"] / raw
+    b = out["paths"].get("restore", {})
+    if "suffix_ms" in b and run.prefill["ttft_ms"] > b["suffix_ms"]:
+        # the restore bandwidth (everything before the suffix's prefill) at which TTFT would
+        # equal the prefill's: docs/ttft.md
+        headroom_s = (run.prefill["ttft_ms"] - b["suffix_ms"]) / 1e3
+        out["break_even_gbps"] = b["bytes"] / headroom_s / 1e9
+    return out
+
+
+def guarded(fn):
+    """``fn()``, or a dict of what stopped it: out of GPU memory (expected at the largest N) or
+    an error."""
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001 - recorded, the run goes on
+        record = {"oom" if is_oom(exc) else "error": repr(exc)[:500]}
+        if "error" in record:
+            record["traceback"] = traceback.format_exc()[-2000:]
+    free_memory()
+    return record
+
+
+def _num(value, spec: str, suffix: str = "") -> str:
+    return "-" if value is None else format(value, spec) + suffix
+
+
+def table(result: dict) -> str:
+    """The short table: a row per N x directory x path ("need": the restore GB/s at which TTFT
+    equals the prefill's, docs/ttft.md)."""
+    cols = ("N", "medium", "path", "TTFT ms", "speedup", "GB/s", "raw", "r/raw", "need",
+            "spill ms", "decode", "exact")
+    rows = [[n, "-", "prefill", _num(p["ttft_ms"], ".1f"), "1.00x"] + ["-"] * 6 + ["ref"]
+            if "ttft_ms" in p else [n, "-", "prefill", "; ".join(f"{k}: {v}" for k, v in
+                                                                p.items())[:70]]
+            for n, p in result["prefill"].items()]
+    for m in result["runs"]:
+        where = [m["tokens"], m["medium"]["fs_type"] + ":" + os.path.basename(m["dir"].rstrip("/"))]
+        if "error" in m or "oom" in m:
+            rows.append(where + ["-", (m.get("oom") or m.get("error"))[:70]])
+        for name, p in m.get("paths", {}).items():
+            if "ttft_ms" not in p:
+                rows.append(where + [name, (p.get("oom") or p.get("error") or "?")[:70]])
+                continue
+            rows.append(where + [
+                name, _num(p["ttft_ms"], ".1f"), _num(p["speedup"], ".2f", "x"),
+                _num(p["restore_gbps"], ".2f"), _num(m.get("raw_kvikio", {}).get("gbps"), ".2f"),
+                _num(p.get("restore_vs_raw"), ".2f"),
+                _num(m.get("break_even_gbps") if name == "restore" else None, ".2f"),
+                _num(p.get("spill_ms", m.get("spill", {}).get("ms")), ".1f"),
+                _num(m.get("decode", {}).get("slowdown"), ".2f", "x"),
+                "ok" if p["bit_exact_kv"] and p["bit_exact_logits"] else "FAIL"])
+    full = [cols] + [r for r in rows if len(r) == len(cols)]
+    widths = [max(len(str(r[i])) for r in full) for i in range(len(cols))]
+
+    def line(r) -> str:
+        cells = [str(v).ljust(w) if i in (1, 2) else str(v).rjust(w)
+                 for i, (v, w) in enumerate(zip(r, widths))]
+        if len(r) < len(cols):  # a failure: N, medium and path, then why
+            cells[-1] = str(r[-1])
+        return " ".join(cells)
+    return "\n".join(line(r) for r in [cols] + rows)
+
+
+def plot(result: dict, path: str) -> str:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        return f"plot skipped: matplotlib not importable ({exc})"
+    fig, ax = plt.subplots(figsize=(8, 5))
+    pre = sorted((int(n), p["ttft_ms"]) for n, p in result["prefill"].items() if "ttft_ms" in p)
+    if pre:
+        ax.plot(*zip(*pre), "k-o", label="prefill")
+    series: dict[tuple[str, str], list] = {}
+    for m in result["runs"]:
+        where = f"{m['medium']['fs_type']} {m['dir']}"
+        for name, p in m.get("paths", {}).items():
+            if "ttft_ms" in p:
+                series.setdefault((name, where), []).append((m["tokens"], p["ttft_ms"]))
+    # a colour per path, a line style per store directory
+    colours = {name: f"C{i}" for i, name in enumerate(dict.fromkeys(n for n, _ in series))}
+    styles = {w: s for w, s in zip(dict.fromkeys(w for _, w in series), ("-", "--", ":", "-."))}
+    for (name, where), points in series.items():
+        ax.plot(*zip(*sorted(points)), marker=".", color=colours[name],
+                linestyle=styles.get(where, "-"), label=f"{name} ({where})")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("prompt tokens N")
+    ax.set_ylabel("time to first token (ms)")
+    ax.set_title(f"TTFT: restore from gdskv vs prefill ({result['device']['name']}, "
+                 f"{result['model']['name']})", fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return f"plot written to {path}"
+
+
+def git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                             cwd=REPO, timeout=10)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def device_info(device: torch.device) -> dict:
+    if device.type != "cuda":
+        return {"name": "cpu", "type": "cpu"}
+    p = torch.cuda.get_device_properties(device)
+    return {"name": p.name, "type": "cuda", "memory_gib": round(p.total_memory / 2**30, 1)}
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--dirs", help="store directories, comma separated (e.g. "
+                                   "/dev/shm/x,/var/tmp/x)")
+    ap.add_argument("--from-json", metavar="PATH[,PATH...]",
+                    help="run nothing: print the table of results written before, several "
+                         "calls' as one (and --plot them: where matplotlib is, if the GPU "
+                         "machine has none)")
+    ap.add_argument("--tokens", type=parse_tokens, default=None,
+                    help="prompt lengths, comma separated, 'k' = 1024 (default "
+                         "1k,2k,8k,32k,64k,128k; --quick: 2k,8k; --tiny: 64,128)")
+    ap.add_argument("--quick", action="store_true",
+                    help="2k and 8k tokens, one sample, 16 decode steps, no restore_pool_copy")
+    ap.add_argument("--device", default=None, help="cuda (default where there is one) or cpu")
+    ap.add_argument("--tiny", action="store_true",
+                    help="the example's 2-layer model (for the CPU) instead of Llama-3-8B's shape")
+    ap.add_argument("--page-size", type=int, default=16, help="tokens a page (default 16)")
+    ap.add_argument("--repeat", type=int, default=3,
+                    help=f"samples a measurement, median reported (N > {REPEAT_UP_TO}: one)")
+    ap.add_argument("--decode-context", type=int, default=None,
+                    help="the decoding request's cache (default 2048; --tiny 32)")
+    ap.add_argument("--decode-steps", type=int, default=None,
+                    help="decode steps timed (default 64; --quick 16)")
+    ap.add_argument("--no-decode", action="store_true", help="skip the decode-slowdown runs")
+    ap.add_argument("--drop-caches", choices=("machine", "files"), default=None,
+                    help="before each read: 'files' = fadvise(DONTNEED) on the slab files; "
+                         "'machine' = that and 1 into /proc/sys/vm/drop_caches (root; the "
+                         "default, except with --tiny)")
+    ap.add_argument("--backend", default=None,
+                    help="gdskv backend (default kvikio where importable on a GPU, else posix)")
+    ap.add_argument("--json", help="write the result here")
+    ap.add_argument("--plot", help="write a PNG of TTFT against N here (needs matplotlib)")
+    args = ap.parse_args(argv)
+    if args.from_json:
+        return args
+    if not args.dirs:
+        ap.error("--dirs is required (or --from-json)")
+    args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.device.type == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA device here (use --device cpu --tiny)")
+    if args.device.type == "cpu" and not args.tiny:
+        ap.error("--device cpu takes --tiny: Llama-3-8B's shape is for the GPU")
+    if args.page_size < 1:
+        ap.error(f"--page-size must be >= 1, got {args.page_size}")
+    if args.repeat < 1:
+        ap.error(f"--repeat must be >= 1, got {args.repeat}")
+    for option, path in (("--json", args.json), ("--plot", args.plot)):
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            ap.error(f"{option} {path}: its directory does not exist")
+    args.dirs = [d for d in (p.strip() for p in args.dirs.split(",")) if d]
+    if not args.dirs:
+        ap.error("--dirs: no directory given")
+    if args.tokens is None:
+        args.tokens = [64, 128] if args.tiny else list(QUICK_TOKENS if args.quick else FULL_TOKENS)
+    if args.quick:
+        args.repeat = 1
+    args.drop_caches = args.drop_caches or ("files" if args.tiny else "machine")
+    args.decode_context = args.decode_context or (32 if args.tiny else 2048)
+    args.decode_steps = args.decode_steps or (16 if args.quick else 64)
+    return args
+
+
+@torch.no_grad()
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.from_json:
+        result = None
+        for path in args.from_json.split(","):  # several calls' results as one
+            with open(path, encoding="utf-8") as f:
+                part = json.load(f)
+            if result is None:
+                result = part
+            else:
+                result["prefill"].update(part["prefill"])
+                result["runs"] += part["runs"]
+        if args.plot:
+            print(plot(result, args.plot))
+        print(table(result))
+        return 0
+    import transformers
+    sys.path.insert(0, os.path.join(REPO, "examples"))
+    import transformers_prefix_cache as ex  # the code a user copies is the code measured
+
+    backend, why = backend_choice(args.device)
+    args.backend = args.backend or backend
+    if args.tiny:
+        model = ex.tiny_llama(args.device, torch.float32)
+        name = "tiny-llama-2-layer"
+    else:
+        model = llama3_8b(args.device, max(args.tokens))
+        name = "llama3-8b-shape-random"
+    try:  # the example's layout takes page_size x kv_heads rows a page: refused before the runs
+        ex.cache_layout(model.config, args.page_size, model.dtype)
+    except ValueError as exc:
+        raise SystemExit(f"--page-size: {exc}")
+    layers, heads, head_dim = ex.kv_geometry(model.config)
+    kv_token = 2 * layers * heads * head_dim * model.dtype.itemsize
+    media = []
+    for d in args.dirs:
+        os.makedirs(d, exist_ok=True)
+        media.append(medium(d))
+    result = {"experiment": "ttft", "date": time.strftime("%Y-%m-%d"), "commit": git_commit(),
+              "device": device_info(args.device), "torch": torch.__version__,
+              "transformers": transformers.__version__,
+              "model": {"name": name, "layers": layers, "kv_heads": heads, "head_dim": head_dim,
+                        "dtype": str(model.dtype), "kv_bytes_per_token": kv_token,
+                        "attn": getattr(model.config, "_attn_implementation", None)},
+              "page_size": args.page_size, "backend_asked": args.backend,
+              "drop_caches": args.drop_caches,
+              "backend_because": why, "media": media, "repeat": args.repeat,
+              "quick": args.quick, "prefill": {}, "runs": []}
+    # one-time costs out of the timings: kernels of a prefill, a cached prefill, a decode step
+    _, warm = ex.forward(model, torch.zeros(1, 256, dtype=torch.long, device=args.device))
+    ex.forward(model, torch.zeros(1, 16, dtype=torch.long, device=args.device), warm)
+    del warm
+    decoder = None if args.no_decode else Decoder(ex, model, args.decode_context,
+                                                  args.decode_steps, args.device)
+    too_big = None
+    for n in args.tokens:
+        key = str(n)
+        if too_big is not None and n > too_big:
+            result["prefill"][key] = {"oom": f"skipped: the prefill of {too_big} ran out of memory"}
+            continue
+        if args.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(args.device)
+        run = None
+        try:
+            run = Run(args, ex, model, n)
+        except Exception as exc:  # noqa: BLE001 - recorded; larger N are skipped after an OOM
+            result["prefill"][key] = {"oom" if is_oom(exc) else "error": repr(exc)[:500]}
+            if is_oom(exc):
+                too_big = n
+        if run is None:
+            free_memory()
+            continue
+        result["prefill"][key] = {**run.prefill, "hash_ms": run.hash_ms, "pages": len(run.keys)}
+        if not run.hits:
+            result["prefill"][key]["note"] = "no whole page before the last token: no restore"
+        for d, m in zip(args.dirs if run.hits else (), media):
+            entry = guarded(lambda: run_medium(run, args, d, decoder))
+            entry.setdefault("tokens", n)
+            entry.setdefault("dir", d)
+            result["runs"].append({**entry, "medium": m})
+            print(f"N={n} {d}: " + ", ".join(
+                f"{k} {p['ttft_ms']:.1f} ms" if "ttft_ms" in p else f"{k} failed"
+                for k, p in entry.get("paths", {}).items()), flush=True)
+        if args.device.type == "cuda":
+            result["prefill"][key]["peak_gpu_gib"] = round(
+                torch.cuda.max_memory_allocated(args.device) / 2**30, 2)
+        del run
+        free_memory()
+        settle(result, args.json, complete=False)  # what is done survives a killed run
+    settle(result, args.json, complete=True)
+    notes = [plot(result, args.plot)] if args.plot else []
+    backends = {m["backend"]["backend"] for m in result["runs"] if "backend" in m}
+    compat = {str(m["backend"]["backend_detail"].get("compat_mode")) for m in result["runs"]
+              if m.get("backend", {}).get("backend") == "kvikio"}
+    print("\n".join(notes))
+    print(f"\n{result['device']['name']}, {name}, transformers {transformers.__version__}, "
+          f"backend {'/'.join(sorted(backends)) or args.backend} (kvikio compat mode: "
+          f"{'/'.join(sorted(compat)) or '-'}), {args.page_size}-token pages; page cache: "
+          + "; ".join(f"{m['dir']}: {m.get('paths', {}).get('restore', {}).get('page_cache', '?')}"
+                      for m in result["runs"][:len(args.dirs)]))
+    print(table(result))
+    for label, bad in (("NOT BIT-EXACT", result["not_bit_exact"]), ("ERRORS", result["errors"])):
+        if bad:
+            print(f"{label}: " + "; ".join(bad))
+    return 1 if result["not_bit_exact"] or result["errors"] else 0
+
+
+def settle(result: dict, path: str | None, *, complete: bool) -> None:
+    """Name the failed checks and the errors (out of memory is neither), and write the JSON."""
+    result["not_bit_exact"] = [
+        f"N={m['tokens']} {m['dir']} {name}" for m in result["runs"]
+        for name, p in m.get("paths", {}).items()
+        if "ttft_ms" in p and not (p["bit_exact_kv"] and p["bit_exact_logits"])]
+    result["errors"] = [f"prefill N={n}" for n, p in result["prefill"].items() if "error" in p]
+    for m in result["runs"]:
+        parts = [("", m)] + list(m.get("paths", {}).items()) + [
+            ("raw_kvikio", m.get("raw_kvikio", {})), ("decode", m.get("decode", {}))]
+        result["errors"] += [f"N={m['tokens']} {m['dir']} {k}".rstrip() for k, p in parts
+                             if "error" in p]
+    result["complete"] = complete
+    if path:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=1)
+
+if __name__ == "__main__":
+    raise SystemExit(main())

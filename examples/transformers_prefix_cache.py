@@ -1,0 +1,229 @@
+"""A prefix cache for a transformers model: spill a prompt's KV after its prefill, and for the
+next request with the same prefix restore it and prefill only the rest.
+
+Pages are ``page_size`` tokens of every layer, named by the chained hash of their token ids, so
+two prompts that share a prefix share its pages (keys). ``PrefixCache`` hands the model's own
+cache tensors to gdskv, in both directions, with no copy of the KV:
+
+- transformers' ``DynamicCache`` keeps each layer's K and V as ``[1, kv_heads, seq, head_dim]``:
+  rows of ``head_dim`` elements, head by head. gdskv moves rows addressed by slot, so a layer is
+  handed over as a view ``[kv_heads * seq, 1, head_dim]`` (one head of ``head_dim`` per row), and
+  a gdskv page holds, for each layer and head, the page's ``page_size`` tokens: the tier's
+  ``KVLayout`` has ``page_size * kv_heads`` rows of one head per page.
+- ``restore`` allocates the new cache's tensors, has gdskv scatter the pages straight into them
+  and gives them to a ``DynamicCache`` as they are. (The first forward on that cache copies it
+  once, as every ``DynamicCache`` does when it grows.)
+
+Runs anywhere: on a GPU with the kvikio backend, on CPU with the POSIX one (a tiny random model,
+nothing downloaded). A real model goes the same way: ``AutoModelForCausalLM.from_pretrained``.
+
+    python examples/transformers_prefix_cache.py [--dir /mnt/nvme0/gdskv] [--tokens 2048]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import hashlib
+import inspect
+import tempfile
+import time
+
+import numpy as np
+import torch
+import transformers
+
+from gdskv import KVLayout, TierConfig
+from gdskv.layout import MAX_PAGE_SIZE
+from gdskv.memory import cuda_available
+from gdskv.tier import Tier
+
+
+def kv_geometry(config) -> tuple[int, int, int]:
+    """(layers, KV heads, head_dim) of a decoder's attention KV, from its config."""
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return config.num_hidden_layers, heads, head_dim
+
+
+def page_keys(token_ids, page_size: int) -> list[str]:
+    """Chained SHA-256 of each whole page of token ids: equal prefixes give equal keys."""
+    ids = np.asarray(token_ids.cpu() if isinstance(token_ids, torch.Tensor) else token_ids,
+                     dtype=np.int64).reshape(-1)
+    keys, prev = [], b""
+    for start in range(0, len(ids) - page_size + 1, page_size):
+        prev = hashlib.sha256(prev + ids[start:start + page_size].tobytes()).digest()
+        keys.append(prev.hex())
+    return keys
+
+
+def cache_from(keys: list[torch.Tensor], values: list[torch.Tensor]) -> transformers.DynamicCache:
+    """A ``DynamicCache`` holding these per-layer ``[1, heads, seq, head_dim]`` tensors
+    themselves (``DynamicCache.update`` would copy them)."""
+    cache = transformers.DynamicCache()
+    for layer, (k, v) in enumerate(zip(keys, values)):
+        cache.update(k[..., :0, :], v[..., :0, :], layer)  # makes the layer: dtype, device
+        cache.layers[layer].keys, cache.layers[layer].values = k, v
+    return cache
+
+
+@functools.lru_cache(maxsize=None)
+def cache_argument(model_class: type) -> str:
+    """What ``forward`` calls the cache: ``cache`` since transformers 5.2x (it warns on the old
+    name), ``past_key_values`` before."""
+    params = inspect.signature(model_class.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def forward(model, ids: torch.Tensor, cache=None):
+    """Prefill ``ids`` (``[1, n]``) after ``cache``: the last position's logits and the cache.
+    Only the last position's logits are computed (a 128k vocabulary times every position would
+    cost more than the rest)."""
+    out = model(input_ids=ids, use_cache=True, logits_to_keep=1,
+                **({cache_argument(type(model)): cache} if cache is not None else {}))
+    cache = out.get("cache")
+    return out.logits[:, -1], out.get("past_key_values") if cache is None else cache
+
+
+def cache_layout(model_config, page_size: int, dtype: torch.dtype,
+                 model_name: str = "") -> KVLayout:
+    """The tier's layout for a model's cache: a page is ``page_size`` tokens of every layer and
+    head, stored as ``page_size * kv_heads`` rows of one head each (see the module's text)."""
+    layers, heads, head_dim = kv_geometry(model_config)
+    if page_size * heads > MAX_PAGE_SIZE:
+        raise ValueError(f"page_size {page_size} x {heads} KV heads is over gdskv's "
+                         f"{MAX_PAGE_SIZE} rows a page: use page_size <= {MAX_PAGE_SIZE // heads}")
+    return KVLayout(num_layers=layers, page_size=page_size * heads, head_dim=head_dim,
+                    kv_heads=1, dtype=dtype, model_name=model_name or model_config.model_type)
+
+
+class PrefixCache:
+    """Whole-page prompt prefixes of one model in a gdskv tier."""
+
+    def __init__(self, model_config, tier_config: TierConfig, *, page_size: int = 16,
+                 dtype: torch.dtype, device, model_name: str = "") -> None:
+        self.num_layers, self.heads, self.head_dim = kv_geometry(model_config)
+        self.page_size = page_size
+        self.layout = cache_layout(model_config, page_size, dtype, model_name)
+        self.tier = Tier(self.layout, tier_config, device=device)
+
+    def page_keys(self, token_ids) -> list[str]:
+        return page_keys(token_ids, self.page_size)
+
+    def pool(self, keys: list[torch.Tensor], values: list[torch.Tensor], pages: int):
+        """The tier's view of per-layer ``[1, heads, seq, head_dim]`` K and V tensors and the
+        slots of their first ``pages`` pages: ``(kv_pool, token_slots)``."""
+        seq = keys[0].shape[-2]
+        if keys[0].shape[0] != 1:
+            raise ValueError(f"one sequence at a time: the cache holds a batch of "
+                             f"{keys[0].shape[0]}")
+        if pages * self.page_size > seq:
+            raise ValueError(f"{pages} pages of {self.page_size} tokens: the cache holds {seq}")
+        # (a cache cut short by crop() is a view: .contiguous() copies it, else it is a no-op)
+        rows = tuple([t.contiguous().view(self.heads * seq, 1, self.head_dim) for t in part]
+                     for part in (keys, values))
+        device = keys[0].device
+        # page p, row i = head * page_size + token: slot head * seq + p * page_size + token
+        per_page = (torch.arange(self.heads, device=device)[:, None] * seq
+                    + torch.arange(self.page_size, device=device)[None, :]).reshape(-1)
+        starts = torch.arange(pages, device=device)[:, None] * self.page_size
+        return rows, (starts + per_page[None, :]).reshape(-1)
+
+    def spill(self, keys: list[str], cache) -> int:
+        """Store the cache's first ``len(keys)`` pages under ``keys``; how many were stored
+        (pages already stored count)."""
+        pool, slots = self.pool([layer.keys for layer in cache.layers],
+                                [layer.values for layer in cache.layers], len(keys))
+        return sum(self.tier.put(keys, pool, slots))
+
+    def restore(self, keys: list[str]):
+        """The longest stored prefix of ``keys`` as a new ``DynamicCache``: ``(cache, tokens)``,
+        ``(None, 0)`` when the first page is not stored."""
+        pages = self.tier.match_prefix(keys)
+        if pages == 0:
+            return None, 0
+        shape = (1, self.heads, pages * self.page_size, self.head_dim)
+        ks = [torch.empty(shape, dtype=self.layout.torch_dtype, device=self.tier.device)
+              for _ in range(self.num_layers)]
+        vs = [torch.empty_like(k) for k in ks]
+        hits = self.tier.get(keys[:pages], *self.pool(ks, vs, pages))
+        # a page lost since match_prefix (evicted, failed its checksum) ends the prefix there
+        pages = hits.index(False) if False in hits else pages
+        if pages == 0:
+            return None, 0
+        tokens = pages * self.page_size
+        cache = cache_from([k[..., :tokens, :] for k in ks], [v[..., :tokens, :] for v in vs])
+        return cache, tokens
+
+    def close(self) -> None:
+        self.tier.close()
+
+    def __enter__(self) -> "PrefixCache":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def tiny_llama(device, dtype):
+    """A 2-layer random Llama (nothing downloaded): fast on CPU."""
+    config = transformers.LlamaConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=8192)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
+
+
+@torch.no_grad()
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dir", help="store directory (default: a temporary one)")
+    ap.add_argument("--tokens", type=int, default=200, help="shared prefix length (default 200)")
+    args = ap.parse_args()
+    device = torch.device("cuda" if cuda_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = tiny_llama(device, dtype)
+
+    g = torch.Generator().manual_seed(1)
+    prefix = torch.randint(0, model.config.vocab_size, (1, args.tokens), generator=g)
+    first = torch.cat([prefix, torch.randint(0, 512, (1, 37), generator=g)], 1).to(device)
+    second = torch.cat([prefix, torch.randint(0, 512, (1, 21), generator=g)], 1).to(device)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        config = TierConfig.from_env(directories=(args.dir or tmp,), capacity="256MiB")
+        with PrefixCache(model.config, config, dtype=dtype, device=device) as prefixes:
+            # Request 1: prefill it all, answer, then spill its whole pages.
+            _, cache = forward(model, first)
+            stored = prefixes.spill(prefixes.page_keys(first), cache)
+            print(f"request 1: prefilled {first.shape[1]} tokens, spilled {stored} pages")
+
+            # Request 2 shares the prefix: restore what is stored, leaving at least one token
+            # to prefill (the model must compute the last position to answer).
+            t0 = time.perf_counter()
+            keys = prefixes.page_keys(second)[:(second.shape[1] - 1) // prefixes.page_size]
+            restored, reused = prefixes.restore(keys)
+            logits, _ = forward(model, second[:, reused:], restored)
+            ms = (time.perf_counter() - t0) * 1e3
+            print(f"request 2: restored {reused} tokens, prefilled {second.shape[1] - reused}, "
+                  f"first token {int(logits.argmax())} in {ms:.1f} ms")
+
+            # The same suffix on request 1's own cache, cut to the restored length, gives the
+            # same logits bit for bit. (Not a full prefill: other kernels, other roundings.)
+            kept = cache_from([layer.keys[..., :reused, :] for layer in cache.layers],
+                              [layer.values[..., :reused, :] for layer in cache.layers])
+            same_kv = all(torch.equal(a.keys[..., :reused, :], b.keys[..., :reused, :]) and
+                          torch.equal(a.values[..., :reused, :], b.values[..., :reused, :])
+                          for a, b in zip(restored.layers, cache.layers))
+            reference, _ = forward(model, second[:, reused:], kept)
+            print(f"restored KV bit-exact: {same_kv}; "
+                  f"logits bit-exact: {torch.equal(logits, reference)}")
+            s = prefixes.tier.stats()
+            print(f"backend {s['backend']} (gpu_direct {s['gpu_direct']}), "
+                  f"{s['pages_stored']} pages stored")
+
+
+if __name__ == "__main__":
+    main()
