@@ -24,7 +24,6 @@ status: 0 done, 1 verify found bad pages, 2 bad input or a store that cannot be 
 from __future__ import annotations
 
 import argparse
-import fcntl
 import json
 import os
 import random
@@ -37,7 +36,7 @@ from . import checksum
 from .config import ConfigError, TierConfig, check_node_id
 from .layout import BytePageLayout, KVLayout, PageLayout
 from .store import (JOURNAL, LOCK, MANIFEST, MANIFEST_COPY, StoreError, is_store_file,
-                    load_manifest, manifest_geometry)
+                    load_manifest, manifest_geometry, open_regular, take_writer_locks)
 from .tier import Tier
 
 
@@ -131,13 +130,16 @@ class _Progress:
 
 # -- subcommands -----------------------------------------------------------------------------
 def _lock_holder(directory: str) -> int | None:
-    """pid holding the store's writer lock now (from /proc/locks), None if nobody."""
+    """pid holding one of the store's writer locks (gdskv.lock, a slab file) now, from
+    /proc/locks (this host only); None if nobody."""
     try:
-        ino = os.stat(os.path.join(directory, LOCK)).st_ino
+        inodes = {f":{os.stat(os.path.join(directory, n)).st_ino}"
+                  for n in os.listdir(directory) if n == LOCK or n.startswith("slab-")}
         with open("/proc/locks") as f:
             for line in f:
                 parts = line.split()
-                if len(parts) > 5 and parts[1] == "FLOCK" and parts[5].endswith(f":{ino}"):
+                if len(parts) > 5 and parts[1] == "FLOCK" and \
+                        any(parts[5].endswith(ino) for ino in inodes):
                     return int(parts[4])
     except OSError:
         return None
@@ -178,7 +180,7 @@ def cmd_ls(args) -> tuple[dict, int]:
 
 def _read_slot(tier: Tier, slot: int) -> bytes:
     f, off = tier.store.location(slot)
-    fd = os.open(tier.store.files[f].path, os.O_RDONLY | os.O_CLOEXEC)
+    fd = open_regular(tier.store.files[f].path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         return os.pread(fd, tier.layout.page_bytes, off)
     finally:
@@ -283,25 +285,6 @@ def _confirm(args, what: str, effect: str, question: str) -> None:
         raise UsageError(f"{what} not confirmed: nothing changed")
 
 
-def _take_writer_locks(directories: Sequence[str]) -> list[int] | None:
-    """The writer locks of a store, taken (flock, which NFS and parallel file systems carry to
-    other hosts), or None when a writer holds one: it runs, here or on another node."""
-    fds: list[int] = []
-    for d in directories:
-        path = os.path.join(d, LOCK)
-        if not os.path.exists(path):
-            continue  # never opened by a writer
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-        fds.append(fd)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            for f in fds:
-                os.close(f)
-            return None
-    return fds
-
-
 def _release(fds: Sequence[int]) -> None:
     for fd in fds:
         os.close(fd)
@@ -315,7 +298,7 @@ def cmd_cluster_list(args) -> tuple[dict, int]:
         dirs = _namespace(roots, name)
         if not all(os.path.isdir(d) for d in dirs) or name.startswith("."):
             continue
-        locks = _take_writer_locks(dirs)
+        locks = take_writer_locks(dirs)
         entry = {"node": name, "writer_running": locks is None}
         if locks is not None:
             _release(locks)
@@ -344,7 +327,7 @@ def cmd_cluster_reclaim(args) -> tuple[dict, int]:
     if foreign:
         raise UsageError(f"namespace {node!r} holds files gdskv did not make: "
                          f"{', '.join(foreign)}; move them away first (nothing removed)")
-    locks = _take_writer_locks(dirs)
+    locks = take_writer_locks(dirs)
     if locks is None:
         raise UsageError(f"node {node!r}'s namespace is in use: its writer lock is held (pid "
                          f"{_lock_holder(dirs[0]) or 'on another host'}); stop that engine "

@@ -28,6 +28,8 @@ from typing import NamedTuple
 
 import crc32c
 
+from .store import open_regular
+
 log = logging.getLogger("gdskv.journal")
 
 _HEAD = struct.Struct("<II")
@@ -265,7 +267,8 @@ class JournalFollower:
     def _reopen(self) -> None:
         self._drop()
         self.resets += 1
-        self._fd = os.open(self.path, os.O_RDONLY | _OPEN_FLAGS)
+        # (no blocking: a FIFO in the journal's place is refused, not waited on)
+        self._fd = open_regular(self.path, os.O_RDONLY | _OPEN_FLAGS)
         self._ino = os.fstat(self._fd).st_ino
         self.offset, self._last = 0, b""
 
