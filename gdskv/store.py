@@ -505,11 +505,13 @@ class SlabStore:
             self.replaced_files = {i for i, (a, b) in enumerate(zip(had, inodes)) if a != b}
             if self.replaced_files:
                 log.warning("slab files %s were replaced since the store was last open (inode "
-                            "changed): their pages are dropped",
+                            "changed: a copied or restored store, or a file put in place): "
+                            "their pages are kept only where their slot trailers prove them",
                             [self.files[i].path for i in sorted(self.replaced_files)])
         elif not self.created:
-            self.replaced_files = set(range(len(inodes)))  # unknown identity: trust nothing
-            log.warning("store manifest has no slab file identities: recovered pages dropped")
+            self.replaced_files = set(range(len(inodes)))  # unknown identity: prove all
+            log.warning("store manifest has no slab file identities: pages are kept only "
+                        "where their slot trailers prove them")
         self.store_id = int(self._stored[0]["store_id"], 16) if self._stored else \
             int.from_bytes(os.urandom(8), "little")
         self._inodes = inodes

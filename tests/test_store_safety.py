@@ -232,22 +232,28 @@ def test_store_file_replaced_by_symlink_is_refused(tmp_path, name):
     assert victim.read_bytes() == b"precious"
 
 
-def test_slab_file_replaced_by_other_file(tmp_path, caplog):
-    """A slab file swapped for another regular file (here a byte-identical copy: checksums alone
-    could not tell) is detected by its inode: its pages are dropped, the others stay."""
+@pytest.mark.parametrize("content", ["copy", "zeros"])
+def test_slab_file_replaced_by_other_file(tmp_path, caplog, content):
+    """A slab file swapped for another regular file is detected by its inode; its pages are
+    kept only where its slot trailers prove them: a byte-identical copy (a restore) keeps them
+    all, a file of zeros none; the other file's pages stay either way."""
     cfg = small_config(tmp_path)
     keys = [f"i{i}" for i in range(24)]
     with Tier(LAYOUT, cfg, device="cpu") as tier:
         assert all(put(tier, keys))
         where = {k: slot_location(tier, k)[0] for k in keys}
     path = str(tmp_path / "slab-000.bin")
-    shutil.copyfile(path, path + ".new")
+    if content == "copy":
+        shutil.copyfile(path, path + ".new")
+    else:
+        with open(path + ".new", "wb") as f:
+            f.truncate(os.path.getsize(path))
     os.chmod(path + ".new", 0o600)
     os.replace(path + ".new", path)
     with caplog.at_level(logging.WARNING, logger="gdskv.store"):
         with Tier(LAYOUT, cfg, device="cpu") as tier:
             assert tier.store.replaced_files == {0}
-            kept = {k for k in keys if where[k] != path}
+            kept = set(keys) if content == "copy" else {k for k in keys if where[k] != path}
             assert set(ready_keys(tier)) == kept
             assert check_pages(tier, keys)["hits"] == len(kept)
             assert all(put(tier, keys))
