@@ -36,7 +36,7 @@ from . import checksum, namespaces
 from .config import ConfigError, TierConfig, check_node_id
 from .layout import BytePageLayout, KVLayout, PageLayout
 from .store import (JOURNAL, LOCK, MANIFEST, MANIFEST_COPY, StoreError, load_manifest,
-                    manifest_geometry)
+                    manifest_geometry, open_regular)
 from .tier import Tier
 
 
@@ -145,9 +145,13 @@ class _Progress:
 
 # -- subcommands -----------------------------------------------------------------------------
 def _lock_holder(directory: str) -> int | None:
-    """pid holding the store's writer lock now (on this host), None if nobody."""
+    """pid holding one of the store's writer locks now (gdskv.lock or a slab file, which a
+    writer keeps locked too; this host only), None if nobody."""
+    pids: set[int] = set()
     try:
-        pids = namespaces.lock_holders(os.stat(os.path.join(directory, LOCK)))
+        for name in os.listdir(directory):
+            if name == LOCK or name.startswith("slab-"):
+                pids |= namespaces.lock_holders(os.stat(os.path.join(directory, name)))
     except OSError:
         return None
     return min(pids) if pids else None
@@ -187,7 +191,7 @@ def cmd_ls(args) -> tuple[dict, int]:
 
 def _read_slot(tier: Tier, slot: int) -> bytes:
     f, off = tier.store.location(slot)
-    fd = os.open(tier.store.files[f].path, os.O_RDONLY | os.O_CLOEXEC)
+    fd = open_regular(tier.store.files[f].path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         return os.pread(fd, tier.layout.page_bytes, off)
     finally:

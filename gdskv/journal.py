@@ -28,6 +28,8 @@ from typing import NamedTuple
 
 import crc32c
 
+from .store import open_regular
+
 log = logging.getLogger("gdskv.journal")
 
 _HEAD = struct.Struct("<II")
@@ -195,6 +197,39 @@ def _next_record(data: bytes, pos: int) -> int | None:
     return None
 
 
+class History(NamedTuple):
+    """What a journal says beyond its live pages, to judge the slot trailers it does not name
+    (:func:`gdskv.header_scan.merge`): the newest EVICT seq of each slot and of each key (an
+    older trailer there, or of that key, is a page it saw go), and ``base``, the lowest seq it
+    holds (0: unknown). Every rewrite gives the live pages fresh seqs above all in use, so a
+    trailer below ``base`` is a page that was not live at the last rewrite."""
+    evicted_slots: dict[int, int]
+    evicted_keys: dict[Hashable, int]
+    base: int
+
+    def may_adopt(self, rec: Record) -> bool:
+        """Whether a page found in a slot trailer is newer than all this journal knows of its
+        slot and key."""
+        return rec.seq >= self.base and rec.seq > self.evicted_slots.get(rec.slot, 0) and \
+            rec.seq > self.evicted_keys.get(rec.key, 0)
+
+
+def history(records: Sequence[Record], starts_intact: bool = True) -> History:
+    """The :class:`History` of a journal's ``records`` (in file order); ``starts_intact``:
+    its first record was read (else its lowest seq is unknown)."""
+    slots: dict[int, int] = {}
+    keys: dict[Hashable, int] = {}
+    evict = RecordKind.EVICT
+    for rec in records:
+        if rec.kind is evict:
+            if rec.seq > slots.get(rec.slot, 0):
+                slots[rec.slot] = rec.seq
+            if rec.seq > keys.get(rec.key, 0):
+                keys[rec.key] = rec.seq
+    base = min((r.seq for r in records), default=0) if starts_intact else 0
+    return History(slots, keys, base)
+
+
 def live_records(records: Iterable[Record]) -> dict[Hashable, Record]:
     """Live pages by key after applying ``records`` in file order."""
     live: dict[Hashable, Record] = {}
@@ -265,7 +300,8 @@ class JournalFollower:
     def _reopen(self) -> None:
         self._drop()
         self.resets += 1
-        self._fd = os.open(self.path, os.O_RDONLY | _OPEN_FLAGS)
+        # (no blocking: a FIFO in the journal's place is refused, not waited on)
+        self._fd = open_regular(self.path, os.O_RDONLY | _OPEN_FLAGS)
         self._ino = os.fstat(self._fd).st_ino
         self.offset, self._last = 0, b""
 
@@ -291,10 +327,10 @@ class Journal:
         self._size = os.fstat(self._fd).st_size  # end of the last whole, durable append
         self._broken: OSError | None = None
         #: byte ranges the last replay skipped as damaged (rewritten away by the owner), the
-        #: bytes of torn tail it cut, and (after damage) the newest EVICT seq of each slot
+        #: bytes of torn tail it cut, and what its records say of pages gone (:class:`History`)
         self.damaged: list[tuple[int, int]] = []
         self.torn = 0
-        self.evicted: dict[int, int] = {}
+        self.history = History({}, {}, 0)
 
     def replay(self) -> tuple[dict[Hashable, Record], int]:
         """Live pages by key after applying every valid record; cuts a torn tail.
@@ -314,11 +350,8 @@ class Journal:
             log.warning("journal %s: ignoring %d bytes of torn or corrupt tail after %d records",
                         self.path, len(data) - valid, len(records))
             os.ftruncate(self._fd, valid)
-        if self.damaged or self.torn:  # what a header scan must not bring back
-            evict = RecordKind.EVICT
-            for rec in records:
-                if rec.kind is evict and rec.seq > self.evicted.get(rec.slot, 0):
-                    self.evicted[rec.slot] = rec.seq
+        # what a header scan must not bring back
+        self.history = history(records, not self.damaged or self.damaged[0][0] > 0)
         self._size = valid
         live = live_records(records)
         # seqs are taken before the append lock, so file order is not seq order: take the max

@@ -30,7 +30,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 from .store import (JOURNAL, LOCK, MANIFEST, MANIFEST_COPY, StoreError, StoreLockedError,
-                    is_store_file)
+                    is_store_file, take_writer_locks)
 
 START_LOCK = ".gdskv-cluster.lock"
 #: how long a starting writer waits for a listing or reclaim to end (they hold the start lock
@@ -236,23 +236,34 @@ class _Namespace:
                 os.close(fd)
         self.fd = None
 
-    def take_writer_lock(self) -> int | None:
-        """This copy's writer lock, taken (its descriptor); None when a writer holds it."""
-        if LOCK not in self.files:
-            return -1  # never opened by a writer: nothing to take
-        fd = _open_lock_file(LOCK, dir_fd=self.fd)
+    def take_writer_locks(self) -> list[int] | None:
+        """This copy's writer locks (its gdskv.lock and slab files, which a writer keeps
+        locked too, so one whose lock file was removed still counts), taken: their
+        descriptors; None when a writer holds one."""
+        fds: list[int] = []
+        for name in self.files:
+            if name != LOCK and not name.startswith("slab-"):
+                continue
+            fd = _open_lock_file(name, dir_fd=self.fd)
+            if not self._flock(fd):
+                os.close(fd)
+                release(fds)
+                return None
+            fds.append(fd)
+        return fds
+
+    def _flock(self, fd: int) -> bool:
         for _ in range(2):
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return fd
+                return True
             except BlockingIOError:
                 # none seen here: its holder may have exited since (no writer of this node
                 # starts while the start lock is held), so one more try tells
                 self.holders = lock_holders(os.fstat(fd))
                 if self.holders:
-                    break
-        os.close(fd)
-        return None
+                    return False
+        return False
 
     def remove(self) -> tuple[int, int]:
         """Remove the checked files and the directory: (files removed, bytes freed)."""
@@ -335,17 +346,14 @@ def writers_running(roots: Sequence[str], names: Sequence[str]) -> dict[str, boo
 def _writer_lock_held(roots: Sequence[str], name: str) -> bool | None:
     for root in roots:
         try:
-            fd = _open_lock_file(os.path.join(root, name, LOCK))
+            fds = take_writer_locks([os.path.join(root, name)])
         except FileNotFoundError:
-            continue  # never opened by a writer there (or removed meanwhile)
+            continue  # removed meanwhile
         except OSError:
             return None  # e.g. not this user's: cannot be told from here
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        if fds is None:
             return True
-        finally:
-            os.close(fd)
+        release(fds)
     return False
 
 
@@ -365,13 +373,12 @@ def reclaim(roots: Sequence[str], node: str) -> dict:
     try:
         copies = _open_namespace(roots, node)
         for c in copies:
-            fd = c.take_writer_lock()
-            if fd is None:
+            fds = c.take_writer_locks()
+            if fds is None:
                 raise StoreLockedError(
                     f"node {node!r}'s namespace is in use: its writer lock is held by "
                     f"{_describe(c.holders)}; stop that engine process first (nothing removed)")
-            if fd >= 0:
-                locks.append(fd)
+            locks.extend(fds)
         removed = freed = 0
         for c in copies:
             n, b = c.remove()

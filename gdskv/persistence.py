@@ -3,11 +3,31 @@
 A writer tier journals a COMMIT for every page it makes READY and an EVICT for every page it
 drops. At open, recovery replays the journal into the directory; when the journal holds far
 more records than live pages, compaction rewrites it to one COMMIT per live page (at open and
-at close). A read-only follower never writes the journal: it loads the writer's journal the same
-way at open, then catches up with what the writer appended since, starting over when the writer
-compacted (or cut) it. Recovery and catch-up keep the same records: a slot this store has, in a
-slab file not replaced since, checksummed with an algorithm this process can verify, and the
-newest COMMIT per slot (an EVICT lost in a crash: the newer commit owns the slot).
+at close), each with a fresh sequence number above all in use. A read-only follower never
+writes the journal: it loads the writer's journal the same way at open, then catches up with
+what the writer appended since, starting over when the writer compacted (or cut) it. Recovery
+and catch-up keep the same records: a slot this store has, checksummed with an algorithm this
+process can verify, and the newest COMMIT per slot (an EVICT lost in a crash: the newer commit
+owns the slot).
+
+Where the journal cannot vouch for every page, recovery asks the slot trailers
+(:mod:`.header_scan`), and a trailer is taken only where the journal knows nothing newer of its
+slot or key (:class:`~gdskv.journal.History`): a page the journal saw evicted stays evicted, and
+per key the newest sequence number in the whole store wins.
+
+- A journal missing, damaged or torn, or a scan asked for (``gdskv rebuild``): every slot's
+  trailer is read.
+- Slab files with another inode than the manifest recorded (a copied, moved-by-copy or restored
+  store, ``docs/backup.md``): their trailers are read; a journal page there is kept only where
+  the trailer in its slot names the same key and checksum.
+- A journal cut at a record boundary decodes whole. So a writer's recovery reads the trailers
+  of the slots its allocator would have handed out after the journal's last record, the lowest
+  free ones (batch after batch while they hold pages newer than the journal), and of the
+  oldest live pages (the first that LRU reuses). Pages newer than the journal there are writes
+  that were in flight when the writer died or commits the journal lost: up to a staging
+  buffer's worth are taken when their payloads verify now; more than that, or any over a page
+  the journal calls live, or free slots running out before the pages do, means the journal is
+  shorter than the trailers prove, and every trailer is read.
 """
 
 from __future__ import annotations
@@ -22,8 +42,8 @@ import numpy as np
 from . import checksum, header_scan
 from .config import Eviction, SyncPolicy, TierConfig
 from .directory import PageDirectory
-from .journal import (Encoded, Journal, JournalFollower, Record, RecordKind, encode_commits,
-                      live_records)
+from .journal import (Encoded, History, Journal, JournalFollower, Record, RecordKind,
+                      encode_commits, history, live_records)
 from .stats import TierStats
 from .store import SlabStore
 
@@ -31,6 +51,8 @@ log = logging.getLogger("gdskv.persistence")
 
 #: compaction runs when the journal holds more than 2 x live pages + this many records
 COMPACT_SLACK = 1024
+#: slots whose trailers a writer's recovery reads at a time past the journal's end
+TAIL_BATCH = 256
 
 
 class PersistentDirectory:
@@ -59,6 +81,8 @@ class PersistentDirectory:
             self._journal_lost = not store.created and not os.path.exists(store.journal_path)
             self.journal = Journal(store.journal_path, sync=config.sync == SyncPolicy.DATA)
         self._verify = bool(config.verify)
+        # pages that can be written but not yet journaled at once (staged writes in flight)
+        self._in_flight = max(TAIL_BATCH, config.staging_size // store.slot_bytes)
         try:
             self._recover()
         except BaseException:
@@ -70,18 +94,34 @@ class PersistentDirectory:
         t0 = time.perf_counter()
         if self.read_only:  # never cut, rewrite or compact the writer's journal
             _, records = self.journal.poll()
-            live, nrec = live_records(records), len(records)
+            live, nrec, known = live_records(records), len(records), history(records)
         else:
             live, nrec = self.journal.replay()
-        scanned = not self.read_only and (self._force_scan or self._journal_lost or
-                                          self.journal.damaged or self.journal.torn)
-        if scanned:
-            live = self._scan(live)
-        recovered = self._servable(live.values(), self.store.replaced_files)
+            known = self.journal.history
+        replaced = set(self.store.replaced_files)
+        files: set[int] | None = None  # slab files whose trailers are read (None: all)
+        why, adopted = None, False
+        recovered = self._servable(live.values())
+        if not self.read_only and (self._force_scan or self._journal_lost or
+                                   self.journal.damaged or self.journal.torn):
+            why = "the journal is missing" if self._journal_lost else \
+                "the journal was damaged" if self.journal.damaged or self.journal.torn else \
+                "a header scan was asked for"
+        elif not self.read_only and not self.store.created and self._verify and \
+                len(replaced) < len(self.store.files):
+            live, why, adopted = self._check_tail(live, recovered, known)
+        if why is None and replaced:
+            why = (f"slab files {sorted(replaced)} were replaced since the store was last open "
+                   "(a copy or restore)")
+            files = replaced
+        if why is not None:
+            live = self._scan(live, known, why, files, replaced)
+        if why is not None or adopted:
+            recovered = self._servable(live.values())
         self._load(self.directory, recovered)
-        if scanned:
-            # the damage would be met again at every open: one clean journal from now on
-            self._rewrite(recovered, "after the header scan")
+        if not self.read_only and (why is not None or adopted):
+            # what was found would be looked for again at every open: one journal that has it
+            self._rewrite(recovered, "after reading slot trailers")
         elif not self.read_only and nrec > 2 * len(recovered) + COMPACT_SLACK:
             self._rewrite(recovered, "at open")
         self._stats.add(recovered_pages=len(recovered),
@@ -90,36 +130,88 @@ class PersistentDirectory:
             log.info("gdskv: recovered %d pages from %s in %.3f s", len(recovered),
                      self.journal.path, time.perf_counter() - t0)
 
-    def _scan(self, live: dict) -> dict:
-        """Live pages after a header scan of every slot (the journal cannot vouch for all)."""
-        why = "the journal is missing" if self._journal_lost else \
-            "the journal was damaged" if self.journal.damaged or self.journal.torn else \
-            "a header scan was asked for"
+    def _scan(self, live: dict, known: History, why: str, files: set[int] | None,
+              replaced: set[int]) -> dict:
+        """Live pages after reading the slot trailers of slab ``files`` (None: all of them);
+        a journal page in a ``replaced`` file is kept only where its slot's trailer agrees."""
         if not self._verify:  # trailers' checksums are 0 and reads would not verify anyway
             log.warning("gdskv: %s, but verify=false: pages the journal does not name are not "
-                        "rebuilt from slot trailers (their payloads cannot be checked)", why)
-            return live
+                        "taken from slot trailers (their payloads cannot be checked)%s", why,
+                        "; the journal's pages in the replaced files are dropped"
+                        if replaced else "")
+            return {k: r for k, r in live.items() if not self._in(r, replaced)}
         t0 = time.perf_counter()
-        scanned = header_scan.scan(self.store, self._scan_progress)
+        scanned = header_scan.scan(self.store, self._scan_progress, files)
+        if replaced:
+            found = {r.slot: r for r in scanned}
+            live = {k: r for k, r in live.items()
+                    if not self._in(r, replaced) or _agrees(found.get(r.slot), r)}
         # new pages must get seqs above every trailer's, or the next scan would prefer old ones
-        self.journal.seq = max(self.journal.seq, max((r.seq for r in scanned), default=0))
-        merged = header_scan.merge(live, self.journal.evicted, scanned)
+        self._raise_seq(scanned)
+        merged = header_scan.merge(live, known, scanned)
         adopted = sum(1 for k, rec in merged.items() if live.get(k) is not rec)
         seconds = time.perf_counter() - t0
         self._stats.add(header_scan_seconds=seconds, header_scan_pages=adopted)
+        nslots = header_scan.slots_in_file(self.store) * \
+            (len(self.store.files) if files is None else len(files))
         log.warning("gdskv: %s: header scan of %d slots in %.2f s took %d pages from slot "
-                    "trailers beside the journal's %d", why, self.store.num_slots, seconds,
-                    adopted, len(live))
+                    "trailers beside the journal's %d", why, nslots, seconds, adopted, len(live))
         return merged
 
-    def _servable(self, live: Iterable[Record], replaced: set[int]) -> list[Record]:
+    def _in(self, rec: Record, files: set[int]) -> bool:
+        """Whether ``rec``'s slot lies in one of slab ``files``."""
+        return bool(files) and rec.slot < self.store.num_slots and \
+            self.store.location(rec.slot)[0] in files
+
+    def _raise_seq(self, records: Iterable[Record]) -> None:
+        if not self.read_only:
+            self.journal.seq = max(self.journal.seq, max((r.seq for r in records), default=0))
+
+    def _check_tail(self, live: dict, recovered: list[Record],
+                    known: History) -> tuple[dict, str | None, bool]:
+        """(live, why every trailer must be read or None, whether pages were taken): the
+        journal's end checked against the trailers of the slots a writer uses first after it
+        (the module docstring says how). ``recovered``: the journal's servable pages, oldest
+        first."""
+        num = self.store.num_slots
+        by_slot = {r.slot: r for r in recovered[:TAIL_BATCH]}
+        over = [t for t in header_scan.read_trailers(self.store, by_slot)
+                if t.seq > by_slot[t.slot].seq and known.may_adopt(t)]
+        if over:
+            return live, (f"the journal is shorter than the slot trailers show ({len(over)} of "
+                          "its live pages were overwritten after its last record)"), False
+        taken = np.zeros(num, dtype=bool)
+        taken[np.fromiter((r.slot for r in recovered), dtype=np.int64, count=len(recovered))] = \
+            True
+        free = np.flatnonzero(~taken)  # in the order the allocator hands them out
+        found: list[Record] = []
+        for pos in range(0, len(free), TAIL_BATCH):
+            news = [t for t in header_scan.read_trailers(self.store, free[pos:pos + TAIL_BATCH])
+                    if known.may_adopt(t) and (t.key not in live or t.seq > live[t.key].seq)]
+            if not news:
+                break
+            found += news
+            if len(found) > self._in_flight:
+                return live, (f"the journal is shorter than the slot trailers show (more than "
+                              f"{self._in_flight} pages written after its last record)"), False
+        if not found:
+            return live, None, False
+        whole = header_scan.payload_matches(self.store, found)
+        self._raise_seq(found)
+        self._stats.add(journal_tail_pages=len(whole))
+        log.warning("gdskv: %d pages written after the journal's last record (writes in flight "
+                    "when the writer stopped, or records the journal lost) found in their slot "
+                    "trailers: %d taken (payload verified), %d not whole", len(found),
+                    len(whole), len(found) - len(whole))
+        return header_scan.merge(live, known, whole), None, True
+
+    def _servable(self, live: Iterable[Record]) -> list[Record]:
         """The live COMMITs this store can serve, the newest one per slot, oldest first (LRU
         order)."""
         by_slot: dict[int, Record] = {}
         unknown = 0
         for rec in live:
-            if rec.slot >= self.store.num_slots or \
-                    (replaced and self.store.location(rec.slot)[0] in replaced):
+            if rec.slot >= self.store.num_slots:
                 continue
             if not checksum.known(rec.algorithm):  # cannot be verified: a miss, not a risk
                 unknown += 1
@@ -176,17 +268,18 @@ class PersistentDirectory:
         if self.read_only or not force and self.journal.records_written <= \
                 2 * len(self.directory) + COMPACT_SLACK:
             return
-        entries = self.directory.ready_entries()
-        # fresh seqs above every one in use: a header scan must still find the journal's
-        # records newer than any trailer they outlived
-        seqs = self.next_seqs(len(entries))
-        self._rewrite([Record(RecordKind.COMMIT, seq, slot, csum, algo, key) for seq,
-                       (key, slot, csum, algo) in zip(seqs, entries)],
+        self._rewrite([Record(RecordKind.COMMIT, 0, slot, csum, algo, key)
+                       for key, slot, csum, algo in self.directory.ready_entries()],
                       "on request" if force else "at close")
 
     def _rewrite(self, records: list[Record], when: str) -> None:
+        """Replace the journal with ``records`` (live COMMITs, oldest first), each given a
+        fresh seq above every one in use: a header scan must still find them newer than any
+        trailer they outlived, and any trailer below the first of them is a page that was not
+        live now (:class:`~gdskv.journal.History`'s ``base``)."""
+        seqs = self.next_seqs(len(records))
         try:
-            self.journal.rewrite(records)
+            self.journal.rewrite([r._replace(seq=seq) for r, seq in zip(records, seqs)])
         except OSError as exc:  # e.g. ENOSPC: the long journal is still valid
             log.warning("gdskv: journal compaction %s failed: %s", when, exc)
 
@@ -203,7 +296,7 @@ class PersistentDirectory:
             return 0
         if reset:  # the writer compacted (or restarted and cut) its journal: start over
             directory = PageDirectory(self.store.num_slots, evict=False, follower=True)
-            self._load(directory, self._servable(live_records(records).values(), set()))
+            self._load(directory, self._servable(live_records(records).values()))
             self.directory = directory
             self._stats.add(follower_resets=1, follower_records=len(records))
             return len(records)
@@ -229,3 +322,10 @@ class PersistentDirectory:
 
     def close(self) -> None:
         self.journal.close()
+
+
+def _agrees(trailer: Record | None, rec: Record) -> bool:
+    """Whether a slot's trailer names the page a journal record puts there (seqs may differ:
+    a rewrite renumbers the journal's)."""
+    return trailer is not None and (trailer.key, trailer.checksum, trailer.algorithm) == \
+        (rec.key, rec.checksum, rec.algorithm)

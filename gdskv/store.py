@@ -6,9 +6,12 @@ over all drives. Global slot ``g`` lives in stripe ``g // stripe_slots``; stripe
 files. Files are opened with O_DIRECT where the file system takes it; where it is refused the
 store goes on buffered and says so (``direct_reason`` and one log line), never silently.
 
-One process owns a store at a time: an exclusive ``flock`` on ``<dir>/gdskv.lock``; a second
-opener gets :class:`StoreLockedError` (no shared mode: the directory and journal live in one
-process's memory). The lock goes with the process, so a killed owner leaves no stale lock.
+One process owns a store at a time: an exclusive ``flock`` on ``<dir>/gdskv.lock`` and on each
+slab file it keeps open; a second opener gets :class:`StoreLockedError` (no shared mode: the
+directory and journal live in one process's memory), saying whether the owner is this process
+or another. The slab files' locks keep a second writer out even when ``gdskv.lock`` was removed
+or replaced under the owner, which then stops acknowledging puts (:meth:`removed_files`). The
+locks go with the process, so a killed owner leaves no stale lock.
 Read-only followers (``config.read_only``) take no lock and create, preallocate or rewrite
 nothing: they open an existing store's slab files O_RDONLY (other processes' tiers, e.g. the TP
 ranks of an MLA model that do not write, reading the one writer's pages).
@@ -18,10 +21,12 @@ created 0600 and opened with O_NOFOLLOW. The store creates no directories; the g
 (symlinks are followed, e.g. to a mount point, and the resolved path is used from then on) must
 belong to this user or root (someone else's directory is refused) and gets a warning when
 others may write to it. A store file that is a symlink, not a regular file or owned by another
-user is refused (:class:`StoreError`): writing through it could clobber a file elsewhere. The
-manifest records each slab file's inode; a slab file replaced since (restored from a copy,
-deleted and recreated) keeps the store usable but its pages are dropped at recovery
-(``replaced_files``), and every page is checksummed on read anyway.
+user is refused (:class:`StoreError`): writing through it could clobber a file elsewhere; it is
+opened without blocking (:func:`open_regular`), so a FIFO there is refused, not waited on. The
+manifest records each slab file's inode; a slab file with another inode since (a copied or
+restored store, a file replaced) is listed in ``replaced_files``, and recovery keeps its pages
+only where their slot trailers prove them (:mod:`.persistence`, ``docs/backup.md``); every page is
+checksummed on read anyway.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import mmap
 import os
 import re
 import stat
+import threading
 from collections.abc import Iterable, Sequence
 
 import crc32c
@@ -68,7 +74,14 @@ class StoreMismatchError(StoreError):
 
 
 class StoreLockedError(StoreError):
-    """Another process has the store open."""
+    """Another process (or another tier of this one) has the store open."""
+
+
+#: (st_dev, st_ino) of each store file whose lock a store of this process holds, and the pid
+#: that took it (a forked child holds no lock of its own): says "in this process" when a
+#: second open meets it
+_HELD: dict[tuple[int, int], int] = {}
+_HELD_LOCK = threading.Lock()
 
 
 class SlabStore:
@@ -84,6 +97,8 @@ class SlabStore:
         self.directories = [self._check_dir(d, self.read_only) for d in config.directories]
         _check_distinct(config.directories, self.directories)
         self._lock_fds: list[int] = []
+        self._lock_paths: list[str] = []
+        self._held: list[tuple[int, int]] = []  # the _HELD entries this store made
         self.files: list[SlabFile] = []
         self.created = False
         self._created_paths: list[str] = []   # what a creation made: removed if it fails
@@ -294,7 +309,10 @@ class SlabStore:
 
     def removed_files(self) -> list[str]:
         """Slab files unlinked (deleted or renamed away) while open: their pages live only
-        until this process closes them, so new writes to them would be lost."""
+        until this process closes them, so new writes to them would be lost. And lock files
+        no longer at their path (removed, or another file there): a second writer could lock
+        that path and open the store (its slab files' locks still refuse it, but the owner
+        cannot tell a new writer elsewhere from none)."""
         out = []
         for f in self.files:
             try:
@@ -303,6 +321,13 @@ class SlabStore:
                 gone = True
             if gone:
                 out.append(f.path)
+        for path, fd in zip(self._lock_paths, self._lock_fds):
+            try:
+                gone = os.stat(path, follow_symlinks=False).st_ino != os.fstat(fd).st_ino
+            except OSError:
+                gone = True
+            if gone:
+                out.append(path)
         return out
 
     # -- files ---------------------------------------------------------------------------------
@@ -336,14 +361,35 @@ class SlabStore:
             self._created_paths.append(path)
         fd = _open_store_file(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC)
         try:
+            self._hold(fd, directory, LOCK)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._lock_paths.append(path)
+        return fd
+
+    def _hold(self, fd: int, directory: str, name: str) -> None:
+        """Lock store file ``fd`` (``name`` in ``directory``) for this store, or raise
+        StoreLockedError saying who holds it."""
+        st = os.fstat(fd)
+        ident = (st.st_dev, st.st_ino)
+        try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
-            os.close(fd)
-            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                raise StoreLockedError(f"store {directory!r} is open in another process "
-                                       "(lock held on gdskv.lock)") from None
-            raise
-        return fd
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise
+            with _HELD_LOCK:
+                here = _HELD.get(ident) == os.getpid()
+            why = "" if name == LOCK else \
+                f"; {LOCK} there was removed or replaced under its owner"
+            raise StoreLockedError(
+                f"store {directory!r} is open in this process (another Tier or SlabStore of "
+                f"this process holds {name}: close it first, or share that one)" if here else
+                f"store {directory!r} is open in another process (lock held on {name}{why})"
+            ) from None
+        with _HELD_LOCK:
+            _HELD[ident] = os.getpid()
+        self._held.append(ident)
 
     def _open_files(self, direct: DirectIO, preallocate: bool) -> None:
         self.direct = direct != DirectIO.OFF
@@ -352,6 +398,16 @@ class SlabStore:
             d = self.directories[i % len(self.directories)]
             path = os.path.join(d, f"slab-{i // len(self.directories):03d}.bin")
             fd, is_direct, reason = self._open_one(path, direct, preallocate)
+            if not self.read_only:
+                # The writer locks its slab files too: a second writer stays out even after
+                # gdskv.lock was removed. (Where flock is carried as a POSIX lock, NFS, closing
+                # another descriptor of the file in this process releases it: gdskv.lock
+                # remains the lock there.)
+                try:
+                    self._hold(fd, d, os.path.basename(path))
+                except BaseException:
+                    os.close(fd)
+                    raise
             if self.direct and not is_direct:
                 self.direct, self.direct_reason = False, reason
                 log.warning("O_DIRECT refused on %s (%s): using buffered I/O", path, reason)
@@ -397,7 +453,9 @@ class SlabStore:
             reason = "O_DIRECT not offered by this OS"
         else:
             try:
-                dfd = os.open(path, (flags & ~os.O_CREAT) | odirect)
+                # (no blocking: if a FIFO took the file's place meanwhile, the inode test
+                # below refuses it)
+                dfd = _blocking(os.open(path, (flags & ~os.O_CREAT) | odirect | os.O_NONBLOCK))
             except OSError as exc:
                 reason = f"open(O_DIRECT) failed: {exc.strerror}"
             else:
@@ -426,9 +484,14 @@ class SlabStore:
             except OSError:
                 pass
         self.files = []
+        with _HELD_LOCK:
+            for ident in self._held:
+                _HELD.pop(ident, None)
+        self._held = []
         for fd in self._lock_fds:
             os.close(fd)  # closing the fd drops the flock
         self._lock_fds = []
+        self._lock_paths = []
 
     @property
     def journal_path(self) -> str:
@@ -442,11 +505,13 @@ class SlabStore:
             self.replaced_files = {i for i, (a, b) in enumerate(zip(had, inodes)) if a != b}
             if self.replaced_files:
                 log.warning("slab files %s were replaced since the store was last open (inode "
-                            "changed): their pages are dropped",
+                            "changed: a copied or restored store, or a file put in place): "
+                            "their pages are kept only where their slot trailers prove them",
                             [self.files[i].path for i in sorted(self.replaced_files)])
         elif not self.created:
-            self.replaced_files = set(range(len(inodes)))  # unknown identity: trust nothing
-            log.warning("store manifest has no slab file identities: recovered pages dropped")
+            self.replaced_files = set(range(len(inodes)))  # unknown identity: prove all
+            log.warning("store manifest has no slab file identities: pages are kept only "
+                        "where their slot trailers prove them")
         self.store_id = int(self._stored[0]["store_id"], 16) if self._stored else \
             int.from_bytes(os.urandom(8), "little")
         self._inodes = inodes
@@ -492,7 +557,7 @@ def load_manifest(path: str) -> dict:
     """A manifest that parses and matches its checksum, else StoreMismatchError saying why."""
     _check_store_file(path)
     try:
-        with open(os.open(path, os.O_RDONLY | os.O_CLOEXEC | _NOFOLLOW), "rb") as fh:
+        with open(open_regular(path, os.O_RDONLY | os.O_CLOEXEC), "rb") as fh:
             have = json.load(fh)
     except (OSError, ValueError) as exc:
         raise StoreMismatchError(f"unreadable store manifest {path}: {exc}") from exc
@@ -513,6 +578,38 @@ def is_store_file(name: str) -> bool:
     base = name[:-len(".tmp")] if name.endswith(".tmp") else name
     return base in (MANIFEST, MANIFEST_COPY, JOURNAL, LOCK, CREATING) or \
         _SLAB_NAME.fullmatch(name) is not None
+
+
+def take_writer_locks(directories: Sequence[str]) -> list[int] | None:
+    """The locks a writer of the store in ``directories`` holds (its ``gdskv.lock`` and slab
+    files), taken here: their descriptors (close them to let go), or None when one is held, by
+    a writer running here or on another node (flock, which NFS and parallel file systems carry
+    to other hosts). Files not there, symlinks and what is not a regular file are skipped: no
+    writer opens, so none holds, them."""
+    fds: list[int] = []
+
+    def release() -> None:
+        for fd in fds:
+            os.close(fd)
+
+    try:
+        for d in directories:
+            for name in sorted(os.listdir(d)):
+                if name != LOCK and not _SLAB_NAME.fullmatch(name):
+                    continue
+                try:
+                    fds.append(open_regular(os.path.join(d, name), os.O_RDWR | os.O_CLOEXEC))
+                except (FileNotFoundError, StoreError):
+                    continue
+                try:
+                    fcntl.flock(fds[-1], fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    release()
+                    return None
+    except BaseException:
+        release()
+        raise
+    return fds
 
 
 def read_manifest(directory: str) -> dict:
@@ -561,21 +658,58 @@ def _check_distinct(given: Sequence[str], resolved: Sequence[str]) -> None:
         seen[(st.st_dev, st.st_ino)] = name
 
 
-def _open_store_file(path: str, flags: int) -> int:
-    """Open a store file (creating it 0600); refuse symlinks, non-regular files, other owners."""
+_FILE_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+               (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+               (stat.S_ISBLK, "a block device"), (stat.S_ISLNK, "a symlink"))
+
+
+def _not_regular(path: str, mode: int) -> StoreError:
+    kind = next((name for test, name in _FILE_KINDS if test(mode)), "not a plain file")
+    return StoreError(f"store file {path!r} is not a regular file ({kind}): refusing it; "
+                      "remove it, or put the store's own file back")
+
+
+def _blocking(fd: int) -> int:
+    """``fd`` with O_NONBLOCK cleared (it only kept a FIFO's open from waiting)."""
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    return fd
+
+
+def open_regular(path: str, flags: int, mode: int = 0o600) -> int:
+    """Open ``path`` (``flags``; created ``mode`` with O_CREAT) if it is a regular file, else
+    StoreError naming what it is: symlinks are not followed (ELOOP), and a FIFO or device there
+    is refused at once, never waited on (opened O_NONBLOCK, checked, then made blocking). What
+    every open of a store file by name goes through (the store, its CLI, cluster listings)."""
     try:
-        fd = os.open(path, flags | _NOFOLLOW, 0o600)
+        fd = os.open(path, flags | _NOFOLLOW | os.O_NONBLOCK, mode)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise StoreError(errno.ELOOP, f"store file {path!r} is a symlink: refusing to "
-                             "write through it") from None
+                             "use it") from None
+        try:  # e.g. ENXIO: a FIFO opened for writing with no reader
+            st = os.lstat(path)
+        except OSError:
+            raise exc from None
+        if not stat.S_ISREG(st.st_mode):
+            raise _not_regular(path, st.st_mode) from None
         raise
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _not_regular(path, st.st_mode)
+        return _blocking(fd)
+    except BaseException:
         os.close(fd)
-        what = "not a regular file" if not stat.S_ISREG(st.st_mode) else \
-            f"owned by uid {st.st_uid}, not this user"
-        raise StoreError(f"store file {path!r} is {what}: refusing it")
+        raise
+
+
+def _open_store_file(path: str, flags: int) -> int:
+    """Open a store file (creating it 0600); refuse symlinks, non-regular files, other owners."""
+    fd = open_regular(path, flags)
+    uid = os.fstat(fd).st_uid
+    if uid != os.geteuid():
+        os.close(fd)
+        raise StoreError(f"store file {path!r} is owned by uid {uid}, not this user: refusing it")
     return fd
 
 
@@ -587,8 +721,11 @@ def _check_store_file(path: str) -> None:
         return
     if stat.S_ISLNK(st.st_mode):
         raise StoreError(errno.ELOOP, f"store file {path!r} is a symlink: refusing it")
-    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
-        raise StoreError(f"store file {path!r} is not a regular file of this user: refusing it")
+    if not stat.S_ISREG(st.st_mode):
+        raise _not_regular(path, st.st_mode)
+    if st.st_uid != os.geteuid():
+        raise StoreError(f"store file {path!r} is owned by uid {st.st_uid}, not this user: "
+                         "refusing it")
 
 
 def _fsync_dir(path: str) -> None:

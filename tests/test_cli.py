@@ -13,10 +13,10 @@ import time
 import pytest
 
 from gdskv import cli
-from gdskv.store import JOURNAL, MANIFEST, MANIFEST_COPY
+from gdskv.store import JOURNAL, LOCK, MANIFEST, MANIFEST_COPY
 from gdskv.tier import Tier
-from reliability_helpers import (LAYOUT, PAGE, check_pages, forkserver, put, ready_keys,
-                                 slot_location, small_config, spill_loop)
+from reliability_helpers import (LAYOUT, PAGE, check_pages, forkserver, hold_store, put,
+                                 ready_keys, slot_location, small_config, spill_loop)
 
 KEYS = [f"k{i}" for i in range(20)]
 
@@ -198,3 +198,35 @@ def test_beside_a_running_writer(tmp_path, capsys):
     finally:
         child.kill()
         child.join()
+
+
+def test_commands_that_take_the_lock_refuse_a_writer_whose_lock_file_was_removed(tmp_path,
+                                                                                  capsys):
+    """gdskv.lock removed under a running writer (issue 46, item 3): rebuild, compact, clear,
+    verify --repair and cluster reclaim still see the writer (it holds its slab files' locks)
+    and refuse, changing nothing."""
+    root = tmp_path / "cluster"
+    store = root / "node0"  # a plain store is a cluster namespace, as a node's writer makes it
+    store.mkdir(parents=True, mode=0o700)
+    ctx = forkserver()
+    ready = tmp_path / "ready"
+    child = ctx.Process(target=hold_store, args=(str(store), str(ready), {}))
+    child.start()
+    try:
+        t0 = time.monotonic()
+        while not ready.exists():
+            assert child.is_alive() and time.monotonic() - t0 < 60
+            time.sleep(0.05)
+        os.unlink(store / LOCK)
+        before = _tree(store)
+        for command in (["rebuild"], ["compact"], ["clear", "--yes"], ["verify", "--repair"]):
+            status, _, err = gdskv(capsys, *command[:1], store, *command[1:])
+            assert status == 2 and "open in another process" in err, (command, err)
+        status, _, err = gdskv(capsys, "cluster", "reclaim", "node0", root, "--yes")
+        assert status == 2 and "in use" in err, err
+        assert _tree(store) == before
+    finally:
+        child.kill()
+        child.join()
+    with Tier(LAYOUT, small_config(store), device="cpu") as tier:
+        assert check_pages(tier, ["held"])["hits"] == 1

@@ -172,7 +172,7 @@ def test_short_read_keeps_the_pages_read_whole(tmp_path, verify, aligned):
 
 
 # -- files removed under a running writer ---------------------------------------------------------
-@pytest.mark.parametrize("victim", ["slab-000.bin", "gdskv-journal.log"])
+@pytest.mark.parametrize("victim", ["slab-000.bin", "gdskv-journal.log", "gdskv.lock"])
 def test_files_removed_under_a_writer_stop_puts(tmp_path, victim, caplog):
     cfg = small_config(tmp_path)
     with Tier(LAYOUT, cfg, device="cpu") as tier:

@@ -205,3 +205,54 @@ def test_forced_scan_reports_progress_over_every_slot(tmp_path):
     with Tier(LAYOUT, cfg, device="cpu", scan_headers=True, scan_progress=progress) as tier:
         assert done[0] == tier.store.num_slots
         assert set(ready_keys(tier)) == {"a", "b"} and "header_scan_pages" in tier.stats()
+
+
+def _put_version(tier, key, version: str) -> bool:
+    """Put ``key`` with the bytes of ``key@version`` (versions of one key differ)."""
+    return tier.put_pages([key], [[page_content(f"{key}@{version}")]])[0]
+
+
+def _served_version(tier, key, versions) -> str | None:
+    out = torch.zeros(PAGE, dtype=torch.uint8)
+    if not tier.get_pages([key], [[out]])[0]:
+        return None
+    return next(v for v in versions if torch.equal(out, page_content(f"{key}@{v}")))
+
+
+def test_rebuild_keeps_evicted_pages_evicted(tmp_path, capsys):
+    """gdskv rebuild over an intact journal (issue 46, item 5): the pages the journal saw
+    evicted stay evicted, whether their slots were reused or not."""
+    from gdskv import cli
+    cfg = small_config(tmp_path)
+    keys = [f"p{i}" for i in range(40)]
+    with Tier(LAYOUT, cfg, device="cpu") as tier:
+        assert all(put(tier, keys))
+        tier.evict(keys[:24])
+        assert all(put(tier, ["n0", "n1", "n2", "n3"]))  # 4 of the 24 slots reused
+    assert cli.main(["rebuild", str(tmp_path), "--json"]) == 0
+    capsys.readouterr()
+    with Tier(LAYOUT, cfg, device="cpu") as tier:
+        back = sorted(set(keys[:24]) & set(ready_keys(tier)))
+        print(f"rebuild: {len(back)} of 24 evicted pages came back")
+        assert not back
+        assert check_pages(tier, keys[24:] + ["n0", "n1", "n2", "n3"])["hits"] == 20
+
+
+def test_rebuild_never_serves_an_older_version_of_an_evicted_key(tmp_path, capsys):
+    """A key's newest version evicted and its slot reused; its older version's trailer is
+    still in another slot. rebuild must not bring that older version back."""
+    from gdskv import cli
+    cfg = small_config(tmp_path)
+    fill = [f"f{i}" for i in range(10)]
+    with Tier(LAYOUT, cfg, device="cpu") as tier:
+        assert all(put(tier, fill))
+        assert _put_version(tier, "K", "v1")
+        tier.evict(["f0", "K"])  # two slots free: v2 takes the lower one (f0's)
+        assert _put_version(tier, "K", "v2")
+        tier.evict(["K"])
+        assert all(put(tier, ["reuse"]))  # v2's slot reused; v1's trailer still on disk
+    assert cli.main(["rebuild", str(tmp_path), "--json"]) == 0
+    capsys.readouterr()
+    with Tier(LAYOUT, cfg, device="cpu") as tier:
+        assert _served_version(tier, "K", ["v1", "v2"]) is None
+        assert check_pages(tier, fill[1:] + ["reuse"])["hits"] == 10

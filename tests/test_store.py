@@ -83,7 +83,7 @@ def test_extents_put_each_slot_where_it_lives_in_as_few_extents_as_adjacency_all
 
 def test_second_open_is_refused_until_close(tmp_path):
     s = SlabStore(LAYOUT, cfg(tmp_path))
-    with pytest.raises(StoreLockedError, match="another process"):
+    with pytest.raises(StoreLockedError, match="open in this process"):
         SlabStore(LAYOUT, cfg(tmp_path))
     s.close()
     SlabStore(LAYOUT, cfg(tmp_path)).close()

@@ -17,7 +17,8 @@ from gdskv.journal import MAX_KEY_BYTES
 from gdskv.layout import KVLayout
 from gdskv.store import JOURNAL, LOCK, MANIFEST, MANIFEST_COPY, StoreError, StoreLockedError, StoreMismatchError
 from gdskv.tier import Tier
-from reliability_helpers import (LAYOUT, PAGE, check_pages, forkserver, hold_store, put,
+from ack_helpers import ack_writer, read_log, wait_for_acks
+from reliability_helpers import (LAYOUT, PAGE, SLOT, check_pages, forkserver, hold_store, put,
                                  ready_keys, slot_location, small_config, try_open)
 
 STORE_FILES = {LOCK, MANIFEST, MANIFEST_COPY, JOURNAL, "slab-000.bin", "slab-001.bin"}
@@ -65,6 +66,77 @@ def test_other_process_cannot_open_while_we_hold_it(tmp_path):
     child.start()
     child.join(60)
     assert result.read_text() == "opened"
+
+
+def test_a_second_tier_in_this_process_is_told_so(tmp_path):
+    """The same store opened twice in one process: the message says where the owner is."""
+    with Tier(LAYOUT, small_config(tmp_path), device="cpu"):
+        with pytest.raises(StoreLockedError, match="open in this process"):
+            Tier(LAYOUT, small_config(tmp_path), device="cpu")
+    with Tier(LAYOUT, small_config(tmp_path), device="cpu") as tier:  # released at close
+        assert all(put(tier, ["after"]))
+
+
+def _wait_for_log(path, child, done, timeout=120.0):
+    t0 = time.monotonic()
+    while not done(read_log(path)):
+        assert child.is_alive() or done(read_log(path)), f"child exited ({child.exitcode})"
+        assert time.monotonic() - t0 < timeout, f"timed out: {read_log(path)}"
+        time.sleep(0.02)
+
+
+def test_removed_lock_file_lets_no_second_writer_in(tmp_path):
+    """gdskv.lock removed under a running writer (issue 46, item 3): a second writer must still
+    be refused (the first also holds its slab files' locks), the first stops acknowledging puts
+    (stats' state says why), and every page either acknowledged reads back after a restart."""
+    ctx = forkserver()
+    store = tmp_path / "store"
+    store.mkdir(mode=0o700)
+    overrides = dict(capacity=256 * SLOT)
+    logs = [str(tmp_path / "first.log"), str(tmp_path / "second.log")]
+    children = [ctx.Process(target=ack_writer, args=(str(store), logs[0], "a", overrides))]
+    children[0].start()
+    try:
+        wait_for_acks(logs[0], children[0], 40)
+        os.unlink(store / LOCK)
+        children.append(ctx.Process(target=ack_writer, args=(str(store), logs[1], "b", overrides)))
+        children[1].start()
+        _wait_for_log(logs[1], children[1], lambda log: log["opened"] or log["error"])
+        if read_log(logs[1])["opened"]:  # (the old behaviour) both write for a while
+            wait_for_acks(logs[1], children[1], 40)
+            time.sleep(2)
+        _wait_for_log(logs[0], children[0], lambda log: log["states"], timeout=30)
+    finally:
+        for child in children:
+            child.kill()
+            child.join()
+    first, second = read_log(logs[0]), read_log(logs[1])
+    acked = first["acked"] + second["acked"]
+    with Tier(LAYOUT, small_config(store, **overrides), device="cpu") as tier:
+        res = check_pages(tier, acked)
+    print(f"acknowledged {len(acked)} pages ({len(first['acked'])} + {len(second['acked'])}), "
+          f"lost {len(res['missed'])}, wrong {len(res['wrong'])}; second writer: "
+          f"{second['error'] or 'opened'}")
+    assert not res["wrong"]
+    assert not second["opened"] and second["error"].startswith("StoreLockedError"), second
+    assert "open in another process" in second["error"]
+    assert first["states"][0].startswith("puts refused: store files removed while open") and \
+        "gdskv.lock" in first["states"][0], first["states"]
+    assert not res["missed"], f"acknowledged pages lost: {res['missed'][:10]}"
+
+
+def test_lock_file_replaced_under_a_writer_stops_puts(tmp_path):
+    """A lock file renamed away and made again (another inode at the path): a second opener
+    would lock the new file, so the writer stops acknowledging puts as for a removed one."""
+    with Tier(LAYOUT, small_config(tmp_path), device="cpu") as tier:
+        assert all(put(tier, ["a"]))
+        os.rename(tmp_path / LOCK, tmp_path / "elsewhere")
+        (tmp_path / LOCK).write_bytes(b"")
+        assert put(tier, ["b"]) == [False]
+        assert "gdskv.lock" in tier.stats()["state"]
+        with pytest.raises(StoreLockedError, match="open in this process"):
+            Tier(LAYOUT, small_config(tmp_path), device="cpu")
+        assert check_pages(tier, ["a"])["hits"] == 1
 
 
 # -- keys ------------------------------------------------------------------------------------------
@@ -160,22 +232,28 @@ def test_store_file_replaced_by_symlink_is_refused(tmp_path, name):
     assert victim.read_bytes() == b"precious"
 
 
-def test_slab_file_replaced_by_other_file(tmp_path, caplog):
-    """A slab file swapped for another regular file (here a byte-identical copy: checksums alone
-    could not tell) is detected by its inode: its pages are dropped, the others stay."""
+@pytest.mark.parametrize("content", ["copy", "zeros"])
+def test_slab_file_replaced_by_other_file(tmp_path, caplog, content):
+    """A slab file swapped for another regular file is detected by its inode; its pages are
+    kept only where its slot trailers prove them: a byte-identical copy (a restore) keeps them
+    all, a file of zeros none; the other file's pages stay either way."""
     cfg = small_config(tmp_path)
     keys = [f"i{i}" for i in range(24)]
     with Tier(LAYOUT, cfg, device="cpu") as tier:
         assert all(put(tier, keys))
         where = {k: slot_location(tier, k)[0] for k in keys}
     path = str(tmp_path / "slab-000.bin")
-    shutil.copyfile(path, path + ".new")
+    if content == "copy":
+        shutil.copyfile(path, path + ".new")
+    else:
+        with open(path + ".new", "wb") as f:
+            f.truncate(os.path.getsize(path))
     os.chmod(path + ".new", 0o600)
     os.replace(path + ".new", path)
     with caplog.at_level(logging.WARNING, logger="gdskv.store"):
         with Tier(LAYOUT, cfg, device="cpu") as tier:
             assert tier.store.replaced_files == {0}
-            kept = {k for k in keys if where[k] != path}
+            kept = set(keys) if content == "copy" else {k for k in keys if where[k] != path}
             assert set(ready_keys(tier)) == kept
             assert check_pages(tier, keys)["hits"] == len(kept)
             assert all(put(tier, keys))
