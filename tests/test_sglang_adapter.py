@@ -318,7 +318,7 @@ def test_mla_tp2_other_rank_reads_the_writers_pages(tmp_path, monkeypatch, layou
     try:
         assert rank1.tier is None and controller_hit_query(rank1, hashes) == 0
         assert rank1.batch_get_v1(hashes[:2], host_indices_for(dst_pages[:2])) == [False] * 2
-        shard = os.path.join(str(tmp_path / "l3"), rank1.model_name, rank1.shard_dir)
+        shard = os.path.join(str(tmp_path / "l3"), rank1.model_name, "kv", "tp-all")
         assert os.listdir(shard) == []  # the follower made no lock, manifest or slab file
         rank0 = attach(storage_config(tmp_path, mla=True, tp_rank=0, tp_size=2), src_pool)
         assert controller_backup(rank1, hashes, host_indices_for(src_pages)) == n  # no-op
