@@ -257,7 +257,6 @@ class GdskvHiCacheStorage(HiCacheStorage):
                                  earlier=[os.path.join(self.model_name, earlier)], create=True)
 
     # -- set-up ---------------------------------------------------------------------------------
-
     def register_mem_pool_host(self, mem_pool_host) -> None:
         """Open this rank's store for the host pool's KV geometry (SGLang calls this once,
         right after construction). Unsupported pools raise here, at start-up."""
