@@ -34,6 +34,7 @@ import torch
 from . import namespaces
 from .config import ConfigError, TierConfig, check_node_id
 from .layout import PageLayout
+from .log_once import LogOnce
 from .memory import check_device, cuda_available
 from .staging import StagingParts
 from .store import (MANIFEST, StoreError, StoreLockedError, StoreMismatchError,
@@ -98,10 +99,11 @@ class _Peer:
 class ClusterStore:
     """This node's namespace (a writer :class:`Tier`) and every other node's (followers).
 
-    The same calls as :class:`Tier` where the engine adapters use them: ``put``/``get``,
-    ``put_pages``/``get_pages`` and their ``_async`` forms, ``contains``, ``match_prefix``,
-    ``pin``/``unpin``, ``evict``/``clear``/``compact`` (this node's pages only), ``refresh``,
-    ``stats``, ``close``. Thread-safe.
+    The same calls as :class:`Tier` where the engine adapters use them
+    (:class:`~gdskv.tier_protocol.TierLike`): ``put``/``get``, ``put_pages``/``get_pages`` and
+    their ``_async`` forms, ``contains``, ``match_prefix``, ``pin``/``unpin``,
+    ``evict``/``clear``/``compact`` (this node's pages only), ``refresh``, ``stats``, ``close``;
+    ``store``, ``directory`` and ``backend`` are this node's. Thread-safe.
 
     Args:
         layout: what every namespace of this cluster stores (namespaces of another layout are
@@ -135,7 +137,7 @@ class ClusterStore:
         self._tier_config = config.replace(cluster=False, node_id="")
         self._peers: dict[str, _Peer] = {}
         self._skipped: dict[str, tuple] = {}   # namespace -> manifest identity it was skipped at
-        self._logged: set[str] = set()
+        self._log_once = LogOnce(log)  # one line per kind of event
         self._counts: collections.Counter = collections.Counter()
         self._counts_lock = threading.Lock()
         self._discovery = threading.Lock()
@@ -194,6 +196,11 @@ class ClusterStore:
         return self.own.store if self.own is not None else None
 
     @property
+    def directory(self):
+        """This node's page directory: the pages it stored (None on a read-only node)."""
+        return self.own.directory if self.own is not None else None
+
+    @property
     def backend(self):
         return self.own.backend if self.own is not None else None
 
@@ -209,8 +216,8 @@ class ClusterStore:
                                if e.name != self.node_id and e.is_dir(follow_symlinks=False)
                                and not e.name.startswith("."))
             except OSError as exc:  # the namespaces open stay readable
-                self._log_once(f"list:{exc.errno}", logging.WARNING, "cannot list cluster "
-                               "directory %s: %s", root, exc)
+                self._log_once(f"list:{exc.errno}", "cannot list cluster directory %s: %s",
+                               root, exc)
                 return len(self._peers)
             for name in set(self._peers) - set(names):
                 self._close_peer(name, "its namespace was removed")
@@ -247,8 +254,8 @@ class ClusterStore:
             tier.FOLLOW_INTERVAL = self.config.cluster_follow_ms / 1000
         except StoreMismatchError as exc:  # another model, sharding or format: not ours
             self._skipped[name] = identity
-            self._log_once(f"skip:{name}", logging.INFO, "cluster: namespace %s skipped: %s",
-                           name, exc)
+            self._log_once(f"skip:{name}", "cluster: namespace %s skipped: %s", name, exc,
+                           level=logging.INFO)
             return
         except ConfigError as exc:  # e.g. no memory left for its staging now
             self._log_once(f"open:{name}:{exc}", logging.WARNING, "cluster: namespace %s not "
@@ -256,8 +263,8 @@ class ClusterStore:
             return
         except (StoreError, OSError) as exc:
             # e.g. its writer is still creating the store: tried again at the next listing
-            self._log_once(f"open:{name}:{exc}", logging.INFO, "cluster: namespace %s not "
-                           "readable yet (%s); trying again", name, exc)
+            self._log_once(f"open:{name}:{exc}", "cluster: namespace %s not readable yet (%s); "
+                           "trying again", name, exc, level=logging.INFO)
             return
         self._skipped.pop(name, None)
         self._peers[name] = _Peer(tier, identity)
@@ -398,8 +405,7 @@ class ClusterStore:
 
     def _write(self, keys: list, call) -> Future:
         if self.own is None:
-            self._log_once("read-only", logging.WARNING, "read-only cluster node: puts store "
-                           "nothing")
+            self._log_once("read-only", "read-only cluster node: puts store nothing")
             return _done([False] * len(keys))
         results = [False] * len(keys)
         todo = list(range(len(keys)))
@@ -560,11 +566,6 @@ class ClusterStore:
     def _count(self, **amounts: int) -> None:
         with self._counts_lock:
             self._counts.update(amounts)
-
-    def _log_once(self, tag: str, level: int, msg: str, *args) -> None:
-        if tag not in self._logged:
-            self._logged.add(tag)
-            log.log(level, msg, *args)
 
 
 def _holds(tier: Tier, key: Hashable) -> bool:

@@ -69,6 +69,7 @@ from .gpu_verdicts import GpuVerdicts, VerdictBuffers
 from .host_pages import HostPagePath, InPlacePages
 from .journal import Encoded, Journal, JournalFollower, check_key
 from .ledger import CallLedger
+from .log_once import LogOnce
 from . import slot_trailer
 from .layout import FORMAT_VERSION, BytePageLayout, KVLayout, PageLayout
 from .memory import check_device, cuda_available
@@ -162,7 +163,7 @@ class Tier:
         self._sync_data = self.config.sync == SyncPolicy.DATA  # (an enum lookup less per write)
         self._io_on_caller = bool(self.config.io_on_caller)
         self._stats = TierStats()
-        self._logged: set[str] = set()
+        self._log_once = LogOnce(log)  # one line per kind of failure
         self.read_only = bool(self.config.read_only)
         #: why puts are refused now ("" while they are not): a store file removed under us
         self._lost = ""
@@ -1243,8 +1244,3 @@ class Tier:
 
     def _stored(self, key: Hashable) -> bool:
         return self.directory.contains(key)
-
-    def _log_once(self, tag: str, msg: str, *args) -> None:
-        if tag not in self._logged:
-            self._logged.add(tag)
-            log.warning(msg, *args)

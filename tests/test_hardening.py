@@ -350,8 +350,8 @@ def test_errors_doc_lists_every_error_class():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with open(os.path.join(root, "docs", "errors.md"), encoding="utf-8") as fh:
         text = fh.read()
-    for name in ("ConfigError", "StoreError", "StoreMismatchError", "StoreLockedError",
-                 "TierClosedError", "puts refused", "ShortIOError"):
+    for name in ("ConfigError", "StoreDirectoryError", "StoreError", "StoreMismatchError",
+                 "StoreLockedError", "TierClosedError", "puts refused", "ShortIOError"):
         assert name in text, name
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import threading
 import time
 
@@ -196,6 +197,40 @@ def test_new_service_over_the_same_directory_still_matches(tmp_path, servers):
     found, from_disk = t.match(hashes)
     assert from_disk == 5
     assert_loaded(t, found, data)
+
+
+def test_cluster_store_servers_on_one_mount_share_pages(tmp_path, servers, monkeypatch):
+    """GDSKV_CLUSTER=true: two LightLLM servers whose --disk_cache_dir is one shared mount are
+    two nodes of a cluster store (LightLLM's own disk cache worker and cache manager match): b
+    finds a's pages on disk and loads them bit-exact; a page a holds is not written again by b."""
+    disk = tmp_path / "disk"
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    monkeypatch.setenv("GDSKV_CLUSTER", "true")
+    monkeypatch.setenv("GDSKV_CLUSTER_FOLLOW_MS", "1")
+    monkeypatch.setenv("GDSKV_NODE_ID", "server-a")
+    a = Server(tmp_path / "a", "mha", disk_dir=disk)
+    servers.append(a)
+    hashes, data = request(5, seed=31), page_data(a, 5, seed=32)
+    a.from_gpu(hashes, data)
+    a.offload()
+    monkeypatch.setenv("GDSKV_NODE_ID", "server-b")
+    b = Server(tmp_path / "b", "mha", disk_dir=disk)
+    servers.append(b)
+    assert sorted(os.listdir(disk / "gdskv")) == ["server-a", "server-b"]
+    found, from_disk = b.match(hashes)
+    assert from_disk == 5
+    assert_loaded(b, found, data)
+    assert b.tier.stats()["cluster"]["peer_hits"] == 5
+    # the pages a holds count as stored for b: a write of them stores nothing of b's own
+    assert b.worker.service.query(hashes) == [True] * 5
+    task = b.worker.service.create(hashes, torch.tensor(found), "w")
+    deadline = time.monotonic() + 30
+    while not task.ready() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert task.page_already_list == found
+    assert task.state() == [PageState.Finished] * 5
+    assert b.tier.own.stats()["pages_stored"] == 0
 
 
 def test_read_failure_loads_nothing(tmp_path, servers, caplog):

@@ -243,6 +243,47 @@ def test_restart_keeps_objects_keys_and_usage(tmp_path):
         b.close()
 
 
+def test_cluster_store_two_lmcache_processes_share_objects(tmp_path):
+    """"cluster": true: two LMCache processes (nodes "a" and "b") on one shared directory,
+    built through LMCache's plugin loader: b loads a's objects bit-exact, while each one's
+    usage, capacity and listing are its own namespace's (the objects it can delete)."""
+    opts = dict(cluster=True, cluster_discovery_ms=1, cluster_follow_ms=1)
+    a = make_adapter(tmp_path, node_id="a", **opts)
+    b = None
+    try:
+        keys = [key(i) for i in range(4)]
+        data = [random_bytes(OBJ, 70 + i) for i in range(4)]
+        assert store(a, keys[:2], [obj(d) for d in data[:2]])
+        b = make_adapter(tmp_path, node_id="b", **opts)
+        assert sorted(os.listdir(tmp_path)) == ["a", "b"]  # one namespace each
+        assert store(a, keys[2:], [obj(d) for d in data[2:]])  # after b opened
+        assert lookup(b, keys + [key(99)]) == [True] * 4 + [False]
+        out = [obj(torch.zeros(OBJ, dtype=torch.uint8)) for _ in keys]
+        assert load(b, keys, out) == [True] * 4
+        assert all(torch.equal(o.raw_data, d) for o, d in zip(out, data))
+        b.submit_unlock(keys)
+        assert b.tier.stats()["cluster"]["peer_hits"] == 4
+        # b holds none of them itself: nothing counted, listed or deletable there
+        assert b.get_usage().total_bytes_used == 0 and listed(b) == set()
+        assert a.get_usage().total_bytes_used == 4 * OBJ and listed(a) == set(keys)
+        assert b.get_usage().total_capacity_bytes == b.tier.store.num_slots * OBJ
+        # b storing what a holds stores nothing (dedup) and still counts nothing
+        assert store(b, keys[:1], [obj(data[0])])
+        assert b.get_usage().total_bytes_used == 0
+        # b's own objects are b's: a reads them, b counts them and deletes them
+        assert store(b, [key(50)], [obj(random_bytes(OBJ, 50))])
+        assert b.get_usage().total_bytes_used == OBJ and listed(b) == {key(50)}
+        assert lookup(a, [key(50)]) == [True]
+        a.submit_unlock([key(50)])
+        b.delete([key(50)])
+        assert b.get_usage().total_bytes_used == 0 and lookup(b, [key(50)]) == [False]
+        assert b.report_status()["is_healthy"]
+    finally:
+        if b is not None:
+            b.close()
+        a.close()
+
+
 @pytest.mark.parametrize("aligned", [False, True], ids=["unaligned-l1", "aligned-l1"])
 def test_read_error_is_a_miss_never_wrong_bytes(adapter, monkeypatch, aligned):
     assert store(adapter, [key(1)], [obj(random_bytes(OBJ, 1), aligned=aligned)])

@@ -236,6 +236,39 @@ def test_partial_prefix_and_second_write_is_noop(tmp_path):
         s.close()
 
 
+def test_upgrade_keeps_the_store_under_its_earlier_name(tmp_path, caplog):
+    """A rank's store an earlier gdskv made as <model>/tp1-2 (before the naming the adapters
+    share, docs/adapters.md) stays in use after an upgrade: its pages still hit, said once."""
+    pool = build_pool(False, "page_first_direct")
+    fill_random(pool, seed=41)
+    hashes = page_hashes(NUM_PAGES, seed=42)
+    s = attach(storage_config(tmp_path, tp_rank=1, tp_size=2), pool)
+    try:
+        assert controller_backup(s, hashes, host_indices_for(range(NUM_PAGES))) == NUM_PAGES
+        current = s.tier.store.directories[0]
+    finally:
+        s.close()
+    model_dir = os.path.join(os.path.realpath(tmp_path / "l3"), "org-tiny-llama")
+    assert current == os.path.join(model_dir, "kv", "tp1-of-2")
+    os.rename(current, os.path.join(model_dir, "tp1-2"))  # where the earlier naming put it
+    os.rmdir(os.path.join(model_dir, "kv"))
+    dst_pool = build_pool(False, "page_first_direct")
+    with caplog.at_level(logging.WARNING, logger="gdskv.adapters"):
+        s = attach(storage_config(tmp_path, tp_rank=1, tp_size=2), dst_pool)
+    try:
+        assert s.tier.store.directories == [os.path.join(model_dir, "tp1-2")]
+        assert controller_hit_query(s, hashes) == NUM_PAGES
+        dst = list(range(NUM_PAGES, 2 * NUM_PAGES))
+        assert controller_prefetch(s, hashes, host_indices_for(dst)) == NUM_PAGES
+        for a, b in zip(range(NUM_PAGES), dst):
+            assert torch.equal(page_bytes(pool, a), page_bytes(dst_pool, b))
+    finally:
+        s.close()
+    said = [r.getMessage() for r in caplog.records if "earlier gdskv" in r.getMessage()]
+    assert len(said) == 1 and os.path.join("kv", "tp1-of-2") in said[0]
+    assert not os.path.exists(os.path.join(model_dir, "kv"))  # nothing made under the new name
+
+
 def test_tp_ranks_and_models_never_cross_hit(tmp_path):
     """Two TP ranks write the same hashes with different bytes (their own heads); each reads
     back its own. Another TP size or model name sees nothing."""
@@ -319,7 +352,7 @@ def test_mla_tp2_other_rank_reads_the_writers_pages(tmp_path, monkeypatch, layou
     try:
         assert rank1.tier is None and controller_hit_query(rank1, hashes) == 0
         assert rank1.batch_get_v1(hashes[:2], host_indices_for(dst_pages[:2])) == [False] * 2
-        shard = os.path.join(str(tmp_path / "l3"), rank1.model_name, rank1.shard_dir)
+        shard = os.path.join(str(tmp_path / "l3"), rank1.model_name, "kv", "tp-all")
         assert os.listdir(shard) == []  # the follower made no lock, manifest or slab file
         rank0 = attach(storage_config(tmp_path, mla=True, tp_rank=0, tp_size=2), src_pool)
         assert controller_backup(rank1, hashes, host_indices_for(src_pages)) == n  # no-op

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from gdskv.adapters.vllm.blocks import BlockTransfers
-from gdskv.adapters.vllm.mapping import Shard, group_geometry, tier_config
+from gdskv.adapters.common import tier_config
+from gdskv.adapters.vllm.mapping import Shard, group_geometry
 from gdskv.memory import cuda_available
 
 LAYERS, HEADS, BLOCK, HEAD_DIM, NUM_BLOCKS = 4, 8, 16, 128, 64   # Llama-3-8B rows, 4 layers

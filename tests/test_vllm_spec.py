@@ -5,6 +5,8 @@ for the GPU KV cache. Runs in .venv-vllm (tests/run_vllm.sh)."""
 from __future__ import annotations
 
 import glob
+import logging
+import os
 import time
 from types import SimpleNamespace
 
@@ -140,6 +142,41 @@ def test_store_then_load_into_other_blocks_is_bit_exact_and_survives_restart(tmp
     manager2.shutdown()
 
 
+def test_upgrade_keeps_the_stores_under_their_earlier_names(tmp_path, caplog):
+    """Stores an earlier gdskv made as <model>/<group>_rank<r>-of-<n> (before the naming the
+    adapters share, docs/adapters.md) stay in use after an upgrade, for the scheduler's index
+    and the worker alike: the warm cache still hits, said once per store."""
+    spec = make_spec(offloading_config(extra(tmp_path)))
+    caches = kv_caches(32, [4], seed=1)
+    manager, cw = spec.get_manager(), connector_worker(spec, caches)
+    ks = keys(4)
+    want = {k: block_bytes(caches, 0, b) for k, b in zip(ks, range(2, 6))}
+    assert store(manager, cw, 1, ks, list(range(2, 6))) == ks
+    cw.shutdown()
+    manager.shutdown()
+    [current] = spec.store_dirs(spec.config.groups[0])
+    assert current.endswith(os.path.join("g0-t16", "tp0-of-1"))
+    group_dir = os.path.dirname(current)
+    os.rename(current, group_dir + "_rank0-of-1")  # where the earlier naming put it
+    os.rmdir(group_dir)
+    with caplog.at_level(logging.WARNING, logger="gdskv.adapters"):
+        spec2 = make_spec(offloading_config(extra(tmp_path)))
+        caches2 = kv_caches(32, [4], seed=2)
+        manager2, cw2 = spec2.get_manager(), connector_worker(spec2, caches2)
+    try:
+        with manager2.lock:
+            assert [manager2.lookup(k, CTX) for k in ks] == [LookupResult.HIT] * 4
+        load(manager2, cw2, 1, ks, [10, 11, 12, 13])
+        for k, b in zip(ks, [10, 11, 12, 13]):
+            assert all(torch.equal(a, w) for a, w in zip(block_bytes(caches2, 0, b), want[k]))
+    finally:
+        cw2.shutdown()
+        manager2.shutdown()
+    said = [r for r in caplog.records if "earlier gdskv" in r.getMessage()]
+    assert len(said) == 1 and "g0-t16_rank0-of-1" in said[0].getMessage()
+    assert not os.path.exists(group_dir)  # nothing made under the current name
+
+
 def test_padded_blocks_and_two_kv_groups(tmp_path):
     """Hybrid models: two groups with their own layers, keys and block ids, one store each;
     padded block tensors (page < block stride) carry only the page bytes."""
@@ -166,7 +203,8 @@ def test_padded_blocks_and_two_kv_groups(tmp_path):
         for a, b in pairs:
             assert all(torch.equal(x, y) for x, y in zip(block_bytes(caches, g, a),
                                                          block_bytes(caches, g, b)))
-    assert len(glob.glob(str(tmp_path / "*" / "g*" / "gdskv-journal.log"))) == 2
+    # one store per group: <directory>/<model>/g<group>-t<tokens>/<shard> (docs/adapters.md)
+    assert len(glob.glob(str(tmp_path / "*" / "g*" / "tp0-of-1" / "gdskv-journal.log"))) == 2
     cw.shutdown()
 
 
@@ -310,14 +348,16 @@ def test_spec_refuses_unsupported_setups_at_start(tmp_path):
         make_spec(offloading_config(extra(tmp_path), blocks_per_chunk=2))
     with pytest.raises(ValueError, match="canonical"):
         make_spec(offloading_config(extra(tmp_path), canonical_layout=True))
-    with pytest.raises(ConfigError, match="unknown gdskv option.*'capacityy'"):
+    with pytest.raises(ConfigError,
+                       match=r"unknown .* key 'capacityy' \(did you mean capacity\?\)"):
         make_spec(offloading_config({**SPEC, "gdskv": {"directories": str(tmp_path),
                                                        "capacityy": "1G"}}))
     with pytest.raises(ConfigError, match="capacity"):
         make_spec(offloading_config(extra(tmp_path, capacity="lots")))
     with pytest.raises(ConfigError, match="directories"):
         make_spec(offloading_config({**SPEC, "gdskv": {}}))
-    with pytest.raises(ConfigError, match="'.*/unmounted' is not an existing directory"):
+    with pytest.raises(ConfigError,
+                       match=r"'.*/unmounted' does not exist \(an unmounted drive\?\)"):
         make_spec(offloading_config(extra(tmp_path / "unmounted")))
     # a group whose layers hold different bytes per block (e.g. attention + Mamba state)
     spec = make_spec(offloading_config(extra(tmp_path), groups=((0, 2),)))

@@ -123,7 +123,8 @@ def test_submits_do_not_block_and_partial_failure_is_per_key(tmp_path):
 def test_bad_tier_options_are_refused_at_start(tmp_path):
     _, view = primary_view(2)
     spec = cpu_spec(tmp_path)
-    with pytest.raises(ConfigError, match="unknown gdskv option.*'capcity'"):
+    with pytest.raises(ConfigError,
+                       match=r"unknown .* key 'capcity' \(did you mean capacity\?\)"):
         SecondaryTierFactory.create_secondary_tier(
             gdskv_tier_config(tmp_path, capcity="1G"), view, spec)
     with pytest.raises(ConfigError, match="io_threads"):

@@ -1,9 +1,4 @@
-"""Engine glue: ``sglang`` (SGLang HiCache L3 backend) and ``vllm`` (vLLM's offloading spec,
-connector and secondary tier). Each subpackage imports its engine lazily, where it is used."""
-
-import re
-
-
-def safe_name(text: str) -> str:
-    """A file-name-safe form of a model name or path (no ``/``, no ``|``), for store paths."""
-    return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-") or "model"
+"""Engine glue: ``sglang`` (SGLang HiCache L3 backend), ``vllm`` (vLLM's offloading spec,
+connector and secondary tier), ``lmcache`` (an LMCache L2 adapter) and ``lightllm`` (LightLLM's
+disk cache). Each imports its engine lazily, where it is used; what they share is
+:mod:`.common`."""

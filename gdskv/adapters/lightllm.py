@@ -1,6 +1,7 @@
 """LightLLM's disk cache through gdskv: the service and task API that LightLLM's disk cache worker
 expects from LightMem (``PyLocalCacheService`` / ``PyTask`` / ``PyState``, LightMem's
-``hash_128`` API), over a :class:`~gdskv.tier.Tier` of opaque byte pages.
+``hash_128`` API), over a tier of opaque byte pages (:func:`gdskv.open_tier`: a cluster store
+with ``GDSKV_CLUSTER=true``).
 
 LightLLM hands its disk layer the CPU cache once, as a ``[pages, page_bytes]`` uint8 tensor in
 shared memory, and then asks for pages by int32 index together with one cumulative 128-bit hash
@@ -27,9 +28,12 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from ..cluster import open_tier
 from ..config import TierConfig
 from ..layout import BytePageLayout
-from ..tier import Tier
+from ..log_once import LogOnce
+from ..tier_protocol import TierLike
+from .common import check_store_directories
 
 log = logging.getLogger("gdskv.lightllm")
 
@@ -103,7 +107,9 @@ class LocalCacheService:
     Args:
         kvcache_tensor: LightLLM's CPU cache as ``[pages, page_bytes]`` uint8, CPU, contiguous.
         file: LightMem's cache file path (``<--disk_cache_dir>/cache_file``); the store goes in
-            ``<its directory>/gdskv`` unless ``config.directories`` names directories.
+            ``<its directory>/gdskv`` unless ``config.directories`` names directories (which
+            must exist). With ``config.cluster`` it is a cluster store (:mod:`gdskv.cluster`):
+            LightLLM servers on a shared mount read each other's pages.
         storage_size: bytes of disk to use (LightLLM's ``--disk_cache_storage_size`` in GiB,
             times 2**30); the tier's capacity unless ``capacity_from_config``.
         num_worker: task threads (LightLLM asks for 24).
@@ -136,7 +142,10 @@ class LocalCacheService:
                      "one %d B page)", config.staging_size, fit, config.pipeline_depth,
                      self.layout.slot_bytes)
             changes["staging_size"] = fit
-        if not config.directories:
+        if config.directories:
+            check_store_directories(config.directories, where="GDSKV_DIRECTORIES",
+                                    can_create=False)
+        else:
             directory = os.path.join(os.path.dirname(os.path.abspath(file)), STORE_SUBDIR)
             os.makedirs(directory, exist_ok=True)
             changes["directories"] = (directory,)
@@ -145,7 +154,7 @@ class LocalCacheService:
                 raise ValueError(f"storage_size must be a positive number of bytes, got "
                                  f"{storage_size!r} (LightLLM's --disk_cache_storage_size is GiB)")
             changes["capacity"] = storage_size
-        self.tier = Tier(self.layout, config.replace(**changes), device="cpu")
+        self.tier: TierLike = open_tier(self.layout, config.replace(**changes), device="cpu")
         self._n = pages_per_block
         self._num_pages = int(self._cache.shape[0])
         self._pool = ThreadPoolExecutor(max_workers=num_worker,
@@ -324,14 +333,10 @@ def _describe(x) -> str:
     return type(x).__name__
 
 
-_failures_logged: set[str] = set()
+_failures = LogOnce(log, logging.ERROR, repeat_level=logging.DEBUG)
 
 
 def _log_failure(where: str, exc: Exception) -> None:
     """Log a failure once per place with its traceback, then at debug level."""
-    if where in _failures_logged:
-        log.debug("gdskv LightLLM disk cache: %s failed: %s", where, exc)
-        return
-    _failures_logged.add(where)
-    log.error("gdskv LightLLM disk cache: %s failed (its blocks end Aborted; later failures "
-              "here are logged at debug level): %s", where, exc, exc_info=exc)
+    _failures(where, "gdskv LightLLM disk cache: %s failed (its blocks end Aborted; later "
+              "failures here are logged at debug level): %s", where, exc, exc_info=exc)

@@ -9,9 +9,13 @@ LMCache loads it without patching (its plugin loader, ``L2AdapterConfigBase`` di
      "eviction": {"eviction_policy": "LRU"}}
 
 ``adapter_params``: ``object_bytes`` (the largest object LMCache stores: one full chunk,
-``chunk_size`` tokens of the model's KV) and any :class:`~gdskv.config.TierConfig` field;
-``GDSKV_*`` variables fill in the rest. An unknown key, a bad value or a missing directory stops
-LMCache at start-up with one :class:`~gdskv.config.ConfigError`.
+``chunk_size`` tokens of the model's KV), ``create_directories`` and any
+:class:`~gdskv.config.TierConfig` field; ``GDSKV_*`` variables fill in the rest. An unknown key
+or a bad value stops LMCache at start-up with one :class:`~gdskv.config.ConfigError`; a missing
+store directory with a :class:`~gdskv.adapters.common.StoreDirectoryError` (one of those).
+The store is the configured directories themselves (one LMCache process owns it); with
+``"cluster": true`` several LMCache processes on a shared mount read each other's objects
+(:mod:`gdskv.cluster`).
 
 Objects are byte pages (:class:`~gdskv.layout.BytePageLayout` of ``object_bytes``): one object,
 one page, whatever its size. An object's logical bytes (``get_size()``; a short last chunk has
@@ -48,7 +52,6 @@ object of every key whose bit is 0.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 from collections import defaultdict
@@ -63,17 +66,19 @@ from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
 from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 from lmcache.v1.platform import create_event_notifier
 
-from ..config import ConfigError, Eviction, TierConfig, parse_int, suggest
+from ..cluster import open_tier
+from ..config import ConfigError, Eviction, TierConfig, parse_int
 from ..layout import BytePageLayout
-from ..tier import Tier
+from ..log_once import LogOnce
+from ..tier_protocol import TierLike
+from .common import tier_config
 
 log = logging.getLogger("gdskv.lmcache")
 
 #: the page kind in the store's fingerprint: a store of LMCache objects is never read as
 #: anything else of the same size
 PAGE_KIND = "lmcache/l2-object"
-_TIER_FIELDS = frozenset(f.name for f in dataclasses.fields(TierConfig))
-#: adapter_params keys besides TierConfig fields
+#: adapter_params keys besides TierConfig fields and create_directories
 ADAPTER_KEYS = frozenset({"object_bytes"})
 _SEP = "@"
 
@@ -89,12 +94,7 @@ class GdskvL2AdapterConfig(L2AdapterConfigBase):
     def from_dict(cls, d: dict) -> "GdskvL2AdapterConfig":
         if not isinstance(d, dict):
             raise ConfigError(f"gdskv: adapter_params must be a JSON object, got {d!r}")
-        unknown = sorted(set(d) - ADAPTER_KEYS - _TIER_FIELDS)
-        if unknown:
-            known = sorted(ADAPTER_KEYS | _TIER_FIELDS)
-            raise ConfigError("gdskv: unknown adapter_params key "
-                              + "; ".join(f"{k!r}{suggest(k, known)}" for k in unknown)
-                              + f"; known: {', '.join(known)}")
+        config = tier_config(d, where="adapter_params", adapter_keys=ADAPTER_KEYS)
         if "object_bytes" not in d:
             raise ConfigError("gdskv: adapter_params needs \"object_bytes\": the bytes of one "
                               "full LMCache chunk (chunk_size tokens of the model's KV; the bench's "
@@ -103,21 +103,12 @@ class GdskvL2AdapterConfig(L2AdapterConfigBase):
         if object_bytes < 1:
             raise ConfigError(f"gdskv: adapter_params object_bytes must be positive, got "
                               f"{object_bytes}")
-        overrides = {k: v for k, v in d.items() if k in _TIER_FIELDS}
-        if isinstance(overrides.get("directories"), list):
-            overrides["directories"] = tuple(overrides["directories"])
-        if "eviction" in overrides and \
-                TierConfig(eviction=overrides["eviction"]).eviction != Eviction.NONE:
-            raise ConfigError(f"gdskv: adapter_params eviction={overrides['eviction']!r}: LMCache "
+        if "eviction" in d and config.eviction != Eviction.NONE:
+            raise ConfigError(f"gdskv: adapter_params eviction={d['eviction']!r}: LMCache "
                               "owns eviction of its L2 (its accounting must see every drop); "
                               "leave eviction out and add \"eviction\": {\"eviction_policy\": "
                               "\"LRU\"} to the adapter spec instead")
-        overrides["eviction"] = Eviction.NONE
-        tier_config = TierConfig.from_env(**overrides)
-        if not tier_config.directories:
-            raise ConfigError("gdskv: no store directory: set \"directories\" in adapter_params "
-                              "or GDSKV_DIRECTORIES")
-        return cls(object_bytes, tier_config)
+        return cls(object_bytes, config.replace(eviction=Eviction.NONE))
 
     @classmethod
     def help(cls) -> str:
@@ -125,7 +116,9 @@ class GdskvL2AdapterConfig(L2AdapterConfigBase):
                 "GdskvL2Adapter) adapter_params:\n"
                 "- object_bytes (int, required): bytes of one full chunk\n"
                 "- any gdskv TierConfig field (directories, capacity, sync, backend, "
-                "direct_io, ...); GDSKV_* variables fill in the rest. See docs/lmcache.md")
+                "direct_io, cluster, ...); GDSKV_* variables fill in the rest\n"
+                "- create_directories (bool): make a missing store directory. See "
+                "docs/lmcache.md")
 
 
 def object_key_string(key: ObjectKey) -> str:
@@ -166,8 +159,12 @@ class GdskvL2Adapter(L2AdapterInterface):
         if isinstance(config, dict):  # built directly from adapter_params
             config = GdskvL2AdapterConfig.from_dict(config)
         self.layout = BytePageLayout(page_bytes=config.object_bytes, kind=PAGE_KIND)
-        self.tier = Tier(self.layout, config.tier_config, device=device)
-        super().__init__(max_capacity_bytes=self.tier.store.num_slots * config.object_bytes)
+        # a cluster store with "cluster": true: every node's objects load here, while LMCache's
+        # capacity, usage and listing are this node's own store (the pages it can delete)
+        self.tier: TierLike = open_tier(self.layout, config.tier_config, device=device)
+        own = self.tier.store  # None on a read-only cluster node: it stores nothing
+        super().__init__(max_capacity_bytes=(own.num_slots if own is not None else 0)
+                         * config.object_bytes)
         self.object_bytes = config.object_bytes
         self._store_efd = create_event_notifier()
         self._lookup_efd = create_event_notifier()
@@ -186,10 +183,10 @@ class GdskvL2Adapter(L2AdapterInterface):
         # zeros after a short object's bytes on store; where a load drops them
         self._zeros = torch.zeros(self.object_bytes, dtype=torch.uint8)
         self._sink = torch.empty(self.object_bytes, dtype=torch.uint8)
-        self._logged: set[str] = set()
+        self._log_once = LogOnce(log)
         self._closed = False
         # pages of an earlier run are LMCache's again: accounted as stored
-        self._account_stored([k for k, _, _ in self.tier.directory.ready_items()])
+        self._account_stored(self._own_names())
 
     # -- event fds ------------------------------------------------------------------------------
     def get_store_event_fd(self) -> int:
@@ -234,7 +231,9 @@ class GdskvL2Adapter(L2AdapterInterface):
 
     def _store_done(self, task: L2TaskId, keys: list[ObjectKey], fut: Future | None) -> None:
         stored = self._outcome(fut, "store", len(keys))
-        new = self._account_stored([object_key_string(k) for k, ok in zip(keys, stored) if ok])
+        # (in a cluster store, a key another node holds is stored there, not here: not counted)
+        new = self._account_stored([n for n in (object_key_string(k) for k, ok in
+                                                zip(keys, stored) if ok) if self._holds(n)])
         with self._lock:
             self._stores[task] = L2StoreResult(all(stored), new * self.object_bytes)
         self._signal(self._store_efd)
@@ -306,7 +305,7 @@ class GdskvL2Adapter(L2AdapterInterface):
         # a page that failed its checksum is dropped by the tier: LMCache must stop counting it
         self._account_deleted([object_key_string(k) for k, ok in zip(keys, loaded)
                                if not ok and not self._closed
-                               and not self.tier.contains(object_key_string(k))])
+                               and not self._holds(object_key_string(k))])
         self._signal(self._load_efd)
 
     def query_load_result(self, task_id: L2TaskId) -> Bitmap | None:
@@ -334,13 +333,13 @@ class GdskvL2Adapter(L2AdapterInterface):
         except Exception as exc:  # noqa: BLE001 - nothing dropped: nothing to account
             self._log_once(f"delete:{type(exc).__name__}", "gdskv: delete failed: %s", exc)
             return
-        self._account_deleted([n for n in names if not self.tier.contains(n)])
+        self._account_deleted([n for n in names if not self._holds(n)])
 
     def list_l2_keys(self, model_name: str | None = None, page_size: int = 500,
                      cursor: str | None = None) -> KeyListPage:
         if not isinstance(page_size, int) or page_size < 1:
             raise ValueError(f"page_size must be a positive int, got {page_size!r}")
-        names = sorted(k for k, _, _ in self.tier.directory.ready_items())
+        names = sorted(self._own_names())
         if cursor is not None:
             names = [n for n in names if n > cursor]
         entries = []
@@ -355,13 +354,15 @@ class GdskvL2Adapter(L2AdapterInterface):
 
     def report_status(self) -> dict:
         stats = self.tier.stats()
-        return {"is_healthy": stats["state"] in ("ok", "read-only follower"),
-                "type": "GdskvL2Adapter", "state": stats["state"],
+        state = stats.get("state", "read-only cluster node")
+        return {"is_healthy": state in ("ok", "read-only follower", "read-only cluster node"),
+                "type": "GdskvL2Adapter", "state": state,
                 "object_bytes": self.object_bytes, "objects_stored": stats["pages_stored"],
-                "capacity_objects": stats["capacity_pages"], "backend": stats["backend"],
-                "o_direct": stats["o_direct"], "sync": self.tier.config.sync.value,
+                "capacity_objects": stats.get("capacity_pages", 0),
+                "backend": stats.get("backend"), "o_direct": stats.get("o_direct"),
+                "sync": self.tier.config.sync.value,
                 "locked_objects": sum(len(v) for v in self._pins.values()),
-                "in_place": stats["in_place"],
+                "in_place": stats.get("in_place"),
                 **{k: stats.get(k, 0) for k in ("hits", "misses", "corrupt_pages",
                                                 "read_failed", "write_failed",
                                                 "read_gbps", "write_gbps",
@@ -413,6 +414,17 @@ class GdskvL2Adapter(L2AdapterInterface):
             self._notify_keys_deleted([parse_object_key(n).to_object_key() for n in gone],
                                       [self.object_bytes] * len(gone))
 
+    def _own_names(self) -> list[str]:
+        """The keys of this process's own store (LMCache's usage; in a cluster store, this
+        node's namespace)."""
+        directory = self.tier.directory
+        return [k for k, _, _ in directory.ready_items()] if directory is not None else []
+
+    def _holds(self, name: str) -> bool:
+        """Is ``name`` in this process's own store (see :meth:`_own_names`)?"""
+        directory = self.tier.directory
+        return directory is not None and directory.contains(name)
+
     def _outcome(self, fut: Future | None, op: str, n: int) -> list[bool]:
         if fut is None:
             return [False] * n
@@ -421,8 +433,3 @@ class GdskvL2Adapter(L2AdapterInterface):
             self._log_once(f"{op}:{type(exc).__name__}", "gdskv: %s task failed: %s", op, exc)
             return [False] * n
         return fut.result()
-
-    def _log_once(self, tag: str, msg: str, *args) -> None:
-        if tag not in self._logged:
-            self._logged.add(tag)
-            log.warning(msg, *args)

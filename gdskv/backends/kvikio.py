@@ -41,6 +41,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from ..config import TierConfig
+from ..log_once import LogOnce
 from .base import (MIN_PIECE_BYTES, Backend, CompletedIO, CompletionPoller, Extent, IOOutcome,
                    ShortIOError, SlabFile, WaitingFuture, split_extents)
 
@@ -70,7 +71,7 @@ KVIKIO_ENV: dict[str, tuple[str, ...]] = {
 
 _settings_lock = threading.Lock()
 _set_by_gdskv: dict[str, object] = {}   # what gdskv set in this process
-_logged: set[str] = set()
+_log_settings = LogOnce(log, logging.INFO)  # each distinct outcome once per process
 
 
 def claim_settings(wanted: Mapping[str, object], environ: Mapping[str, str] = os.environ
@@ -100,9 +101,7 @@ def claim_settings(wanted: Mapping[str, object], environ: Mapping[str, str] = os
                 _set_by_gdskv[key] = value
                 out[key] = (value, "gdskv")
         line = "; ".join(f"{k}={v} ({who})" for k, (v, who) in sorted(out.items()))
-        if line not in _logged:
-            _logged.add(line)
-            log.info("kvikio process-wide settings in force (set by): %s", line)
+        _log_settings(line, "kvikio process-wide settings in force (set by): %s", line)
     return out
 
 

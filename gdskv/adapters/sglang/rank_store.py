@@ -17,15 +17,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable, Optional, Sequence, Union
+from typing import Callable, Optional, Sequence
 
 import torch
 
 from ...config import TierConfig
 from ...layout import PageLayout
 from ...store import StoreError
-from ...cluster import ClusterStore, open_tier
-from ...tier import Tier
+from ...cluster import open_tier
+from ...tier_protocol import TierLike
 
 log = logging.getLogger("gdskv.sglang")
 
@@ -53,7 +53,7 @@ class RankStore:
         self._device = device
         self._node_ranks = tuple(node_ranks)
         self._log_once = log_once
-        self.tier: Optional[Union[Tier, ClusterStore]] = None
+        self.tier: Optional[TierLike] = None
         self._follower_config: Optional[TierConfig] = None  # until the follower is open
         self._tried = float("-inf")
         self._lock = threading.Lock()
@@ -72,7 +72,7 @@ class RankStore:
                      "store in %s", what, dirs)
             self.open()
 
-    def open(self) -> Optional[Union[Tier, ClusterStore]]:
+    def open(self) -> Optional[TierLike]:
         """The tier, or None while a follower's writer has not made the store yet."""
         if self.tier is not None or self._follower_config is None:
             return self.tier

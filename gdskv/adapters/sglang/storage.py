@@ -31,7 +31,8 @@ How host-pool pages reach the tier (gdskv page format ``[kv][layer][token][row]`
   copy each way) into a store of byte pages under ``<directory>/<model>/kv/<shard>``; a KV
   transfer of the v2 calls goes to the KV store like the v1 calls' pages.
 
-Sharding: each rank owns a KV store under ``<directory>/<model>/<shard>``; the shard name and the
+Sharding: each rank owns a KV store under ``<directory>/<model>/kv/<shard>`` (the naming all
+adapters share: :mod:`gdskv.adapters.common`, docs/adapters.md); the shard name and the
 store fingerprint carry model, TP/PP (and CP/DP where used) ranks, and keys get SGLang's
 ``_<model>_<tp_rank>_<tp_size>`` style suffix, so pages of another sharding never hit. For MLA the
 KV is the same on every TP rank: only the writer rank (``storage_config.is_storage_writer``) writes;
@@ -94,11 +95,12 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
-from ...config import ConfigError, TierConfig, parse_bool, parse_size, suggest
+from ...config import ConfigError, parse_bool, parse_size
 from ...layout import KVLayout
+from ...log_once import LogOnce
 from ...memory import check_device
-from ...tier import Tier
-from .. import safe_name
+from ...tier_protocol import TierLike
+from ..common import safe_name, shard_name, store_directories, tier_config
 from . import hit_policy
 from .rank_store import RankStore
 from .sidecar import (
@@ -118,11 +120,10 @@ log = logging.getLogger("gdskv.sglang")
 
 #: extra_config keys that SGLang's dynamic loader itself reads.
 LOADER_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1"})
-#: extra_config keys this adapter reads besides TierConfig fields.
-ADAPTER_KEYS = frozenset({"device", "create_directories", "pool_capacity", "sidecar_in_kv_page"})
+#: extra_config keys this adapter reads besides TierConfig fields and create_directories.
+ADAPTER_KEYS = frozenset({"device", "pool_capacity", "sidecar_in_kv_page"})
 #: extra_config keys SGLang itself adds for every backend (``--file-storage-path``, 0.5.23).
 SGLANG_KEYS = frozenset({"file_storage_path"})
-_TIER_FIELDS = frozenset(f.name for f in dataclasses.fields(TierConfig))
 _LAYOUTS = ("page_first_direct", "page_first", "layer_first")
 # One-byte KV types SGLang stores as raw bytes (fp8 caches): copies are byte-wise, so they are
 # carried under gdskv's one-byte dtype name.
@@ -171,27 +172,11 @@ class GdskvHiCacheStorage(HiCacheStorage):
                             f"{type(storage_config).__name__}")
         self.storage_config = storage_config
         extra = dict(storage_config.extra_config or {})
-        unknown = sorted(set(extra) - LOADER_KEYS - ADAPTER_KEYS - SGLANG_KEYS - _TIER_FIELDS)
-        if unknown:  # fatal, as a misspelt GDSKV_* variable is: "capcity" must not mean 16 GiB
-            known = sorted(_TIER_FIELDS | ADAPTER_KEYS)
-            raise ConfigError("gdskv: unknown --hicache-storage-backend-extra-config key "
-                              + "; ".join(f"{k!r}{suggest(k, known)}" for k in unknown)
-                              + f"; known: {', '.join(known)}")
-        overrides = {k: v for k, v in extra.items() if k in _TIER_FIELDS}
-        if isinstance(overrides.get("directories"), list):
-            overrides["directories"] = tuple(overrides["directories"])
-        # Validates GDSKV_* and the overrides now, so a bad option stops SGLang at start-up
-        # rather than on the first request.
-        self.config = TierConfig.from_env(**overrides)
-        if not self.config.directories:
-            raise ValueError("gdskv: no store directory: set \"directories\" in "
-                             "--hicache-storage-backend-extra-config or GDSKV_DIRECTORIES")
+        # Validates GDSKV_*, the options and the store directories now, so a bad option stops
+        # SGLang at start-up rather than on the first request.
+        self.config = tier_config(extra, where="--hicache-storage-backend-extra-config",
+                                  adapter_keys=ADAPTER_KEYS, engine_keys=LOADER_KEYS | SGLANG_KEYS)
         self.device = check_device(extra.get("device", "cpu"), "device")
-        # An unmounted drive's mount point must not silently become a store on the root disk:
-        # the configured directories must exist unless the user says to create them.
-        self.create_directories = parse_bool(extra.get("create_directories", False),
-                                             "create_directories")
-        self._check_directories()
         self.pool_capacity = _parse_pool_capacity(extra.get("pool_capacity"))
         # KV-derived pools ride in the KV page where SGLang moves KV pages whole and zero-copy
         # (interface_v1 and page_first_direct, checked at registration); see _kv_page_riders.
@@ -210,10 +195,10 @@ class GdskvHiCacheStorage(HiCacheStorage):
             shard += f"_cp{sc.attn_cp_rank}-{sc.attn_cp_size}"
         if sc.dcp_size > 1:
             raise ValueError("gdskv: decode context parallel (dcp_size > 1) is not supported")
-        self._shard = shard
+        self._shard = shard  # in the keys' suffix (and the stores' earlier names)
         # MLA KV is identical on every TP rank (one store, written by the writer rank); MHA KV
         # is split by heads, so each TP rank has its own.
-        self.shard_dir, self.key_suffix = self._shard_names(replicated=self.is_mla)
+        self.key_suffix = self._key_suffix(replicated=self.is_mla)
         self.enable_metrics = bool(sc.enable_storage_metrics)
         self.kv_layout: Optional[KVLayout] = None
         self._kv_store: Optional[RankStore] = None
@@ -226,19 +211,19 @@ class GdskvHiCacheStorage(HiCacheStorage):
         self.sidecars: dict[str, _Sidecar] = {}
         self.mem_pool_host = None
         self._pool_views = None
-        self._logged: set[str] = set()
+        self._log_once = LogOnce(log, logging.ERROR, prefix="gdskv: ")
         self._metrics_lock = threading.Lock()
         self._metrics = {"prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [],
                          "backup_bandwidth": []}
 
     @property
-    def tier(self) -> Optional[Tier]:
+    def tier(self) -> Optional[TierLike]:
         """The KV tier on this rank (None until open, or while a follower waits for the
         writer's store)."""
         store = self._open_kv_store()
         return store.tier if store is not None else None
 
-    def _kv_tier(self) -> Optional[Tier]:
+    def _kv_tier(self) -> Optional[TierLike]:
         store = self._open_kv_store()
         return store.open() if store is not None else None
 
@@ -247,45 +232,38 @@ class GdskvHiCacheStorage(HiCacheStorage):
         """The sidecar pools stored in the KV page, in registration order."""
         return [side for side in self.sidecars.values() if side.in_kv_page]
 
-    def _shard_names(self, *, replicated: bool) -> tuple[str, str]:
-        """(store directory name, key suffix) of a pool that is the same on every TP rank
-        (``replicated``) or split by TP rank."""
+    def _key_suffix(self, *, replicated: bool) -> str:
+        """What this rank appends to the page hashes of a pool that is the same on every TP
+        rank (``replicated``) or split by TP rank."""
         sc = self.storage_config
         tp = "" if replicated else f"_tp{sc.tp_rank}-{sc.tp_size}"
-        # Separate processes cannot share one store (it is flock-ed): DP groups get their own,
-        # except in a cluster store, where each one is a node (its own namespace, node id
-        # from the DP rank) and all of them share the shard's directory.
-        shard_dir = ("mla" if replicated else f"tp{sc.tp_rank}-{sc.tp_size}") + self._shard + \
-            (f"_dp{sc.dp_rank}" if sc.dp_rank and not self.config.cluster else "")
-        return shard_dir, f"_{self.model_name}{tp}{self._shard}"
+        return f"_{self.model_name}{tp}{self._shard}"
 
     def _node_ranks(self) -> tuple[str, ...]:
         """What this engine process adds to a cluster store's default node id (host name and
         GPU come first and last): its DP rank. The TP/PP rank is in the shard directory."""
         return (f"dp{self.storage_config.dp_rank or 0}",)
 
-    def _store_dirs(self, *parts: str) -> tuple[str, ...]:
-        dirs = []
-        for d in self.config.directories:  # each exists (checked at construction)
-            sub = os.path.join(d, self.model_name, *parts)
-            os.makedirs(sub, mode=0o700, exist_ok=True)
-            dirs.append(sub)
-        return tuple(dirs)
+    def _store_dirs(self, store: str, *, replicated: bool) -> tuple[str, ...]:
+        """This rank's directories of ``store`` (``kv``, ``kv+<riders>`` or a sidecar pool's
+        name), made: ``<directory>/<model>/<store>/<shard>`` (:func:`.common.shard_name`).
+        A store under its earlier name (``<model>/[<pool>/]<tp<r>-<n>|mla>...``) stays in use."""
+        sc = self.storage_config
+        # Separate processes cannot share one store (it is flock-ed): DP ranks get their own,
+        # except in a cluster store, where each one is a node (its own namespace, node id
+        # from the DP rank) and all of them share the shard's directory.
+        dp = sc.dp_rank or 0
+        shard = shard_name(tp_rank=sc.tp_rank, tp_size=sc.tp_size, pp_rank=sc.pp_rank,
+                           pp_size=sc.pp_size, cp_rank=sc.attn_cp_rank, cp_size=sc.attn_cp_size,
+                           dp_rank=dp, same_on_tp_ranks=replicated, cluster=self.config.cluster)
+        earlier = ("mla" if replicated else f"tp{sc.tp_rank}-{sc.tp_size}") + self._shard + \
+            (f"_dp{dp}" if dp and not self.config.cluster else "")
+        if store != "kv":
+            earlier = os.path.join(store, earlier)
+        return store_directories(self.config.directories, self.model_name, store, shard,
+                                 earlier=[os.path.join(self.model_name, earlier)], create=True)
 
     # -- set-up ---------------------------------------------------------------------------------
-    def _check_directories(self) -> None:
-        for d in self.config.directories:
-            if os.path.isdir(d):
-                continue
-            if os.path.lexists(d):
-                raise ConfigError(f"directories: {d!r} exists but is not a directory; give "
-                                  "the store's directory (one per drive)")
-            if not self.create_directories:
-                raise ConfigError(f"directories: {d!r} does not exist (an unmounted drive?); "
-                                  "create it (mount the drive), or set \"create_directories\": "
-                                  "true to have gdskv create it")
-            os.makedirs(d, mode=0o700, exist_ok=True)
-
     def register_mem_pool_host(self, mem_pool_host) -> None:
         """Open this rank's store for the host pool's KV (SGLang calls this once, right after
         construction). A pool gdskv moves in place (:meth:`_kv_in_place`) has its pages moved
@@ -396,8 +374,8 @@ class GdskvHiCacheStorage(HiCacheStorage):
                 if self._kv_generic is not None:
                     what = f"KV {self._kv_generic.describe()}"
                     layout = self._pool_layout(self._kv_generic, replicated=self.is_mla)
-                    config = self.config.replace(directories=self._store_dirs("kv",
-                                                                              self.shard_dir))
+                    config = self.config.replace(
+                        directories=self._store_dirs("kv", replicated=self.is_mla))
                 elif riders:
                     names = "+".join(safe_name(_pool_name(side.pool.name)) for side in riders)
                     what = f"{self.layout_name} {'MLA' if self.is_mla else 'MHA'} KV + {names}"
@@ -406,12 +384,13 @@ class GdskvHiCacheStorage(HiCacheStorage):
                                              for side in riders])
                     config = kv_slot_config(self.config, layout, self.kv_layout.page_bytes,
                                             [side.pool.page_bytes for side in riders],
-                                            directories=self._store_dirs(f"kv+{names}",
-                                                                         self.shard_dir))
+                                            directories=self._store_dirs(
+                                                f"kv+{names}", replicated=self.is_mla))
                 else:
                     what = f"{self.layout_name} {'MLA' if self.is_mla else 'MHA'} KV"
                     layout = self.kv_layout
-                    config = self.config.replace(directories=self._store_dirs(self.shard_dir))
+                    config = self.config.replace(
+                        directories=self._store_dirs("kv", replicated=self.is_mla))
                 # On an MLA rank that does not write, nothing is written from here: the writer
                 # rank owns the store and this rank follows it read-only.
                 store = RankStore(what, layout, config, self.device,
@@ -532,7 +511,7 @@ class GdskvHiCacheStorage(HiCacheStorage):
                 page.extend(extra)
         return pages
 
-    def _read_rider_alone(self, tier: Tier, side: _Sidecar, skeys: List[str],
+    def _read_rider_alone(self, tier: TierLike, side: _Sidecar, skeys: List[str],
                           host_indices: torch.Tensor, n: int) -> List[bool]:
         """One rider's pages when no KV read just brought them in: whole stored pages, the
         rider's bytes into its regions and the rest (the KV page, other riders) into scratch,
@@ -662,10 +641,10 @@ class GdskvHiCacheStorage(HiCacheStorage):
             # its page is stored after its KV page's, in the KV store (opened later)
             self.sidecars[name] = _Sidecar(pool, None, self.key_suffix, in_kv_page=True)
             return
-        shard_dir, suffix = self._shard_names(replicated=replicated)
         layout = self._pool_layout(pool, replicated=replicated)
         config = store_config(self.config, layout,
-                              directories=self._store_dirs(safe_name(name), shard_dir),
+                              directories=self._store_dirs(safe_name(name),
+                                                           replicated=replicated),
                               kv_capacity=self.config.capacity, pool_host_bytes=pool.host_bytes,
                               # before the KV host pool is known: the KV capacity
                               kv_host_bytes=self._kv_host_bytes or pool.host_bytes,
@@ -673,7 +652,7 @@ class GdskvHiCacheStorage(HiCacheStorage):
         store = RankStore(name, layout, config, self.device,
                           follower=replicated and not self.is_writer, log_once=self._log_once,
                           node_ranks=self._node_ranks())
-        self.sidecars[name] = _Sidecar(pool, store, suffix)
+        self.sidecars[name] = _Sidecar(pool, store, self._key_suffix(replicated=replicated))
 
     def on_host_pools_registered(self) -> None:
         """Open the KV store (its pages carry the pools that ride in them) and log what each
@@ -849,11 +828,6 @@ class GdskvHiCacheStorage(HiCacheStorage):
         with self._metrics_lock:
             self._metrics[f"{kind}_pgs"].append(pages)
             self._metrics[f"{kind}_bandwidth"].append(gbps)
-
-    def _log_once(self, tag: str, msg: str, *args, level: int = logging.ERROR) -> None:
-        if tag not in self._logged:
-            self._logged.add(tag)
-            log.log(level, "gdskv: " + msg, *args)
 
 
 __all__ = ["GdskvHiCacheStorage"]

@@ -26,9 +26,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ...cluster import open_tier
 from ...config import TierConfig
-from ...cluster import ClusterStore, open_tier
-from ...tier import Tier
+from ...log_once import LogOnce
+from ...tier_protocol import TierLike
 from .mapping import GroupGeometry, Shard, group_store_name
 
 log = logging.getLogger("gdskv.vllm")
@@ -65,9 +66,9 @@ class BlockTransfers:
 
     def __init__(self, shard: Shard, config: TierConfig, groups: Sequence[GroupGeometry]) -> None:
         self.groups = list(groups)
-        self.tiers: list[Tier | ClusterStore] = []
+        self.tiers: list[TierLike] = []
         self._jobs: dict[int, _Job] = {}
-        self._logged: set[str] = set()
+        self._log_once = LogOnce(log)
         try:
             for g in self.groups:
                 what = group_store_name(g.group_id, g.tokens_per_block)
@@ -154,8 +155,3 @@ class BlockTransfers:
         for tier in self.tiers:
             tier.close()
         self.tiers = []
-
-    def _log_once(self, tag: str, msg: str, *args) -> None:
-        if tag not in self._logged:
-            self._logged.add(tag)
-            log.warning(msg, *args)

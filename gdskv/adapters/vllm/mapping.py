@@ -25,48 +25,18 @@ Keys are vLLM's ``OffloadKey`` bytes (block hash + 4-byte group index), stored a
 
 from __future__ import annotations
 
-import dataclasses
-import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from ...config import ConfigError, TierConfig
-from .. import safe_name
+from ...config import TierConfig
 from ...layout import KVLayout
+from ..common import safe_name, shard_name, store_directories
 
 #: gdskv's name for "one byte per element": copies are byte-wise, so the type is only a width.
 BYTE_DTYPE = "float8_e4m3fn"
 _BYTE_TORCH_DTYPE = torch.float8_e4m3fn
-TIER_FIELDS = frozenset(f.name for f in dataclasses.fields(TierConfig))
-
-
-def tier_config(options: Mapping, *, where: str) -> TierConfig:
-    """A :class:`TierConfig` from ``GDSKV_*`` variables overridden by ``options`` (the
-    ``gdskv`` keys of vLLM's config). A key that is no TierConfig field, or a bad value, is one
-    :class:`ConfigError` naming it, raised when vLLM starts."""
-    if not isinstance(options, Mapping):
-        raise ConfigError(f"{where}: expected an object of gdskv options, got "
-                          f"{type(options).__name__} {options!r}")
-    unknown = sorted(set(options) - TIER_FIELDS)
-    if unknown:
-        raise ConfigError(f"{where}: unknown gdskv option(s) {unknown}; known: "
-                          f"{', '.join(sorted(TIER_FIELDS))}")
-    try:
-        config = TierConfig.from_env(**options)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{where}: {exc}") from None
-    if not config.directories:
-        raise ConfigError(f"{where}: no store directory: set \"directories\" or "
-                          f"GDSKV_DIRECTORIES")
-    # The configured directories must exist (a missing one is often an unmounted drive); the
-    # stores' sub-directories are made under them.
-    for d in config.directories:
-        if not os.path.isdir(d):
-            raise ConfigError(f"{where}: directories: {d!r} is not an existing directory (an "
-                              f"unmounted drive?); create it or mount the drive")
-    return config
 
 
 @dataclass(frozen=True)
@@ -111,23 +81,23 @@ class Shard:
         """What this replica adds to a cluster store's default node id (:mod:`gdskv.cluster`)."""
         return (f"dp{self.dp_index}",)
 
-    def store_name(self, what: str, rank: int | None = None, *, cluster: bool = False) -> str:
-        """The store's sub-directory under each configured directory (``cluster``: shared by
-        the data-parallel replicas, each a node with a namespace of its own in it)."""
-        rank = self.rank if rank is None else rank
-        dp = f"_dp{self.dp_index}" if self.dp_index and not cluster else ""
-        return f"{safe_name(self.model)}/{what}_rank{rank}-of-{self.world_size}{dp}"
-
     def directories(self, config: TierConfig, what: str, rank: int | None = None, *,
-                    create: bool = False) -> tuple[str, ...]:
-        """The store's directories: ``<directory>/<model>/<what>_rank<r>-of-<n>`` for each
-        configured directory (made, owner-only, when ``create``: the writer's side)."""
-        name = self.store_name(what, rank, cluster=config.cluster)
-        dirs = tuple(os.path.join(d, name) for d in config.directories)
-        if create:
-            for d in dirs:
-                os.makedirs(d, mode=0o700, exist_ok=True)
-        return dirs
+                    all_ranks: bool = False, create: bool = False) -> tuple[str, ...]:
+        """The directories of worker ``rank``'s store ``what`` (default: this worker's), or
+        with ``all_ranks`` of a store that holds every worker's share (the CPU tier's rows):
+        ``<directory>/<model>/<what>/<shard>`` (:func:`~gdskv.adapters.common.shard_name`;
+        ``cluster``: the data-parallel replicas share it, each a node with a namespace of its
+        own in it), made owner-only when ``create`` (the writer's side). A store under its
+        earlier name (``<model>/<what>_rank<r>-of-<n>[_dp<i>]``) stays in use."""
+        rank = 0 if all_ranks else self.rank if rank is None else rank
+        dp = f"_dp{self.dp_index}" if self.dp_index and not config.cluster else ""
+        earlier = f"{safe_name(self.model)}/{what}_rank{rank}-of-{self.world_size}{dp}"
+        shard = shard_name(tp_rank=rank % self.tp_size, tp_size=self.tp_size,
+                           pp_rank=rank // self.tp_size, pp_size=self.pp_size,
+                           dp_rank=self.dp_index, same_on_tp_ranks=all_ranks,
+                           cluster=config.cluster)
+        return store_directories(config.directories, self.model, what, shard,
+                                 earlier=[earlier], create=create)
 
     def layout(self, *, num_layers: int, row_bytes: int, what: str) -> KVLayout:
         """The byte-row layout of one page: ``num_layers`` rows of ``row_bytes`` bytes."""
@@ -139,7 +109,7 @@ class Shard:
 
 
 def group_store_name(group_id: int, tokens_per_block: int) -> str:
-    """Sub-store of one KV cache group (``what`` of :meth:`Shard.store_name`)."""
+    """Sub-store of one KV cache group (``what`` of :meth:`Shard.directories`)."""
     return f"g{group_id}-t{tokens_per_block}"
 
 

@@ -39,7 +39,11 @@ from vllm.v1.kv_offload.base import (Locality, LookupResult, Medium, OffloadingE
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from ...cluster import open_tier
-from .mapping import ConfigError, Shard, tier_config
+from ...config import ConfigError
+from ...log_once import LogOnce
+from ...tier_protocol import TierLike
+from ..common import tier_config
+from .mapping import Shard
 
 log = logging.getLogger("gdskv.vllm")
 
@@ -61,7 +65,7 @@ class GdskvSecondaryTier(SecondaryTierManager):
                  backpressure_detector=None, enable_kv_events: bool = False,
                  locality: str | None = None, jobs: int | None = None, **options) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
-        where = f"secondary tier {tier_type!r}"
+        where = f"secondary tier {tier_type!r} config"
         self.config = tier_config(options, where=where)
         self.locality = Locality(locality) if locality is not None else None
         jobs = self.config.io_threads if jobs is None else jobs
@@ -81,10 +85,11 @@ class GdskvSecondaryTier(SecondaryTierManager):
         what = (f"cpu-rows-w{cfg.parallel.world_size}-c{offloading_spec.blocks_per_chunk}"
                 f"{'-replicated' if offloading_spec.replicated_layout else ''}")
         # with "cluster": true, a cluster store (every replica's and host's blocks readable)
-        self.tier = open_tier(shard.layout(num_layers=1, row_bytes=row, what=what),
-                              self.config.replace(directories=shard.directories(
-                                  self.config, what, create=True)),
-                              device="cpu", node_ranks=shard.node_ranks)
+        self.tier: TierLike = open_tier(
+            shard.layout(num_layers=1, row_bytes=row, what=what),
+            self.config.replace(directories=shard.directories(self.config, what, all_ranks=True,
+                                                              create=True)),
+            device="cpu", node_ranks=shard.node_ranks)
         # vLLM hands over many small jobs (a few blocks each) and runs its own fs tier's on one
         # thread per job; each job here is one tier call, and calls from many threads overlap,
         # so as many run at once as the tier has I/O threads (with pipeline_depth, 4, jobs at
@@ -94,7 +99,7 @@ class GdskvSecondaryTier(SecondaryTierManager):
         self._events: list[OffloadingEvent] | None = None
         if enable_kv_events and offloading_spec.kv_events_config.enable_kv_cache_events:
             self._events = []
-        self._logged: set[str] = set()
+        self._log_once = LogOnce(log)
         log.info("gdskv secondary tier %r: %d B blocks in %s", tier_type, row,
                  ", ".join(self.tier.store.directories))
 
@@ -165,8 +170,3 @@ class GdskvSecondaryTier(SecondaryTierManager):
         self.drain_jobs()
         self._pool.shutdown(wait=True)
         self.tier.close()
-
-    def _log_once(self, tag: str, msg: str, *args) -> None:
-        if tag not in self._logged:
-            self._logged.add(tag)
-            log.warning(msg, *args)

@@ -37,7 +37,8 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 
 from .blocks import BlockTransfers
 from .index import KeyIndex
-from .mapping import Shard, group_geometry, group_store_name, tier_config
+from ..common import tier_config
+from .mapping import Shard, group_geometry, group_store_name
 
 log = logging.getLogger("gdskv.vllm")
 
