@@ -316,16 +316,20 @@ class PageDirectory:
         return freed
 
     # -- eviction -----------------------------------------------------------------------------
-    def remove(self, keys: Iterable[Hashable]) -> list[tuple[Hashable, int]]:
+    def remove(self, keys: Iterable[Hashable],
+               slots: Iterable[int] | None = None) -> list[tuple[Hashable, int]]:
         """Evict the given READY keys now; pinned ones become EVICTING and go at last unpin.
+        ``slots``: only where each key is still in that slot (a page found unreadable there,
+        not a newer copy of it put since).
 
         Returns the (key, slot) pairs freed now. Unknown or WRITING keys are ignored.
         """
         freed = []
         with self._lock:
-            for key in keys:
+            for key, where in zip(keys, slots) if slots is not None else \
+                    ((k, None) for k in keys):
                 slot = self._index.get(key)
-                if slot is None or self._state[slot] != _READY:
+                if slot is None or self._state[slot] != _READY or where not in (None, slot):
                     continue
                 self._ready -= 1
                 if self._pins[slot]:
