@@ -89,6 +89,8 @@ log = logging.getLogger("gdskv.tier")
 
 #: where a pending write's future sits in the entry :meth:`Tier._writing` makes
 _FUT = 4
+#: page states as plain ints (an enum member lookup costs a put's loop more)
+_FREE, _WRITING, _READY = int(PageState.FREE), int(PageState.WRITING), int(PageState.READY)
 #: a read failing with these will fail again: the file is gone (a truncated one, a short read
 #: that found its end, is the other lasting case)
 _GONE = frozenset({errno.ENOENT, errno.ESTALE, errno.ENXIO, errno.ENODEV})
@@ -269,7 +271,10 @@ class Tier:
     def put(self, keys: Sequence[Hashable], kv_pool, token_slots) -> list[bool]:
         """Store pages (gathered from ``kv_pool`` at ``token_slots``) under ``keys``.
 
-        Returns per-page success. A key already stored (or being stored) is a no-op success.
+        Returns per page whether it is stored: True means readable, and durable as the sync
+        policy says (``sync``). A key already stored is True without a write; a key another call
+        is writing now gets that write's outcome (this call waits for it, after its own
+        writes); a key being evicted while a reader holds it is False.
         """
         self._check_open()
         if self.read_only or self._lost:
@@ -736,12 +741,18 @@ class Tier:
         tally = {"not_admitted": len(keys) - len(admitted), "evictions": len(res.evicted),
                  "bytes_written": 0, "write_seconds": 0.0, "write_failed": 0}
         todo: list[tuple[int, int]] = []
-        for i, slot, present in zip(admitted, res.slots, res.present):
-            if present:
-                results[i] = True
-            elif slot is not None:
+        waiting: list[int] = []  # keys another call is writing now: its outcome is theirs
+        no_room = 0
+        for i, slot, found in zip(admitted, res.slots, res.found):
+            if slot is not None:
                 todo.append((i, slot))
-        no_room = len(admitted) - sum(res.present) - len(todo)
+            elif found == _READY:
+                results[i] = True
+            elif found == _WRITING:
+                waiting.append(i)
+            elif found == _FREE:
+                no_room += 1
+            # (EVICTING: asked to go while a reader holds it; it is not stored for this put)
         if no_room:
             self._log_once("full", "store full and eviction cannot make room: %d pages not "
                            "stored", no_room)
@@ -810,6 +821,9 @@ class Tier:
                 spill.done()  # every chunk's copies ended before its write was queued
             while pending:
                 finish_oldest()
+            if waiting:  # (only now: this call writes nothing any more, so no cycle of waits)
+                for i, ok in zip(waiting, self.directory.wait_written([keys[i] for i in waiting])):
+                    results[i] = ok
         except BaseException:
             if held is not None:
                 self._staging.give_back(held)
