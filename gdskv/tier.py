@@ -108,6 +108,27 @@ def _may_read_later(exc: BaseException) -> bool:
     return exc.errno not in _GONE
 
 
+def _refuse_shared_regions(starts: list[int], sizes: list[int], pages) -> None:
+    """ValueError if two of a restore's regions (their addresses ``starts`` and ``sizes``,
+    in call order; none empty) share memory: the page read last would overwrite the other's
+    bytes, and both would report a hit. Sorted by address, any overlap shows between
+    neighbours: one numpy pass, no loop over pages. (Host and device memory never share
+    addresses: CUDA's unified virtual addressing keeps them apart in one process.)"""
+    start = np.array(starts, dtype=np.int64)
+    order = np.argsort(start, kind="stable")
+    start = start[order]
+    end = start + np.array(sizes, dtype=np.int64)[order]
+    hit = np.flatnonzero(start[1:] < end[:-1])
+    if not hit.size:
+        return
+    page_of = [i for i, regions in enumerate(pages) for r in regions if r.numel()]
+    p, q = sorted((page_of[order[hit[0]]], page_of[order[hit[0] + 1]]))
+    where = f"page {p}'s regions overlap" if p == q else \
+        f"the regions of pages {p} and {q} share memory"
+    raise ValueError(f"get_pages: {where}; each page restored needs memory of its own, or one "
+                     "page's bytes would land in another's")
+
+
 class _HeldPart:
     """A staging part a spill's write holds until the write ends. It is given back once, by
     whichever comes first: the write's done-callback (a backend thread may run that after it
@@ -517,8 +538,9 @@ class Tier:
         pool = self._pools.get(kv_pool)
         if pool.device != self.device:
             raise ValueError(f"KV pool is on {pool.device} but this tier stages on {self.device}")
-        return PoolCopier(pool, self.layout, pool.check_token_slots(token_slots, len(keys)),
-                          copy_fn)
+        # a restore's slots must not repeat: one page's bytes would land in another's
+        return PoolCopier(pool, self.layout, pool.check_token_slots(
+            token_slots, len(keys), distinct=copy_fn is kd.scatter_pages), copy_fn)
 
     def _region_calls(self, keys, pages, *, to_staging: bool) -> tuple[list, list]:
         """Check a put_pages/get_pages call; returns its keys and its parts: (positions in the
@@ -527,6 +549,9 @@ class Tier:
         keys = self._check_keys(keys)
         if len(pages) != len(keys):
             raise ValueError(f"got {len(pages)} page buffers for {len(keys)} keys")
+        # a restore's regions' addresses and sizes, to refuse shared memory
+        starts: list[int] | None = None if to_staging else []
+        sizes: list[int] = []
         for i, regions in enumerate(pages):
             total = 0
             for r in regions:
@@ -539,10 +564,16 @@ class Tier:
                 if not r.is_contiguous():
                     raise ValueError(f"page {i}: regions must be contiguous byte ranges (got "
                                      f"stride {r.stride(0)}: an expanded or strided view)")
-                total += r.numel()
+                n = r.numel()
+                total += n
+                if starts is not None and n:
+                    starts.append(r.data_ptr())
+                    sizes.append(n)
             if total != self.layout.page_bytes:
                 raise ValueError(f"page {i}: regions hold {total} B, a page is "
                                  f"{self.layout.page_bytes} B")
+        if starts is not None and len(starts) > 1:
+            _refuse_shared_regions(starts, sizes, pages)
         direct = [i for i, regions in enumerate(pages) if self._host_pages.in_place(regions)]
         staged = sorted(set(range(len(pages))) - set(direct))
         parts = []
