@@ -56,10 +56,17 @@ class Reservation:
     """Outcome of :meth:`PageDirectory.reserve` for one batch of keys."""
     #: per key: a fresh slot to write, or None (already present, or no room)
     slots: list[int | None]
-    #: per key: True when the key was already READY or WRITING (nothing to do)
-    present: list[bool]
+    #: per key: the state it was found in (FREE: not in the directory; then it got a slot,
+    #: or there was no room). READY: stored already; WRITING: another call is writing it
+    #: (:meth:`PageDirectory.wait_written` waits for that write); EVICTING: on its way out
+    found: list[int]
     #: (key, slot) pairs evicted to make room; the caller journals them
     evicted: list[tuple[Hashable, int]]
+
+    @property
+    def present(self) -> list[bool]:
+        """Per key: whether it was in the directory already (nothing was reserved for it)."""
+        return [f != _FREE for f in self.found]
 
 
 class PageDirectory:
@@ -90,6 +97,10 @@ class PageDirectory:
         #: journal, never reserves, so it keeps no free list (place() stays O(1))
         self.follower = follower
         self._lock = threading.Lock()
+        #: notified when WRITING slots are committed or given back, while a put waits for
+        #: another call's write of the same key (:meth:`wait_written`)
+        self._written = threading.Condition(self._lock)
+        self._waiting = 0
         self._index: dict[Hashable, int] = {}
         self._keys: list[Hashable | None] = [None] * num_slots
         self._state = np.zeros(num_slots, dtype=np.uint8)
@@ -170,14 +181,15 @@ class PageDirectory:
         if self.follower:
             raise RuntimeError("a follower's directory reserves no slots (read-only)")
         with self._lock:
-            present = [k in self._index for k in keys]
-            need = len(keys) - sum(present)
+            index, state = self._index, self._state
+            found = [_FREE if (s := index.get(k)) is None else int(state[s]) for k in keys]
+            need = found.count(_FREE)
             evicted = []
             if need > len(self._free) and self.evict_enabled:
                 evicted = self._evict_lru_locked(need - len(self._free), protect=set(keys))
             slots: list[int | None] = []
-            for key, is_present in zip(keys, present):
-                if is_present or not self._free:
+            for key, was in zip(keys, found):
+                if was != _FREE or not self._free:
                     slots.append(None)
                     continue
                 slot = heapq.heappop(self._free)
@@ -186,7 +198,24 @@ class PageDirectory:
                 self._state[slot] = _WRITING
                 self._pins[slot] = 0
                 slots.append(slot)
-            return Reservation(slots, present, evicted)
+            return Reservation(slots, found, evicted)
+
+    def wait_written(self, keys: Sequence[Hashable]) -> list[bool]:
+        """Wait until none of ``keys`` is WRITING (the calls writing them have committed or
+        given back their slots); per key, whether it is READY then. For a put that found its
+        key being written by another call: its answer is that write's outcome."""
+        with self._written:
+            self._waiting += 1
+            try:
+                while any(self._state_locked(k) == _WRITING for k in keys):
+                    self._written.wait()
+            finally:
+                self._waiting -= 1
+            return [self._state_locked(k) == _READY for k in keys]
+
+    def _state_locked(self, key: Hashable) -> int:
+        slot = self._index.get(key)
+        return _FREE if slot is None else int(self._state[slot])
 
     def commit(self, slots: Sequence[int], checksums: Sequence[int], algorithm: int = 1) -> None:
         """WRITING -> READY once the data is durable and journaled (checksums made with
@@ -201,6 +230,8 @@ class PageDirectory:
                     self._algorithm[slot] = algorithm
                     self._touch_locked(slot)
                     self._ready += 1
+                if self._waiting:
+                    self._written.notify_all()
                 return
             idx = np.asarray(slots, dtype=np.int64)
             assert (self._state[idx] == _WRITING).all(), \
@@ -212,6 +243,8 @@ class PageDirectory:
             self._last_use[idx] = np.arange(self._clock + 1, self._clock + 1 + n, dtype=np.uint64)
             self._clock += n
             self._ready += n
+            if self._waiting:
+                self._written.notify_all()
 
     def abort(self, slots: Iterable[int]) -> None:
         """Give back WRITING slots whose write failed."""
@@ -219,6 +252,8 @@ class PageDirectory:
             for slot in slots:
                 assert self._state[slot] == _WRITING, f"abort of slot {slot} not WRITING"
                 self._free_locked(slot)
+            if self._waiting:
+                self._written.notify_all()
 
     def load(self, keys: Sequence[Hashable], slots: Sequence[int], checksums: Sequence[int],
              algorithms: Sequence[int] | None = None) -> None:
@@ -316,16 +351,20 @@ class PageDirectory:
         return freed
 
     # -- eviction -----------------------------------------------------------------------------
-    def remove(self, keys: Iterable[Hashable]) -> list[tuple[Hashable, int]]:
+    def remove(self, keys: Iterable[Hashable],
+               slots: Iterable[int] | None = None) -> list[tuple[Hashable, int]]:
         """Evict the given READY keys now; pinned ones become EVICTING and go at last unpin.
+        ``slots``: only where each key is still in that slot (a page found unreadable there,
+        not a newer copy of it put since).
 
         Returns the (key, slot) pairs freed now. Unknown or WRITING keys are ignored.
         """
         freed = []
         with self._lock:
-            for key in keys:
+            for key, where in zip(keys, slots) if slots is not None else \
+                    ((k, None) for k in keys):
                 slot = self._index.get(key)
-                if slot is None or self._state[slot] != _READY:
+                if slot is None or self._state[slot] != _READY or where not in (None, slot):
                     continue
                 self._ready -= 1
                 if self._pins[slot]:

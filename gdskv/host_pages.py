@@ -260,6 +260,14 @@ class InPlacePages:
             self._read_sums[i] = digest
             self._rest_copied.add(i)
 
+    def forget_reads(self, page_idx: list[int]) -> None:
+        """These pages are read again (after a failed read): what their first read hashed and
+        copied no longer counts; they are hashed and completed after the new read."""
+        with self._lock:
+            for i in page_idx:
+                self._read_sums.pop(i, None)
+                self._rest_copied.discard(i)
+
     def read_checksums(self, page_idx: list[int]) -> np.ndarray:
         """xxh3 of each page's payload as read (hashed by the thread that read it, or now)."""
         out = np.empty(len(page_idx), dtype=np.uint64)

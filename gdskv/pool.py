@@ -22,6 +22,7 @@ import weakref
 from collections.abc import Sequence
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from .layout import KVLayout
@@ -42,13 +43,16 @@ _FEW_SLOTS = 32
 
 
 def check_token_slots(token_slots, page_size: int, *, num_pages: int | None = None,
-                      num_slots: int | None = None,
-                      device: torch.device | None = None) -> torch.Tensor:
+                      num_slots: int | None = None, device: torch.device | None = None,
+                      distinct: bool = False) -> torch.Tensor:
     """Validate a page batch's token slot indices; returns them 1-D and contiguous.
 
     ``num_pages``: the count must be exactly ``num_pages * page_size`` (else a multiple of
     ``page_size``); ``num_slots``: every index must be in ``[0, num_slots)`` (this reads the
-    indices, a device sync when they are on a GPU); ``device``: where they must be.
+    indices, a device sync when they are on a GPU); ``device``: where they must be;
+    ``distinct``: no index may repeat (the slots a restore writes: two pages restored into one
+    slot would leave one page's bytes in the other's; checked with ``num_slots``, in the same
+    read of the indices).
     """
     if not isinstance(token_slots, torch.Tensor):
         token_slots = torch.as_tensor(token_slots)
@@ -66,20 +70,44 @@ def check_token_slots(token_slots, page_size: int, *, num_pages: int | None = No
     if n % page_size:
         raise ValueError(f"got {n} slot indices, not a multiple of page_size {page_size}")
     if num_slots is not None and n:
+        repeated = False
         if token_slots.is_cpu and n <= _FEW_SLOTS:
             # a few pages' indices: Python's min/max over a list cost a third of numpy's two
             # reductions, whose per-call cost shows on a 1-page spill
             idx = token_slots.tolist()
             lo, hi = min(idx), max(idx)
+            repeated = distinct and len(set(idx)) != n
+        elif token_slots.is_cpu and distinct:  # sorted: its ends are the range, and a repeat
+            idx = np.sort(token_slots.numpy())  # is two equal neighbours
+            lo, hi = int(idx[0]), int(idx[-1])
+            repeated = bool((idx[1:] == idx[:-1]).any())
         elif token_slots.is_cpu:  # numpy's reductions cost a fraction of torch's per call
             idx = token_slots.numpy()
             lo, hi = int(idx.min()), int(idx.max())
+        elif distinct:  # the same, on the GPU: one device-to-host read
+            s = torch.sort(token_slots).values
+            lo, hi, repeats = torch.stack([s[0], s[-1], (s[1:] == s[:-1]).sum().to(s.dtype)
+                                           ]).tolist()
+            repeated = repeats > 0
         else:  # one reduction, one device-to-host read
             lo, hi = torch.stack(torch.aminmax(token_slots)).tolist()
         if lo < 0 or hi >= num_slots:
             raise ValueError(f"slot index out of range: [{lo}, {hi}] not within pool of "
                              f"{num_slots} slots")
+        if repeated:
+            raise ValueError(_repeated_slot(token_slots, page_size))
     return token_slots
+
+
+def _repeated_slot(token_slots: torch.Tensor, page_size: int) -> str:
+    """The error for token slot indices that repeat in one restore (which slot, which pages)."""
+    idx = token_slots.cpu().numpy()
+    values, counts = np.unique(idx, return_counts=True)
+    slot = int(values[counts > 1][0])
+    pages = sorted({int(p) // page_size for p in np.flatnonzero(idx == slot)})
+    return (f"token slots overlap: slot {slot} is given {int(counts[counts > 1][0])} times in "
+            f"one call (pages {pages}); each page restored needs slots of its own, or one "
+            "page's bytes would land in another's")
 
 
 class KVPool:
@@ -180,14 +208,15 @@ class KVPool:
             out.append(rows.view(torch.uint8))
         return out
 
-    def check_token_slots(self, token_slots, num_pages: int) -> torch.Tensor:
+    def check_token_slots(self, token_slots, num_pages: int, *,
+                          distinct: bool = False) -> torch.Tensor:
         """Validate a call's token slot indices against this pool; returns them 1-D, on the
-        device they came on. The tier copies them to the GPU on its own stream
-        (:mod:`gdskv.copiers`): a copy on the caller's stream, when that is the legacy default
-        stream, would wait for every blocking stream's work, kvikio's compat-mode copies
-        included."""
+        device they came on (``distinct``: a restore's, none may repeat). The tier copies them
+        to the GPU on its own stream (:mod:`gdskv.copiers`): a copy on the caller's stream,
+        when that is the legacy default stream, would wait for every blocking stream's work,
+        kvikio's compat-mode copies included."""
         return check_token_slots(token_slots, self.layout.page_size, num_pages=num_pages,
-                                 num_slots=self.num_slots)
+                                 num_slots=self.num_slots, distinct=distinct)
 
     @functools.cached_property
     def row_table(self) -> RowTable:

@@ -8,7 +8,10 @@ others' writes are in flight the next chunk is gathered into a free part.
 Restore (``get``): pin READY pages -> ``backend.read`` chunks into the staging parts -> verify
 checksums -> scatter into the engine's slots -> unpin. While one chunk is scattered the next is
 read. A page that is missing, fails I/O or fails its checksum is a miss (``False``), never an
-exception and never wrong bytes.
+exception and never wrong bytes; one that could not be read is dropped (journaled as evicted),
+so existence checks answer miss and no engine loads it again and again: at once when the
+failure lasts (a checksum mismatch, a slab that ends early, a file gone), after
+``READ_RETRIES`` more reads in the call for an error that may pass (EIO).
 
 Data calls from several threads run concurrently and share the staging parts (``put_async`` /
 ``get_async`` run on ``pipeline_depth`` workers): one call's fixed costs (fdatasync, journal,
@@ -45,6 +48,8 @@ are :mod:`.persistence`; the call gate :mod:`.call_gate`; the admission filter
 from __future__ import annotations
 
 import collections
+import dataclasses
+import errno
 import itertools
 import logging
 import threading
@@ -59,7 +64,7 @@ from . import checksum
 from . import kernels as kd
 from .admission import AdmissionFilter
 from .backends import backend_class, create_backend
-from .backends.base import Extent, IOOutcome
+from .backends.base import Extent, IOOutcome, ShortIOError
 from .call_gate import CallGate
 from .config import ConfigError, SyncPolicy, TierConfig
 from .copiers import DeferredCopier, PageCopier, PoolCopier, RegionCopier
@@ -85,6 +90,44 @@ log = logging.getLogger("gdskv.tier")
 
 #: where a pending write's future sits in the entry :meth:`Tier._writing` makes
 _FUT = 4
+#: page states as plain ints (an enum member lookup costs a put's loop more)
+_FREE, _WRITING, _READY = int(PageState.FREE), int(PageState.WRITING), int(PageState.READY)
+#: a read failing with these will fail again: the file is gone (a truncated one, a short read
+#: that found its end, is the other lasting case)
+_GONE = frozenset({errno.ENOENT, errno.ESTALE, errno.ENXIO, errno.ENODEV})
+
+
+def _may_read_later(exc: BaseException) -> bool:
+    """Whether a read that failed with ``exc`` may succeed if tried again
+    (:meth:`Tier._read_again`): an I/O error (EIO, a NIXL transfer error), not a file that
+    ended or is gone. Not an ``OSError`` (a fault of this process, e.g. a CUDA copy's): not
+    tried again, nor dropped."""
+    if not isinstance(exc, OSError):
+        return False
+    if isinstance(exc, ShortIOError) and exc.errno is None:
+        return False
+    return exc.errno not in _GONE
+
+
+def _refuse_shared_regions(starts: list[int], sizes: list[int], pages) -> None:
+    """ValueError if two of a restore's regions (their addresses ``starts`` and ``sizes``,
+    in call order; none empty) share memory: the page read last would overwrite the other's
+    bytes, and both would report a hit. Sorted by address, any overlap shows between
+    neighbours: one numpy pass, no loop over pages. (Host and device memory never share
+    addresses: CUDA's unified virtual addressing keeps them apart in one process.)"""
+    start = np.array(starts, dtype=np.int64)
+    order = np.argsort(start, kind="stable")
+    start = start[order]
+    end = start + np.array(sizes, dtype=np.int64)[order]
+    hit = np.flatnonzero(start[1:] < end[:-1])
+    if not hit.size:
+        return
+    page_of = [i for i, regions in enumerate(pages) for r in regions if r.numel()]
+    p, q = sorted((page_of[order[hit[0]]], page_of[order[hit[0] + 1]]))
+    where = f"page {p}'s regions overlap" if p == q else \
+        f"the regions of pages {p} and {q} share memory"
+    raise ValueError(f"get_pages: {where}; each page restored needs memory of its own, or one "
+                     "page's bytes would land in another's")
 
 
 class _HeldPart:
@@ -134,6 +177,9 @@ class Tier:
 
     #: seconds between a read-only follower's journal catch-ups (see :meth:`refresh`)
     FOLLOW_INTERVAL = 0.05
+    #: times a read that failed for a reason that may pass (EIO) is tried again, at once,
+    #: before its pages are dropped (:meth:`_read_again`)
+    READ_RETRIES = 2
 
     def __init__(self, layout: PageLayout, config: TierConfig | None = None, *,
                  device: torch.device | str | None = None, scan_headers: bool = False,
@@ -247,7 +293,10 @@ class Tier:
     def put(self, keys: Sequence[Hashable], kv_pool, token_slots) -> list[bool]:
         """Store pages (gathered from ``kv_pool`` at ``token_slots``) under ``keys``.
 
-        Returns per-page success. A key already stored (or being stored) is a no-op success.
+        Returns per page whether it is stored: True means readable, and durable as the sync
+        policy says (``sync``). A key already stored is True without a write; a key another call
+        is writing now gets that write's outcome (this call waits for it, after its own
+        writes); a key being evicted while a reader holds it is False.
         """
         self._check_open()
         if self.read_only or self._lost:
@@ -490,8 +539,9 @@ class Tier:
         pool = self._pools.get(kv_pool)
         if pool.device != self.device:
             raise ValueError(f"KV pool is on {pool.device} but this tier stages on {self.device}")
-        return PoolCopier(pool, self.layout, pool.check_token_slots(token_slots, len(keys)),
-                          copy_fn)
+        # a restore's slots must not repeat: one page's bytes would land in another's
+        return PoolCopier(pool, self.layout, pool.check_token_slots(
+            token_slots, len(keys), distinct=copy_fn is kd.scatter_pages), copy_fn)
 
     def _region_calls(self, keys, pages, *, to_staging: bool) -> tuple[list, list]:
         """Check a put_pages/get_pages call; returns its keys and its parts: (positions in the
@@ -500,6 +550,9 @@ class Tier:
         keys = self._check_keys(keys)
         if len(pages) != len(keys):
             raise ValueError(f"got {len(pages)} page buffers for {len(keys)} keys")
+        # a restore's regions' addresses and sizes, to refuse shared memory
+        starts: list[int] | None = None if to_staging else []
+        sizes: list[int] = []
         for i, regions in enumerate(pages):
             total = 0
             for r in regions:
@@ -512,10 +565,16 @@ class Tier:
                 if not r.is_contiguous():
                     raise ValueError(f"page {i}: regions must be contiguous byte ranges (got "
                                      f"stride {r.stride(0)}: an expanded or strided view)")
-                total += r.numel()
+                n = r.numel()
+                total += n
+                if starts is not None and n:
+                    starts.append(r.data_ptr())
+                    sizes.append(n)
             if total != self.layout.page_bytes:
                 raise ValueError(f"page {i}: regions hold {total} B, a page is "
                                  f"{self.layout.page_bytes} B")
+        if starts is not None and len(starts) > 1:
+            _refuse_shared_regions(starts, sizes, pages)
         direct = [i for i, regions in enumerate(pages) if self._host_pages.in_place(regions)]
         staged = sorted(set(range(len(pages))) - set(direct))
         parts = []
@@ -714,12 +773,18 @@ class Tier:
         tally = {"not_admitted": len(keys) - len(admitted), "evictions": len(res.evicted),
                  "bytes_written": 0, "write_seconds": 0.0, "write_failed": 0}
         todo: list[tuple[int, int]] = []
-        for i, slot, present in zip(admitted, res.slots, res.present):
-            if present:
-                results[i] = True
-            elif slot is not None:
+        waiting: list[int] = []  # keys another call is writing now: its outcome is theirs
+        no_room = 0
+        for i, slot, found in zip(admitted, res.slots, res.found):
+            if slot is not None:
                 todo.append((i, slot))
-        no_room = len(admitted) - sum(res.present) - len(todo)
+            elif found == _READY:
+                results[i] = True
+            elif found == _WRITING:
+                waiting.append(i)
+            elif found == _FREE:
+                no_room += 1
+            # (EVICTING: asked to go while a reader holds it; it is not stored for this put)
         if no_room:
             self._log_once("full", "store full and eviction cannot make room: %d pages not "
                            "stored", no_room)
@@ -788,6 +853,9 @@ class Tier:
                 spill.done()  # every chunk's copies ended before its write was queued
             while pending:
                 finish_oldest()
+            if waiting:  # (only now: this call writes nothing any more, so no cycle of waits)
+                for i, ok in zip(waiting, self.directory.wait_written([keys[i] for i in waiting])):
+                    results[i] = ok
         except BaseException:
             if held is not None:
                 self._staging.give_back(held)
@@ -899,12 +967,13 @@ class Tier:
         todo = sorted(((i, p[0], p[1]) for i, p in enumerate(pins) if p is not None),
                       key=lambda t: t[1])
         chunks = [todo[k:k + self._chunk_pages] for k in range(0, len(todo), self._chunk_pages)]
-        corrupt: list = []
+        unreadable: list = []  # (key, slot) of pages to drop: checksum mismatch, failed read
         pending: collections.deque = collections.deque()
         held = None
         verdicts = None
         # the call's counters, added to the stats once at its end (each add costs host time)
-        tally = {"bytes_read": 0, "read_seconds": 0.0, "read_failed": 0}
+        tally = {"bytes_read": 0, "read_seconds": 0.0, "read_failed": 0, "corrupt_pages": 0,
+                 "unreadable_pages": 0}
         synced_parts: list[int] = []  # parts given back after the call's sync, not before
         gpu = None  # the call's stream, once entered (after the first read's submit)
         settled = False
@@ -916,11 +985,11 @@ class Tier:
 
         def finish_oldest() -> None:
             if in_place:
-                self._finish_read_in_place(keys, *pending.popleft(), drain, results, corrupt,
-                                           tally)
+                self._finish_read_in_place(keys, *pending.popleft(), drain, results,
+                                           unreadable, tally)
             else:
-                self._finish_read(keys, *pending.popleft(), drain, results, corrupt, verdicts,
-                                  tally, synced_parts, gpu)
+                self._finish_read(keys, *pending.popleft(), drain, results, unreadable,
+                                  verdicts, tally, synced_parts, gpu)
 
         try:
             for k, chunk in enumerate(chunks):
@@ -971,13 +1040,14 @@ class Tier:
                 verdicts.read_back()
             # Every read has ended (the pages are in staging or their regions): the slots may
             # go while the GPU still scatters, so unpin now, not after the sync.
+            self._drop_unreadable(unreadable)  # (while pinned: the slots are still theirs)
             pinned = False
             self._unpin(todo)
             self._copies_done(gpu)
             while synced_parts:  # nothing reads them now: no event for their next user
                 self._staging.give_back(synced_parts.pop())
             if verdicts is not None:
-                self._settle(keys, todo, verdicts, results, corrupt, tally)
+                self._settle(keys, todo, verdicts, results, unreadable, tally)
             settled = True
         finally:
             if held is not None:
@@ -989,14 +1059,13 @@ class Tier:
                 if item[2] is not None:
                     self._staging.give_back(item[2])
             if pinned:
+                self._drop_unreadable(unreadable)
                 self._unpin(todo)
-            if corrupt:
-                self._persist.journal_evictions(self.directory.remove(corrupt))
+            self._drop_unreadable(unreadable)  # those the GPU's verdicts found, after the sync
             if not settled:  # an exception: what the finished chunks moved still counts
                 self._stats.add(**tally)
         hits = sum(results)
-        tally.update(get_pages=len(keys), hits=hits, misses=len(keys) - hits,
-                     corrupt_pages=len(corrupt))
+        tally.update(get_pages=len(keys), hits=hits, misses=len(keys) - hits)
         self._ledger.record(tally, None)
         return results
 
@@ -1004,8 +1073,52 @@ class Tier:
         """Unpin a restore's slots (its reads have ended); journal the evictions that waited."""
         self._persist.journal_evictions(self.directory.unpin([s for _, s, _ in todo]))
 
+    def _drop_unreadable(self, pages: list) -> None:
+        """Drop the pages a restore could not read, ``(key, slot)`` pairs (then empties the
+        list): a checksum mismatch, or a read that failed and was not worth or did not succeed
+        trying again (:meth:`_read_again`). From now on they are misses for every caller, so an
+        engine's existence check answers MISS and it stops loading them (a page it kept hitting
+        would be loaded and fail again forever); the journal says so too (vLLM's scheduler and
+        followers read it). A page still pinned, by this call or another, goes at its last
+        unpin."""
+        if pages:
+            self._persist.journal_evictions(self.directory.remove([k for k, _ in pages],
+                                                                  [s for _, s in pages]))
+            pages.clear()
+
+    def _read_again(self, buffer: torch.Tensor | None, extents: list[Extent],
+                    outcome: IOOutcome,
+                    forget: Callable[[list[int]], None] | None = None) -> IOOutcome:
+        """Read again, up to ``READ_RETRIES`` times, the extents whose read failed for a reason
+        that may pass (an EIO, a NIXL transfer error): ``outcome`` with their last result. A
+        read that lasts -- the file ended (a truncated slab), or is gone (ENOENT, ESTALE) -- is
+        not tried again. ``forget(positions)``: told the chunk positions read again first (an
+        in-place read forgets what it hashed of them)."""
+        sb = self.layout.slot_bytes
+        for _ in range(self.READ_RETRIES):
+            again = [i for i, exc in outcome.errors.items() if _may_read_later(exc)]
+            if not again:
+                break
+            if forget is not None:
+                forget(sorted({p for i in again for p in range(
+                    extents[i].buffer_offset // sb,
+                    -(-(extents[i].buffer_offset + extents[i].length) // sb))}))
+            # (without the ``moved`` hints: a piece read twice would count its bytes twice)
+            retry = self.backend.start("read", buffer, [dataclasses.replace(extents[i],
+                                                                            moved=None)
+                                                        for i in again], True).result()
+            for j, i in enumerate(again):
+                del outcome.errors[i]
+                outcome.failed.pop(i, None)
+                if j in retry.errors:
+                    outcome.errors[i] = retry.errors[j]
+                    if j in retry.failed:
+                        outcome.failed[i] = retry.failed[j]
+            outcome.nbytes += retry.nbytes
+        return outcome
+
     def _finish_read(self, keys, chunk, first: int, part_index: int, extents, fut: Future,
-                     t0: float, drain: PageCopier, results: list[bool], corrupt: list,
+                     t0: float, drain: PageCopier, results: list[bool], unreadable: list,
                      verdicts: GpuVerdicts | None, tally: dict, synced_parts: list[int],
                      gpu: torch.cuda.Stream | None) -> None:
         """Verify and drain one chunk (its read ended or ends now); ``first`` is the chunk's
@@ -1019,7 +1132,13 @@ class Tier:
         after_sync = False
         try:
             outcome: IOOutcome = fut.result()
-            failed = self._failed_positions(outcome, extents, "read")
+            lost: set[int] = set()
+            if outcome.errors:
+                outcome = self._read_again(part, extents, outcome)
+                failed = self._failed_positions(outcome, extents, "read", lost)
+                self._lost_reads(keys, chunk, lost, unreadable, tally)
+            else:
+                failed = set()
             if verdicts is not None and not failed:
                 last = first + len(chunk) == verdicts.pages
                 verdicts.scatter(drain, part, first, [i for i, _, _ in chunk], last=last)
@@ -1029,14 +1148,11 @@ class Tier:
             if self.config.verify:
                 sums = self._verify_sums(part, chunk)
                 bad = []
-                for pos, (i, _, want) in enumerate(chunk):
+                for pos, (i, slot, want) in enumerate(chunk):
                     if pos not in failed and int(sums[pos]) != want:
                         failed.add(pos)
-                        bad.append(keys[i])
-                if bad:
-                    corrupt.extend(bad)
-                    self._log_once("corrupt", "checksum mismatch: %d pages dropped as misses "
-                                   "(first key %r)", len(bad), bad[0])
+                        bad.append((keys[i], slot))
+                self._corrupt(bad, unreadable, tally)
             good = [pos for pos in range(len(chunk)) if pos not in failed]
             if good and verdicts is not None:  # a plain scatter reads the uploaded indices
                 verdicts.slots_uploaded()
@@ -1063,11 +1179,17 @@ class Tier:
 
     def _finish_read_in_place(self, keys, chunk, _first: int, _part: None, extents,
                               fut: Future, t0: float, pages: InPlacePages, results: list[bool],
-                              corrupt: list, tally: dict) -> None:
+                              unreadable: list, tally: dict) -> None:
         """Complete an in-place read: the pages it did not move whole, or whose bytes (in the
         caller's regions) fail their checksum, are misses."""
         outcome: IOOutcome = fut.result()
-        failed = self._failed_positions(outcome, extents, "read")
+        failed: set[int] = set()
+        if outcome.errors:
+            outcome = self._read_again(None, extents, outcome, lambda positions: (
+                pages.forget_reads([chunk[pos][0] for pos in positions])))
+            lost: set[int] = set()
+            failed = self._failed_positions(outcome, extents, "read", lost)
+            self._lost_reads(keys, chunk, lost, unreadable, tally)
         if self.config.verify:
             algos = self.directory.algorithms([s for _, s, _ in chunk])
             own = [pos for pos in range(len(chunk)) if algos[pos] == checksum.XXH3]
@@ -1078,14 +1200,11 @@ class Tier:
                 if algo not in self._verifiers:
                     self._verifiers[algo] = checksum.checksummer(algo, self.layout)
                 sums[pos] = self._verifiers[algo].compute(pages.as_slot(chunk[pos][0]), 1)[0]
-            bad = [keys[i] for pos, (i, _, want) in enumerate(chunk)
+            bad = [(keys[i], slot) for pos, (i, slot, want) in enumerate(chunk)
                    if pos not in failed and int(sums[pos]) != want]
             failed.update(pos for pos, (i, _, want) in enumerate(chunk)
                           if int(sums[pos]) != want)
-            if bad:
-                corrupt.extend(bad)
-                self._log_once("corrupt", "checksum mismatch: %d pages dropped as misses "
-                               "(first key %r)", len(bad), bad[0])
+            self._corrupt(bad, unreadable, tally)
         good = [pos for pos in range(len(chunk)) if pos not in failed]
         pages.complete([chunk[pos][0] for pos in good])
         for pos in good:
@@ -1152,19 +1271,16 @@ class Tier:
                            self.layout.page_bytes, self.layout.slot_bytes, gpu)
 
     def _settle(self, keys, todo: list, verdicts: GpuVerdicts, results: list[bool],
-                corrupt: list, tally: dict) -> None:
+                unreadable: list, tally: dict) -> None:
         """Hits and checksum misses of the chunks verified on the GPU (after the stream sync)."""
         bad, settled = [], verdicts.settle()
         for k, matched in settled:
-            i = todo[k][0]
+            i, slot, _ = todo[k]
             if matched:
                 results[i] = True
             else:
-                bad.append(keys[i])
-        if bad:
-            corrupt.extend(bad)
-            self._log_once("corrupt", "checksum mismatch: %d pages dropped as misses "
-                           "(first key %r)", len(bad), bad[0])
+                bad.append((keys[i], slot))
+        self._corrupt(bad, unreadable, tally)
         tally["bytes_read"] += (len(settled) - len(bad)) * self.layout.page_bytes
         tally["read_failed"] += len(bad)
 
@@ -1181,10 +1297,29 @@ class Tier:
             sums[mask] = np.asarray(self._verifiers[algo].compute(part, len(chunk)))[mask]
         return sums
 
-    def _failed_positions(self, outcome: IOOutcome, extents: list[Extent], op: str) -> set[int]:
+    def _corrupt(self, bad: list, unreadable: list, tally: dict) -> None:
+        """Pages ``(key, slot)`` whose checksum did not match: misses, dropped."""
+        if bad:
+            unreadable.extend(bad)
+            tally["corrupt_pages"] += len(bad)
+            self._log_once("corrupt", "checksum mismatch: %d pages dropped as misses "
+                           "(first key %r)", len(bad), bad[0][0])
+
+    def _lost_reads(self, keys, chunk, lost: set[int], unreadable: list, tally: dict) -> None:
+        """Pages (chunk positions ``lost``) whose read failed for good: misses, dropped."""
+        if lost:
+            unreadable.extend((keys[chunk[pos][0]], chunk[pos][1]) for pos in sorted(lost))
+            tally["unreadable_pages"] += len(lost)
+            self._log_once("unreadable", "read failed: %d pages dropped as misses (first key "
+                           "%r)", len(lost), keys[chunk[min(lost)][0]])
+
+    def _failed_positions(self, outcome: IOOutcome, extents: list[Extent], op: str,
+                          lost: set[int] | None = None) -> set[int]:
         """Positions (in the chunk) of the pages an I/O did not move whole. A page before the
         point where a short read or write stopped moved whole: it is not failed (and a read
-        one is still verified)."""
+        one is still verified). ``lost``: given the failed positions whose failure is an I/O
+        error (an ``OSError``: the page's bytes could not be read, not a fault of this process
+        such as a CUDA copy's)."""
         failed: set[int] = set()
         sb = self.layout.slot_bytes
         for idx, exc in outcome.errors.items():
@@ -1192,6 +1327,8 @@ class Tier:
             ranges = outcome.failed.get(idx) or [(e.buffer_offset, e.buffer_offset + e.length)]
             pages = {p for start, end in ranges for p in range(start // sb, -(-end // sb))}
             failed |= pages
+            if lost is not None and isinstance(exc, OSError):
+                lost |= pages
             self._log_once(f"{op}:{type(exc).__name__}", "%s of %d pages failed: %s", op,
                            len(pages), exc)
         return failed

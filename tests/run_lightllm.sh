@@ -12,7 +12,7 @@ lightllm=../shared/upstream/lightllm-87881ae.tar.gz
 repo=https://github.com/ModelTC/LightLLM
 if [ ! -f "$lightllm" ]; then
   if ! timeout 30 git ls-remote "$repo" HEAD >/dev/null 2>&1; then
-    echo "SKIPPED tests/test_lightllm_adapter.py: $lightllm is absent and $repo is not" \
+    echo "SKIPPED tests/test_lightllm_adapter.py tests/test_failed_read_lightllm.py: $lightllm is absent and $repo is not" \
          "reachable (LightLLM is not on the package index; see docs/lightllm.md)"
     exit 0
   fi
@@ -26,4 +26,4 @@ if venv_stale "$venv" tests/requirements-lightllm.txt tests/run_lightllm.sh; the
   venv_built "$venv"
 fi
 "$venv/bin/pip" install -q --no-deps -e . -e integrations/light_mem
-"$venv/bin/python" -m pytest -q -rs tests/test_lightllm_adapter.py "$@"
+"$venv/bin/python" -m pytest -q -rs tests/test_lightllm_adapter.py tests/test_failed_read_lightllm.py "$@"

@@ -10,4 +10,5 @@ cd "$(dirname "$0")/.."
 export LMCACHE_DISABLE_BANNER=1
 exec bash tests/run_engine.sh .venv-lmcache tests/requirements-lmcache.txt lmcache==0.5.6 \
   tests/run_lmcache.sh -- -p no:cacheprovider -W ignore::DeprecationWarning \
-  -W ignore::FutureWarning tests/test_lmcache_adapter.py tests/test_byte_pages.py "$@"
+  -W ignore::FutureWarning tests/test_lmcache_adapter.py tests/test_byte_pages.py \
+  tests/test_failed_read_lmcache.py "$@"

@@ -10,4 +10,5 @@ cd "$(dirname "$0")/.."
 exec bash tests/run_engine.sh .venv-sglang tests/requirements-sglang.txt sglang==0.5.23 \
   tests/run_sglang.sh -- tests/test_sglang_adapter.py tests/test_sglang_v2.py \
   tests/sglang_upstream/test_hicache_storage_unit.py \
-  tests/test_bench_cli.py::test_hicachefile_engine_on_the_real_class "$@"
+  tests/test_bench_cli.py::test_hicachefile_engine_on_the_real_class \
+  tests/test_failed_read_sglang.py "$@"

@@ -6,4 +6,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 exec bash tests/run_engine.sh .venv-vllm tests/requirements-vllm.txt vllm==0.33.0 \
-  tests/run_vllm.sh -- tests/test_vllm_spec.py tests/test_vllm_tier.py tests/test_vllm_blocks.py "$@"
+  tests/run_vllm.sh -- tests/test_vllm_spec.py tests/test_vllm_tier.py tests/test_vllm_blocks.py \
+  tests/test_failed_read_vllm.py "$@"

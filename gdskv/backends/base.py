@@ -58,11 +58,18 @@ class Extent:
 
 
 class ShortIOError(OSError):
-    """An I/O call moved fewer bytes than asked (end of file, truncated or replaced file)."""
+    """An I/O call moved fewer bytes than asked: the file gave no more (end of file, a
+    truncated or replaced file; ``errno`` is None), or ``cause``, an error, stopped it part way
+    (e.g. ENOSPC once the disk filled; ``errno`` is the cause's). The ``actual`` bytes before
+    the stop moved whole either way."""
 
-    def __init__(self, op: str, path: str, offset: int, expected: int, actual: int) -> None:
-        super().__init__(f"short {op} on {path} at offset {offset}: expected {expected} bytes, "
-                         f"got {actual}")
+    def __init__(self, op: str, path: str, offset: int, expected: int, actual: int,
+                 cause: OSError | None = None) -> None:
+        msg = f"short {op} on {path} at offset {offset}: expected {expected} bytes, got {actual}"
+        if cause is not None and cause.errno is not None:
+            super().__init__(cause.errno, f"{msg}, then {cause.strerror or cause}")
+        else:
+            super().__init__(msg)
         self.expected, self.actual = expected, actual
 
 

@@ -130,7 +130,9 @@ def _move_piece(call, op: str, f: SlabFile, iov: Sequence, piece: Extent) -> int
 
 def _vector_io(call, op: str, f: SlabFile, iov: Sequence, offset: int) -> int:
     """All of ``iov`` to or from ``f`` at ``offset`` with ``call`` (os.pwritev/preadv), going
-    on after partial transfers; ShortIOError when the file gives no more."""
+    on after partial transfers; ShortIOError when the file gives no more, or when an error
+    (e.g. ENOSPC) stops it after some bytes moved: those bytes count (a full disk fails only
+    the pages past the point where it filled)."""
     bufs = [mv for mv in (memoryview(b).cast("B") for b in iov) if len(mv)]
     total = sum(len(b) for b in bufs)
     if call is os.preadv and not f.direct and total > READAHEAD_HINT_BYTES:
@@ -144,7 +146,12 @@ def _vector_io(call, op: str, f: SlabFile, iov: Sequence, offset: int) -> int:
             pass
     done = first = 0
     while first < len(bufs):
-        n = call(f.fd, bufs[first:first + IOV_MAX], offset + done)
+        try:
+            n = call(f.fd, bufs[first:first + IOV_MAX], offset + done)
+        except OSError as exc:
+            if not done:
+                raise
+            raise ShortIOError(op, f.path, offset, total, done, exc) from exc
         if n <= 0:
             raise ShortIOError(op, f.path, offset, total, done)
         done += n
