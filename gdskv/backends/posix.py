@@ -1,10 +1,14 @@
-"""POSIX backend: ``os.pwritev/preadv`` from aligned host memory in a thread pool.
+"""POSIX backend: ``preadv``/``pwritev`` from aligned host memory in a thread pool.
 
 The backend that runs anywhere (CI has no GPU). GPU buffers go through a pinned host mirror.
 Each call's extents are cut into pieces (at most ``io_chunk_size``, smaller for small calls) so
 all threads keep the drive's queue full; O_DIRECT (when the store got it) needs the 4 KiB-aligned
 buffers the tier allocates. An extent carrying its own host memory (the caller's page regions,
 moved in place) is one ``pwritev``/``preadv`` of its I/O vector per piece.
+
+A piece is one call of the page engine (:mod:`gdskv.native`): the C extension moves all its
+buffers with the GIL released (``native``), or ``os.preadv``/``os.pwritev`` do (``python``,
+``native=false`` or no extension). ``describe()`` says which.
 """
 
 from __future__ import annotations
@@ -14,8 +18,10 @@ import os
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import numpy as np
 import torch
 
+from .. import native
 from ..config import TierConfig
 from ..memory import host_numpy
 from .base import (Backend, CompletedIO, CompletionPoller, Extent, IOOutcome, ShortIOError,
@@ -31,8 +37,8 @@ READAHEAD_HINT_BYTES = 256 * 1024
 #: it buys is short (page cache to memory: about 0.1 ms per MiB), so a short call uses fewer
 #: threads rather than more hand-offs (bench/RESULTS.md, "Hybrid models")
 MIN_PIECE_BYTES = 4 << 20
-#: most buffers one pwritev/preadv takes (Linux: 1024)
-IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+#: most buffers one pwritev/preadv takes (Linux: 1024; the page engine splits longer vectors)
+IOV_MAX = native.fallback.IOV_MAX
 
 
 class PosixBackend(Backend):
@@ -47,6 +53,7 @@ class PosixBackend(Backend):
         self._files: list[SlabFile] = []
         self._mirrors = HostMirrors()
         self._poller = CompletionPoller(config.io_poll_us)
+        self._engine = native.engine(config.native)
 
     @property
     def gpu_direct(self) -> bool:
@@ -58,16 +65,16 @@ class PosixBackend(Backend):
     def describe(self) -> dict:
         return {**super().describe(), "threads": self._threads, "io_chunk_size": self._chunk,
                 "gpu_buffers": "staged through a pinned host mirror",
-                "io_poll_us": self._poller.budget_us}
+                "io_poll_us": self._poller.budget_us, "engine": self._engine.path}
 
     def write(self, buffer: torch.Tensor | None, extents: Sequence[Extent]) -> Future:
         host = None if buffer is None else self._mirrors.to_host(buffer, extents)
-        return self._submit(os.pwritev, "write", host, extents)
+        return self._submit("write", host, extents)
 
     def read(self, buffer: torch.Tensor | None, extents: Sequence[Extent]) -> Future:
         host = None if buffer is None else self._mirrors.host_buffer(buffer)
         after = None if host is buffer else (lambda: self._mirrors.from_host(host, buffer, extents))
-        return self._submit(os.preadv, "read", host, extents, after)
+        return self._submit("read", host, extents, after)
 
     def move_on_caller(self, op: str, buffer: torch.Tensor | None,
                        extents: Sequence[Extent]) -> CompletedIO | None:
@@ -87,8 +94,7 @@ class PosixBackend(Backend):
                     else self._mirrors.host_buffer(buffer)
             iov = piece.memory or (host_numpy(host)[piece.buffer_offset:
                                                     piece.buffer_offset + piece.length],)
-            outcome.nbytes = _move_piece(os.pwritev if op == "write" else os.preadv, op,
-                                         self._files[piece.file], iov, piece)
+            outcome.nbytes = _move_piece(self._engine, op, self._files[piece.file], iov, piece)
         except Exception as exc:  # noqa: BLE001 - recorded against the extent, as a pool I/O
             outcome.fail(idx, exc, piece)
         if op == "read" and host is not None and host is not buffer:
@@ -98,7 +104,7 @@ class PosixBackend(Backend):
                 outcome.fail(idx, exc, piece)
         return CompletedIO(outcome)
 
-    def _submit(self, call, op: str, host: torch.Tensor | None, extents: Sequence[Extent],
+    def _submit(self, op: str, host: torch.Tensor | None, extents: Sequence[Extent],
                 after=None) -> Future:
         if self._pool is None:
             raise RuntimeError("posix backend is closed")
@@ -107,7 +113,8 @@ class PosixBackend(Backend):
         for idx, piece in io_pieces(extents, self._threads, self._chunk, MIN_PIECE_BYTES):
             f = self._files[piece.file]
             iov = piece.memory or (view[piece.buffer_offset:piece.buffer_offset + piece.length],)
-            futures.append((idx, piece, self._pool.submit(_move_piece, call, op, f, iov, piece)))
+            futures.append((idx, piece, self._pool.submit(_move_piece, self._engine, op, f, iov,
+                                                          piece)))
         return self._poller.wrap(combine(futures, after=after))
 
     def close(self) -> None:
@@ -117,9 +124,10 @@ class PosixBackend(Backend):
         self._mirrors.clear()
 
 
-def _move_piece(call, op: str, f: SlabFile, iov: Sequence, piece: Extent) -> int:
+def _move_piece(engine: native.Engine, op: str, f: SlabFile, iov: Sequence,
+                piece: Extent) -> int:
     """One piece moved with :func:`_vector_io`, then its ``moved`` hint called in this thread."""
-    n = _vector_io(call, op, f, iov, piece.file_offset)
+    n = _vector_io(engine, op, f, iov, piece.file_offset)
     if piece.moved is not None:
         try:
             piece.moved(piece)
@@ -128,29 +136,32 @@ def _move_piece(call, op: str, f: SlabFile, iov: Sequence, piece: Extent) -> int
     return n
 
 
-def _vector_io(call, op: str, f: SlabFile, iov: Sequence, offset: int) -> int:
-    """All of ``iov`` to or from ``f`` at ``offset`` with ``call`` (os.pwritev/preadv), going
-    on after partial transfers; ShortIOError when the file gives no more."""
-    bufs = [mv for mv in (memoryview(b).cast("B") for b in iov) if len(mv)]
-    total = sum(len(b) for b in bufs)
-    if call is os.preadv and not f.direct and total > READAHEAD_HINT_BYTES:
+def _vector_io(engine: native.Engine, op: str, f: SlabFile, iov: Sequence, offset: int) -> int:
+    """All of ``iov`` to or from ``f`` at ``offset``: one call of the page engine, which goes
+    on after partial transfers. ShortIOError when the file gives no more, the OSError of a
+    failed system call."""
+    lengths = [len(b) for b in iov]
+    segments = np.empty((len(iov), 3), dtype=np.int64)
+    segments[:, 0] = f.fd
+    segments[:, 2] = lengths
+    segments[0, 1] = offset
+    if len(iov) > 1:
+        np.cumsum(segments[:-1, 2], out=segments[1:, 1])
+        segments[1:, 1] += offset
+    result = np.empty((len(iov), 2), dtype=np.int64)
+    if op == "write":
+        done = engine.write_pages(segments, iov, result)
+    else:
         # A cold buffered read reaches the drive a readahead window (128 KiB by default) at a
-        # time; announcing the whole piece lets the kernel queue it at once. On the H100's
-        # virtio disk it measured the same as no hint, within noise (bench/RESULTS.md, "Hybrid
-        # models"). Only a hint: a file system that refuses it must not fail the read.
-        try:
-            os.posix_fadvise(f.fd, offset, total, os.POSIX_FADV_WILLNEED)
-        except OSError:
-            pass
-    done = first = 0
-    while first < len(bufs):
-        n = call(f.fd, bufs[first:first + IOV_MAX], offset + done)
-        if n <= 0:
-            raise ShortIOError(op, f.path, offset, total, done)
-        done += n
-        while first < len(bufs) and n >= len(bufs[first]):  # drop the buffers moved whole
-            n -= len(bufs[first])
-            first += 1
-        if n:
-            bufs[first] = bufs[first][n:]
+        # time; announcing the whole piece (POSIX_FADV_WILLNEED, a hint the engine ignores
+        # failing) lets the kernel queue it at once. On the H100's virtio disk it measured the
+        # same as no hint, within noise (bench/RESULTS.md, "Hybrid models").
+        done = engine.read_pages(segments, iov, result, 1, 0, None, None, None,
+                                 0 if f.direct else READAHEAD_HINT_BYTES)
+    errors = result[:, 1]
+    if errors.any():
+        error = int(errors[errors != 0][0])
+        if error == -1:
+            raise ShortIOError(op, f.path, offset, sum(lengths), done)
+        raise OSError(error, f"{os.strerror(error)} ({op} on {f.path} at offset {offset})")
     return done
