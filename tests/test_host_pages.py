@@ -421,11 +421,11 @@ def test_vector_io_goes_on_after_partial_transfers(tmp_path, monkeypatch, data_p
             real = os.pwritev
             monkeypatch.setattr(os, "pwritev",
                                 lambda fd, bufs, off: real(fd, [memoryview(bufs[0])[:700]], off))
-        assert _vector_io(engine, "write", f, parts, 5) == 4010
+        assert _vector_io(engine, "write", f, parts, 5) == (4010, None)
         monkeypatch.undo()
         assert os.pread(fd, 4010, 5) == b"\1" * 1000 + b"\2" * 3000 + b"\3" * 10
         back = [np.zeros(4000, dtype=np.uint8), np.zeros(10, dtype=np.uint8)]
-        assert _vector_io(engine, "read", f, back, 5) == 4010
+        assert _vector_io(engine, "read", f, back, 5) == (4010, None)
         assert bytes(back[1]) == b"\3" * 10
         # past the end of the file: the first preadv moves 15 bytes, the next none
         with pytest.raises(OSError, match="short read") as err:

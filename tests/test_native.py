@@ -365,3 +365,31 @@ def test_byte_pages_layout_on_both_paths(tmp_path, both_paths):
             out = [[torch.zeros(5000, dtype=torch.uint8)] for _ in data]
             assert all(tier.get_pages([f"k{i}" for i in range(6)], out))
             assert all(torch.equal(x, o[0]) for x, o in zip(data, out))
+
+
+@pytest.mark.parametrize("page_bytes", [5000, 3 * 65536 + 100], ids=["pages-per-piece",
+                                                                     "page-over-chunk"])
+def test_in_place_reads_checksum_in_the_call_that_reads(tmp_path, page_bytes):
+    """get_pages on posix: each piece (whole slots, even a slot larger than io_chunk_size) is
+    one read_pages call that checksums its pages; no page is checksummed in a pass of its own."""
+    import dataclasses
+
+    layout = BytePageLayout(page_bytes=page_bytes, kind="test/native")
+    cfg = TierConfig(directories=(str(tmp_path),), capacity="16MiB", staging_size="4MiB",
+                     io_chunk_size="64KiB", io_threads=3, backend="posix")
+    data = [torch.randint(0, 256, (page_bytes,), dtype=torch.uint8,
+                          generator=torch.Generator().manual_seed(i)) for i in range(12)]
+    keys = [f"k{i}" for i in range(12)]
+    with Tier(layout, cfg, device="cpu") as tier:
+        assert all(tier.put_pages(keys, [[alloc_host(page_bytes, pin=False).copy_(d)]
+                                         for d in data]))
+        reads, sums = [], []
+        engine = tier.backend._engine
+        tier.backend._engine = dataclasses.replace(
+            engine, read_pages=lambda *a: reads.append(a[4]) or engine.read_pages(*a))
+        tier._host_pages.engine = dataclasses.replace(
+            engine, page_sums=lambda *a: sums.append(a) or engine.page_sums(*a))
+        out = [[alloc_host(page_bytes, pin=False)] for _ in data]
+        assert all(tier.get_pages(keys, out))
+        assert all(torch.equal(d, o[0]) for d, o in zip(data, out))
+        assert reads and set(reads) == {page_bytes} and not sums

@@ -8,7 +8,9 @@ moved in place) is one ``pwritev``/``preadv`` of its I/O vector per piece.
 
 A piece is one call of the page engine (:mod:`gdskv.native`): the C extension moves all its
 buffers with the GIL released (``native``), or ``os.preadv``/``os.pwritev`` do (``python``,
-``native=false`` or no extension). ``describe()`` says which.
+``native=false`` or no extension). ``describe()`` says which. A read whose extents carry a
+page-checking hint (``Extent.moved`` with ``slot_bytes`` and ``page_bytes``: the tier's in-place
+pages) is cut into pieces of whole slots, and the same engine call checksums each page it read.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from .. import native
 from ..config import TierConfig
 from ..memory import host_numpy
 from .base import (Backend, CompletedIO, CompletionPoller, Extent, IOOutcome, ShortIOError,
-                   SlabFile, combine, io_pieces)
+                   SlabFile, combine, io_pieces, split_extents)
 from .bounce import HostMirrors
 
 log = logging.getLogger("gdskv.posix")
@@ -82,7 +84,7 @@ class PosixBackend(Backend):
         ``pwritev``/``preadv`` (the GIL released), through the GPU buffer's host mirror."""
         if self._pool is None:
             return None
-        pieces = io_pieces(extents, self._threads, self._chunk, MIN_PIECE_BYTES)
+        pieces = self._pieces(op, extents)
         if len(pieces) != 1:
             return None
         idx, piece = pieces[0]
@@ -110,12 +112,22 @@ class PosixBackend(Backend):
             raise RuntimeError("posix backend is closed")
         view = None if host is None else host_numpy(host)
         futures = []
-        for idx, piece in io_pieces(extents, self._threads, self._chunk, MIN_PIECE_BYTES):
+        for idx, piece in self._pieces(op, extents):
             f = self._files[piece.file]
             iov = piece.memory or (view[piece.buffer_offset:piece.buffer_offset + piece.length],)
             futures.append((idx, piece, self._pool.submit(_move_piece, self._engine, op, f, iov,
                                                           piece)))
         return self._poller.wrap(combine(futures, after=after))
+
+    def _pieces(self, op: str, extents: Sequence[Extent]) -> list[tuple[int, Extent]]:
+        """The call's pieces (:func:`io_pieces`); reads whose pages are checksummed as they are
+        read (a ``moved`` hint with ``slot_bytes``) in pieces of whole slots."""
+        slot = _page_geometry(op, extents[0].moved)[0] if extents else 0
+        if not slot:
+            return io_pieces(extents, self._threads, self._chunk, MIN_PIECE_BYTES)
+        total = sum(e.length for e in extents)
+        size = min(self._chunk, max(MIN_PIECE_BYTES, -(-total // self._threads)))
+        return split_extents(extents, max(slot, size // slot * slot))
 
     def close(self) -> None:
         if self._pool is not None:
@@ -124,44 +136,59 @@ class PosixBackend(Backend):
         self._mirrors.clear()
 
 
+def _page_geometry(op: str, hint) -> tuple[int, int]:
+    """(slot_bytes, page_bytes) where a read's ``moved`` hint takes each page's checksum, else
+    (0, 0)."""
+    if op != "read" or hint is None:
+        return 0, 0
+    return getattr(hint, "slot_bytes", 0), getattr(hint, "page_bytes", 0)
+
+
 def _move_piece(engine: native.Engine, op: str, f: SlabFile, iov: Sequence,
                 piece: Extent) -> int:
-    """One piece moved with :func:`_vector_io`, then its ``moved`` hint called in this thread."""
-    n = _vector_io(engine, op, f, iov, piece.file_offset)
+    """One piece moved with :func:`_vector_io`, then its ``moved`` hint called in this thread
+    (with the pages' checksums where it takes them)."""
+    slot, page = _page_geometry(op, piece.moved)
+    n, sums = _vector_io(engine, op, f, iov, piece.file_offset, slot, page)
     if piece.moved is not None:
         try:
-            piece.moved(piece)
+            piece.moved(piece) if sums is None else piece.moved(piece, sums)
         except Exception:  # noqa: BLE001 - a hint: the piece moved whatever it does
             log.debug("moved hint failed for %s", piece, exc_info=True)
     return n
 
 
-def _vector_io(engine: native.Engine, op: str, f: SlabFile, iov: Sequence, offset: int) -> int:
+def _vector_io(engine: native.Engine, op: str, f: SlabFile, iov: Sequence, offset: int,
+               slot_bytes: int = 0, page_bytes: int = 0) -> tuple[int, np.ndarray | None]:
     """All of ``iov`` to or from ``f`` at ``offset``: one call of the page engine, which goes
-    on after partial transfers. ShortIOError when the file gives no more, the OSError of a
+    on after partial transfers; with ``page_bytes``, a read also checksums each
+    ``slot_bytes`` slot of the piece (the first ``page_bytes`` of it). Returns the bytes moved
+    and the checksums (or None). ShortIOError when the file gives no more, the OSError of a
     failed system call."""
-    lengths = [len(b) for b in iov]
-    segments = np.empty((len(iov), 3), dtype=np.int64)
-    segments[:, 0] = f.fd
-    segments[:, 2] = lengths
-    segments[0, 1] = offset
-    if len(iov) > 1:
-        np.cumsum(segments[:-1, 2], out=segments[1:, 1])
-        segments[1:, 1] += offset
+    rows, at = [], offset
+    for b in iov:
+        rows.append((f.fd, at, len(b)))
+        at += len(b)
+    segments = np.array(rows, dtype=np.int64)
     result = np.empty((len(iov), 2), dtype=np.int64)
+    sums = None
     if op == "write":
         done = engine.write_pages(segments, iov, result)
     else:
+        status = None
+        if page_bytes:
+            pages = (at - offset) // slot_bytes
+            sums, status = np.empty(pages, dtype=np.uint64), np.empty(pages, dtype=np.uint8)
         # A cold buffered read reaches the drive a readahead window (128 KiB by default) at a
         # time; announcing the whole piece (POSIX_FADV_WILLNEED, a hint the engine ignores
         # failing) lets the kernel queue it at once. On the H100's virtio disk it measured the
         # same as no hint, within noise (bench/RESULTS.md, "Hybrid models").
-        done = engine.read_pages(segments, iov, result, 1, 0, None, None, None,
-                                 0 if f.direct else READAHEAD_HINT_BYTES)
+        done = engine.read_pages(segments, iov, result, slot_bytes or 1, page_bytes, None, sums,
+                                 status, 0 if f.direct else READAHEAD_HINT_BYTES)
     errors = result[:, 1]
     if errors.any():
         error = int(errors[errors != 0][0])
         if error == -1:
-            raise ShortIOError(op, f.path, offset, sum(lengths), done)
+            raise ShortIOError(op, f.path, offset, at - offset, done)
         raise OSError(error, f"{os.strerror(error)} ({op} on {f.path} at offset {offset})")
-    return done
+    return done, sums
