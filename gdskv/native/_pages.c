@@ -41,7 +41,9 @@
 #include <nmmintrin.h>
 #define GDSKV_X86 1
 #elif defined(__aarch64__)
+#if defined(__linux__)
 #include <sys/auxv.h>
+#endif
 #if defined(__has_include)
 #if __has_include(<arm_acle.h>)
 #include <arm_acle.h>
@@ -216,7 +218,10 @@ choose_crc(void)
         crc_update = crc_sse42_update;
         crc_implementation = "sse4.2";
     }
-#elif defined(GDSKV_ARM)
+#elif defined(GDSKV_ARM) && defined(__ARM_FEATURE_CRC32)
+    crc_update = crc_armv8_update; /* built for CPUs that all have it (e.g. Apple's) */
+    crc_implementation = "armv8-crc";
+#elif defined(GDSKV_ARM) && defined(__linux__)
     if (getauxval(AT_HWCAP) & HWCAP_CRC32) {
         crc_update = crc_armv8_update;
         crc_implementation = "armv8-crc";
@@ -413,11 +418,13 @@ move_run(int write, const Segment *segs, const Py_buffer *mem, Moved *res, Py_ss
     struct iovec iov[MOST_IOV];
     int fd = (int)segs[first].fd;
     long long offset = segs[first].offset, moved = 0, into = 0; /* into: done of `first` */
+#ifdef POSIX_FADV_WILLNEED
     if (!write && readahead > 0) {
         long long total = segs[end - 1].offset + segs[end - 1].length - offset;
         if (total > readahead)
             (void)posix_fadvise(fd, (off_t)offset, (off_t)total, POSIX_FADV_WILLNEED);
     }
+#endif
     while (first < end && segs[first].length == 0)
         first++;
     while (first < end) {
