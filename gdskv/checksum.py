@@ -12,7 +12,8 @@ host copy, ~2.7 TB/s on an H200) and by its torch reference elsewhere. A tier us
 
 Why CRC-32C for host pages: xxh3 has no implementation a C extension can link (no PyPI
 package ships its library) and ``xxhash`` hashes a 64 KiB page holding the GIL; hardware
-CRC-32C runs at about 30 GB/s a core here (``bench/results/cpu-2026-11-27/native/``). It is a
+CRC-32C runs at 28 GB/s a core on the development machine (xxh3: 49;
+``bench/results/cpu-2026-11-27/native/``). It is a
 32-bit check: a page damaged at random passes it with probability 2**-32 (xxh3_64: 2**-64),
 and every burst of up to 32 flipped bits is caught.
 
