@@ -275,6 +275,8 @@ class GdskvEngine(Engine):
                 "backend_detail": detail,
                 "backend_selected_because": st.get("backend_selected_because", ""),
                 "o_direct": bool(st.get("o_direct")), "o_direct_reason": st.get("o_direct_reason"),
+                "page_engine": st.get("page_engine"),
+                "page_engine_detail": st.get("page_engine_detail", {}),
                 "tier_stats": {k: v for k, v in st.items() if isinstance(v, (int, float))
                                and not isinstance(v, bool)}}
 

@@ -112,7 +112,7 @@ def _kb_base(text: str) -> int:
 
 #: fio's ``verify`` methods. gdskv-bench compares every restored byte with what was written,
 #: which catches whatever these checksums would; the tier verifies its own page checksums
-#: (xxh3, or the GPU hash) on every read besides. ``null`` is fio's "pretend to verify".
+#: (CRC-32C, or the GPU hash) on every read besides. ``null`` is fio's "pretend to verify".
 FIO_VERIFY = ("md5", "crc64", "crc32", "crc32c", "crc32c-intel", "crc16", "crc7", "sha1",
               "sha256", "sha512", "sha3-224", "sha3-256", "sha3-384", "sha3-512", "xxhash",
               "meta", "pattern")

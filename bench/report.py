@@ -2,8 +2,8 @@
 
 A script written against fio's JSON reads ours: ``jobs[].read|write`` carry fio's keys with
 fio's types (checked against a real fio 3.33 sample in the tests). What fio has no name for
-goes in a per-job ``gdskv`` object (engine, backend, GPU-direct, compat mode, O_DIRECT, layout,
-page bytes, page-cache drop, verify outcome, break-even).
+goes in a per-job ``gdskv`` object (engine, backend, GPU-direct, compat mode, O_DIRECT, page
+engine path, layout, page bytes, page-cache drop, verify outcome, break-even).
 """
 
 from __future__ import annotations
@@ -113,6 +113,10 @@ def _gdskv_lines(g: dict[str, Any]) -> list[str]:
              f"(slot {fmt_size_exact(g.get('slot_bytes', 0))}), "
              f"batch={plural(g.get('pages_per_batch') or 0, 'page')}, "
              f"iodepth={g.get('iodepth')}"]
+    if g.get("page_engine"):  # gdskv's host page I/O and checksums: native or python
+        pe = g.get("page_engine_detail") or {}
+        lines.append(f"  page engine: {g['page_engine']} ({pe.get('reason', '?')}; CRC-32C by "
+                     f"{pe.get('checksum', '?')})")
     store = g.get("store")
     if store:
         fs = "/".join(g.get("fs_types") or ["?"])

@@ -424,6 +424,8 @@ def _gdskv_object(engine: Engine, plan: JobPlan, config: TierConfig, made: list[
         "o_direct": bool(info.get("o_direct")), "o_direct_reason": info.get("o_direct_reason"),
         "backend_detail": info.get("backend_detail", {}),
         "backend_selected_because": info.get("backend_selected_because", ""),
+        "page_engine": info.get("page_engine"),
+        "page_engine_detail": info.get("page_engine_detail", {}),
         "mem": plan.mem, "device": str(plan.device),
         "directories": made, "fs_types": sorted({fs_type(d) for d in made}),
         "store": {**plan.placement.describe(), "directories": made, "kept": not o.unlink},

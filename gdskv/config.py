@@ -202,6 +202,11 @@ class TierConfig:
     #: memory and the slab files where their alignment allows (no staging copy); off: always
     #: through staging
     in_place: bool = True
+    #: host page I/O and checksums through the native page engine (the C extension
+    #: ``gdskv.native._pages``, the GIL released) where it loaded; off: the pure-Python path
+    #: (``os.preadv``/``pwritev`` and the crc32c package), the fallback and the tests' oracle.
+    #: Both write the same bytes; ``Tier.stats()["page_engine"]`` says which runs and why
+    native: bool = True
     #: GPU pools: a chunk shape a thread has moved before replays its kernel launches (a
     #: restore's verify + scatter, a spill's gather + checksum) from a captured CUDA graph (one
     #: launch call instead of two Triton launches); off: launch the kernels every time
@@ -384,6 +389,7 @@ FIELD_DOCS: dict[str, str] = {
     "verify": "verify page checksums on read (a mismatch is a miss)",
     "preallocate": "reserve the slab files' space at creation (false: grow as written)",
     "in_place": "CPU tier: host page regions move straight to/from the files (no staging copy)",
+    "native": "host page I/O and checksums in the C extension where it loaded (false: Python)",
     "launch_graphs": "GPU pools: repeated chunk shapes replay their kernel launches (CUDA graph)",
     "read_only": "follower: open a store another process writes, read-only (needs verify)",
     "admit_after": "store a page only once it has been offered this many times (SSD wear)",

@@ -5,11 +5,12 @@ into it. The payload moves between the regions and the slab file; what is not th
 the slot trailer and the padding before it, and with O_DIRECT the payload's last partial 4 KiB
 block -- goes through a small aligned scratch row per page, in the same ``pwritev``/``preadv``
 (the backend gets extents carrying their own memory, ``Extent.memory``). The checksum is
-computed on the caller's bytes before a write and verified on them after a read (xxh3, streamed
-over the regions: the same value the staging path computes over staging, so pages written
-either way read back either way). On a read through the posix backend each page is hashed by the
-I/O thread that moved its last bytes, right after (``Extent.moved``); pages no such thread hashed
-(other backends, a failed piece) are hashed after the read, as a write's pages are before it.
+computed on the caller's bytes before a write and verified on them after a read (CRC-32C over
+the regions by the page engine, :mod:`gdskv.native`: the same value the staging path computes
+over staging, so pages written either way read back either way). On a read through the posix
+backend each page is checksummed in the same page engine call that reads it, by the I/O thread
+(``Extent.moved`` hands the sums back); pages no such call checksummed (other backends, a failed
+piece) are checksummed after the read, as a write's pages are before it.
 Slot reservation, trailers, journal, sync policy, commit or abort, pins and stats are the
 tier's own (``Tier._put`` / ``Tier._get``).
 
@@ -39,8 +40,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
-import xxhash
 
+from . import native
 from .backends.base import Extent, slice_memory
 from .layout import ALIGNMENT, PageLayout
 from .memory import alloc_host, host_numpy
@@ -52,16 +53,6 @@ from .slot_trailer import TRAILER_BYTES
 PARALLEL_HASH_BYTES = 4 << 20
 
 
-def page_xxh3(iov: Sequence) -> int:
-    """xxh3_64 of the concatenation of ``iov`` (the staging path's algorithm 1 over one page).
-    The streaming form releases the GIL for buffers over 64 KiB (xxhash 3.x), so pages hash in
-    parallel on several threads."""
-    h = xxhash.xxh3_64()
-    for b in iov:
-        h.update(b)
-    return h.intdigest()
-
-
 class HostPagePath:
     """A tier's in-place path for host regions: whether it runs, and for which pages.
 
@@ -70,10 +61,14 @@ class HostPagePath:
         enabled: "" when the tier and backend allow it, else why not (shown in stats).
         direct: whether any slab file is opened with O_DIRECT (then regions must be aligned).
         threads: threads hashing a call's pages (at most the host's cores).
+        engine: the page engine computing the pages' CRC-32C (default: the native one where it
+            loaded).
     """
 
-    def __init__(self, layout: PageLayout, why_not: str, direct: bool, threads: int) -> None:
+    def __init__(self, layout: PageLayout, why_not: str, direct: bool, threads: int,
+                 engine: native.Engine | None = None) -> None:
         self.layout = layout
+        self.engine = engine or native.engine()
         self.why_not = why_not
         self.direct = direct
         self._threads = max(1, min(threads, os.cpu_count() or 1))
@@ -134,15 +129,21 @@ class HostPagePath:
         """The per-call object moving these pages (each one passed :meth:`in_place`)."""
         return InPlacePages(self, pages)
 
+    def page_sums(self, iovs: Sequence[Sequence], out: np.ndarray) -> None:
+        """CRC-32C of each page's payload (its I/O vector: ``page_bytes`` in all) into ``out``,
+        in one call of the page engine."""
+        self.engine.page_sums([b for iov in iovs for b in iov], self.layout.page_bytes,
+                              self.layout.page_bytes, out)
+
     def hash_pages(self, iovs: list[Sequence]) -> np.ndarray:
-        """xxh3 of each page's I/O vector, on several threads when the call is large: one task
-        per ``PARALLEL_HASH_BYTES`` or more, at most one per thread, the first on the caller."""
+        """CRC-32C of each page's I/O vector, on several threads when the call is large: one
+        task per ``PARALLEL_HASH_BYTES`` or more, at most one per thread, the first on the
+        caller (the native engine hashes with the GIL released, so tasks run in parallel)."""
         out = np.empty(len(iovs), dtype=np.uint64)
         nbytes = sum(len(b) for iov in iovs for b in iov)
         tasks = min(self._threads, len(iovs), nbytes // PARALLEL_HASH_BYTES)
         if tasks < 2:
-            for k, iov in enumerate(iovs):
-                out[k] = page_xxh3(iov)
+            self.page_sums(iovs, out)
             return out
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="gdskv-hash")
@@ -150,7 +151,7 @@ class HostPagePath:
         groups = [range(k, min(k + step, len(iovs))) for k in range(0, len(iovs), step)]
 
         def run(group: range) -> None:
-            out[group.start:group.stop] = [page_xxh3(iovs[k]) for k in group]
+            self.page_sums(iovs[group.start:group.stop], out[group.start:group.stop])
 
         others = [self._pool.submit(run, g) for g in groups[1:]]
         run(groups[0])  # the caller would only wait: it takes a share
@@ -180,7 +181,9 @@ class InPlacePages:
         self._tail = lay.slot_bytes - self.direct_bytes
         self._rows: np.ndarray | None = None    # the scratch rows, taken when the call runs
         self._direct_iovs: list = [None] * len(self.pages)   # each page's, made once
-        self._read_sums: dict[int, int] = {}   # page -> xxh3 hashed by the thread that read it
+        # page -> CRC-32C from the engine call that read it, and whether there is one
+        self._read_sums = np.zeros(len(self.pages), dtype=np.uint64)
+        self._summed = np.zeros(len(self.pages), dtype=bool)
         self._rest_copied: set[int] = set()    # pages whose scratch end is in their regions
         self._lock = threading.Lock()
 
@@ -220,7 +223,7 @@ class InPlacePages:
 
     # -- spill --------------------------------------------------------------------------------
     def checksums(self, page_idx: list[int]) -> np.ndarray:
-        """xxh3 of each page's payload, on the caller's bytes."""
+        """CRC-32C of each page's payload, on the caller's bytes."""
         return self.path.hash_pages([self.pages[i] for i in page_idx])
 
     def write_extents(self, extents: list[Extent], page_idx: list[int],
@@ -239,44 +242,41 @@ class InPlacePages:
     def read_extents(self, extents: list[Extent], page_idx: list[int], *,
                      hash_as_read: bool = True) -> list[Extent]:
         """The store's ``extents`` for these pages, reading into the regions and scratch rows.
-        With ``hash_as_read``, a backend that calls ``Extent.moved`` (posix) hashes each page in
-        the thread that completed its bytes, right after its read (no hand-off to the hashing
-        threads)."""
+        With ``hash_as_read``, a backend that calls ``Extent.moved`` (posix) checksums each page
+        in the engine call that reads it (no second pass, no hand-off to the hashing threads)."""
         return self._extents(extents, page_idx,
-                             _ReadHasher(self, page_idx).moved if hash_as_read else None)
+                             _ReadChecks(self, page_idx) if hash_as_read else None)
 
     def _payload(self, i: int) -> tuple:
         """Page ``i``'s payload as read: its regions, then its end in the scratch row."""
         return self._direct(i) + (self._scratch[i][:self.rest],)
 
-    def _hash_read(self, i: int) -> None:
-        """Hash page ``i`` now that all its bytes are read, for :meth:`read_checksums`, and put
-        its scratch end in its regions here too (the reading thread, not the caller's: for a
-        rider read through its row that is the rider's whole page). The regions of a page that
-        then fails its checksum hold undefined bytes, as a missed page's always do."""
-        digest = page_xxh3(self._payload(i))
-        self._copy_rest(i)
+    def _pages_read(self, idx: np.ndarray, sums: np.ndarray) -> None:
+        """Pages ``idx`` are read, their CRC-32C ``sums`` (for :meth:`read_checksums`); put
+        their scratch ends in their regions here too (the reading thread, not the caller's: for
+        a rider read through its row that is the rider's whole page). The regions of a page
+        that then fails its checksum hold undefined bytes, as a missed page's always do."""
+        if self.rest:
+            for i in idx.tolist():
+                self._copy_rest(i)
         with self._lock:
-            self._read_sums[i] = digest
-            self._rest_copied.add(i)
+            self._read_sums[idx] = sums
+            self._summed[idx] = True
+            if self.rest:
+                self._rest_copied.update(idx.tolist())
 
     def forget_reads(self, page_idx: list[int]) -> None:
         """These pages are read again (after a failed read): what their first read hashed and
         copied no longer counts; they are hashed and completed after the new read."""
         with self._lock:
-            for i in page_idx:
-                self._read_sums.pop(i, None)
-                self._rest_copied.discard(i)
+            self._summed[page_idx] = False
+            self._rest_copied.difference_update(page_idx)
 
     def read_checksums(self, page_idx: list[int]) -> np.ndarray:
-        """xxh3 of each page's payload as read (hashed by the thread that read it, or now)."""
-        out = np.empty(len(page_idx), dtype=np.uint64)
+        """CRC-32C of each page's payload as read (by the call that read it, or now)."""
         with self._lock:
-            known = [self._read_sums.get(i) for i in page_idx]
-        todo = [k for k, s in enumerate(known) if s is None]
-        for k, s in enumerate(known):
-            if s is not None:
-                out[k] = s
+            out = self._read_sums[page_idx]
+            todo = np.flatnonzero(~self._summed[page_idx]).tolist()
         if todo:
             out[todo] = self.path.hash_pages([self._payload(page_idx[k]) for k in todo])
         return out
@@ -305,25 +305,19 @@ class InPlacePages:
             done += len(dst)
 
 
-class _ReadHasher:
-    """One chunk's in-place read: counts each page's bytes as the backend reports pieces moved
-    (``Extent.moved``, in its I/O threads) and hashes a page in the thread that moved its last
-    bytes. The pages of a chunk sit at ``j * slot_bytes`` of its extents' frame."""
+class _ReadChecks:
+    """One chunk's in-place read, as the ``Extent.moved`` hint of its extents: a backend that
+    reads a piece (posix) passes the CRC-32C of each page in it from the same engine call,
+    ``moved(piece, sums)``, in its I/O thread. ``slot_bytes`` and ``page_bytes`` say what to
+    checksum: the pages of a chunk sit at ``j * slot_bytes`` of its extents' frame, and such a
+    backend cuts pieces on slots, so each holds whole pages."""
 
     def __init__(self, pages: InPlacePages, page_idx: list[int]) -> None:
         self._pages = pages
-        self._page_idx = list(page_idx)
-        self._left = [pages.slot_bytes] * len(page_idx)
-        self._lock = threading.Lock()   # pieces of one page may finish on two threads
+        self._page_idx = np.asarray(page_idx, dtype=np.int64)
+        self.slot_bytes = pages.slot_bytes
+        self.page_bytes = pages.path.layout.page_bytes
 
-    def moved(self, piece: Extent) -> None:
-        slot = self._pages.slot_bytes
-        start, end = piece.buffer_offset, piece.buffer_offset + piece.length
-        complete = []
-        with self._lock:
-            for j in range(start // slot, -(-end // slot)):
-                self._left[j] -= min(end, (j + 1) * slot) - max(start, j * slot)
-                if self._left[j] == 0:
-                    complete.append(self._page_idx[j])
-        for i in complete:
-            self._pages._hash_read(i)
+    def __call__(self, piece: Extent, sums: np.ndarray) -> None:
+        first = piece.buffer_offset // self.slot_bytes
+        self._pages._pages_read(self._page_idx[first:first + len(sums)], sums)

@@ -60,7 +60,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
-from . import checksum
+from . import checksum, native
 from . import kernels as kd
 from .admission import AdmissionFilter
 from .backends import backend_class, create_backend
@@ -223,7 +223,9 @@ class Tier:
         self._worker: ThreadPoolExecutor | None = None
         self.store = SlabStore(layout, self.config)
         try:  # whatever fails from here releases all it acquired: lock, files, threads
-            self._checksums = checksum.default_for(self.device, layout)
+            # host page I/O and checksums: the native page engine, or the Python path
+            self._engine = native.engine(self.config.native)
+            self._checksums = checksum.default_for(self.device, layout, self._engine)
             self._gpu_checks: tuple = (None, False)  # (checksummer, _gpu_checked's answer)
             # pages are verified with the algorithm that made their checksum (see checksum.py)
             self._verifiers = {self._checksums.algorithm: self._checksums}
@@ -239,7 +241,7 @@ class Tier:
             self._host_pages = HostPagePath(
                 layout, self._in_place_why_not(),
                 any(f.direct for f in self.store.files) or bool(self._direct_io()[0]),
-                self.config.io_threads)
+                self.config.io_threads, self._engine)
             self._staging = StagingParts(part_bytes, depth, self.device)
             # Asynchronous calls gather/scatter on the tier's own stream, so the engine's stream
             # is never blocked behind their I/O; the tier stream waits only for the engine work
@@ -455,6 +457,7 @@ class Tier:
                  o_direct=o_direct, o_direct_reason=o_direct_reason,
                  device=str(self.device), fingerprint=self.layout.fingerprint,
                  in_place=self._host_pages.describe(),
+                 page_engine=self._engine.path, page_engine_detail=self._engine.describe(),
                  read_only=self.read_only, state=self._state())
         return s
 
@@ -606,8 +609,9 @@ class Tier:
         if not self.backend.in_place_host_memory:
             return (f"backend {self.backend.name} moves only buffers registered with it; "
                     "host regions go through its registered staging buffer")
-        if self._checksums.algorithm != checksum.XXH3:
-            return f"pages are checksummed with algorithm {self._checksums.algorithm}, not xxh3"
+        if self._checksums.algorithm != checksum.CRC32C:
+            return (f"pages are checksummed with algorithm {self._checksums.algorithm}, not "
+                    "CRC-32C")
         return ""
 
     # -- data path ------------------------------------------------------------------------------
@@ -1192,7 +1196,7 @@ class Tier:
             self._lost_reads(keys, chunk, lost, unreadable, tally)
         if self.config.verify:
             algos = self.directory.algorithms([s for _, s, _ in chunk])
-            own = [pos for pos in range(len(chunk)) if algos[pos] == checksum.XXH3]
+            own = [pos for pos in range(len(chunk)) if algos[pos] == checksum.CRC32C]
             sums = np.zeros(len(chunk), dtype=np.uint64)
             sums[own] = pages.read_checksums([chunk[pos][0] for pos in own])
             for pos in sorted(set(range(len(chunk))) - set(own)):  # written by another tier

@@ -1,15 +1,23 @@
 """Shared fixtures: store directories, layouts, random pools, and a backend parameter that runs
 every tier test on each backend this machine can run (posix always; nixl when it imports;
-kvikio when a CUDA device exists)."""
+kvikio when a CUDA device exists).
+
+``--data-path python`` runs every test on the page engine's Python path (:mod:`gdskv.native`,
+as ``native=false`` would), the oracle the native path is held to; the default runs the native
+engine, which must then have been built. CI runs the data-path tests both ways (tests/run.sh).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import subprocess
 
+import numpy as np
 import pytest
 import torch
 
+from gdskv import native
 from gdskv.config import TierConfig
 from gdskv.layout import KVLayout
 from gdskv.memory import cuda_available
@@ -29,6 +37,54 @@ def pytest_addoption(parser):
     parser.addoption("--shared-dir", default=None, metavar="DIR",
                      help="run the cluster tests (test_cluster.py) over this directory, e.g. on a "
                      "real NFS or parallel file system mount, instead of a temporary directory")
+    parser.addoption("--data-path", choices=("native", "python"), default="native",
+                     help="the page engine every tier in the tests uses: native (the C "
+                     "extension, default) or python (the fallback and oracle)")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def data_path(request) -> str:
+    """The page engine's path under test ("native" or "python", ``--data-path``). On the Python
+    path every engine asked for is the Python one, whatever ``native`` a config says."""
+    path = request.config.getoption("--data-path")
+    if path == "native":
+        yield path
+        return
+    with pytest.MonkeyPatch.context() as m:
+        forced = dataclasses.replace(native.PYTHON_BY_CHOICE, reason="--data-path python (tests)")
+        m.setattr(native, "engine", lambda native=True: forced)
+        yield path
+
+
+def fail_io(monkeypatch, backend, op: str, fails=lambda fd, offset: True,
+            error: int = 5) -> list[int]:
+    """Make ``backend``'s page engine (posix) fail ``op`` ("read" or "write") with errno
+    ``error`` for every segment where ``fails(fd, offset)`` holds, on either path: the other
+    segments move as ever, a failed one reports no bytes moved. Returns the file offsets it
+    failed, as they fail."""
+    failed: list[int] = []
+    engine = backend._engine
+    real = engine.read_pages if op == "read" else engine.write_pages
+
+    def call(segments, memory, result, *rest):
+        moved = real(segments, memory, result, *rest)
+        result = result.reshape(-1, 2)
+        frame = 0
+        for k, (fd, offset, length) in enumerate(np.asarray(segments).reshape(-1, 3).tolist()):
+            if fails(fd, offset):
+                failed.append(offset)
+                moved -= int(result[k, 0])
+                result[k] = (0, error)
+                if rest and rest[1] > 0:  # a read's page checks: the pages it touches
+                    slot, sums, status = rest[0], rest[3], rest[4]
+                    for page in range(frame // slot, -(-(frame + length) // slot)):
+                        status[page], sums[page] = 2, 0
+            frame += length
+        return moved
+
+    field = "read_pages" if op == "read" else "write_pages"
+    monkeypatch.setattr(backend, "_engine", dataclasses.replace(engine, **{field: call}))
+    return failed
 
 
 def _backend_params():

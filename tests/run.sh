@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The README's test command: .venv with gdskv and its test/gpu/nixl extras (built once, rebuilt
 # when pyproject.toml or this script changes), the test suite (slow-marked tests excluded; -rs
-# prints each skip's reason), then the SGLang, vLLM, LightLLM and LMCache adapter tests in their
-# own venvs. Run from anywhere; on a fresh clone (CI) every venv is built from scratch.
+# prints each skip's reason) and its data-path tests again on the page engine's Python path,
+# then the SGLang, vLLM, LightLLM and LMCache adapter tests in their own venvs. Run from anywhere; on a fresh clone (CI) every venv is built from scratch.
 # To re-run only the tests once the venvs exist:  .venv/bin/python -m pytest -q -rs -m "not slow"
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,7 +14,19 @@ if venv_stale .venv pyproject.toml tests/run.sh; then
   .venv/bin/pip install -q -e '.[test,gpu,nixl]'
   venv_built .venv
 fi
+# The editable install compiled the page engine (gdskv/native/_pages.c) when the venv was built:
+# build it again when its source changed since.
+so=$(ls gdskv/native/_pages*.so 2>/dev/null | head -1)
+if [ -z "$so" ] || [ gdskv/native/_pages.c -nt "$so" ] || [ setup.py -nt "$so" ]; then
+  .venv/bin/pip install -q --no-deps --no-build-isolation -e .
+fi
 .venv/bin/python -m pytest -q -rs -m "not slow" "$@"
+# The data-path tests again on the page engine's Python path, the fallback and the oracle the
+# native engine is held to (gdskv/native; the run above used the native engine).
+.venv/bin/python -m pytest -q -rs -m "not slow" --data-path python tests/test_native.py \
+  tests/test_tier.py tests/test_host_pages.py tests/test_byte_pages.py tests/test_io_on_caller.py \
+  tests/test_concurrency.py tests/test_corruption.py tests/test_crash.py tests/test_fault_table.py \
+  tests/test_store_safety.py tests/test_follower.py tests/test_metrics.py "$@"
 # The SGLang adapter against the real sglang package, in its own venv (torch 2.14.1; see there).
 bash tests/run_sglang.sh
 # The vLLM adapter against the real vllm package, in its own venv (torch 2.14.1; see there).

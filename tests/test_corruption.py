@@ -214,7 +214,7 @@ def test_gpu_pool_restore_bit_flips_are_misses(tmp_path):
     src = _gpu_pool(n * ps, None, seed=9)
     src_slots = torch.randperm(n * ps, generator=torch.Generator().manual_seed(1))
     cfg = small_config(tmp_path)
-    with Tier(LAYOUT, cfg, device="cpu") as cpu_tier:  # the first 8 pages: XXH3 checksums
+    with Tier(LAYOUT, cfg, device="cpu") as cpu_tier:  # the first 8 pages: CRC-32C checksums
         host = tuple(p.cpu() for p in src)
         assert all(cpu_tier.put(keys[:8], host, src_slots[:8 * ps]))
     rng = random.Random(6)

@@ -79,8 +79,10 @@ def run_crash_rounds(tmp_path, rounds: int, seed: int, max_delay: float, lru: bo
 
 
 @pytest.mark.parametrize("lru,rounds", [(False, 5), (True, 3)], ids=["explicit", "lru"])
-def test_sigkill_rounds(tmp_path, lru, rounds):
-    totals = run_crash_rounds(tmp_path, rounds=rounds, seed=1, max_delay=0.6, lru=lru)
+def test_sigkill_rounds(tmp_path, lru, rounds, data_path):
+    # (the child is another process: the page engine's path goes to it in its config)
+    totals = run_crash_rounds(tmp_path, rounds=rounds, seed=1, max_delay=0.6, lru=lru,
+                              native=data_path == "native")
     print(f"crash rounds ({'lru' if lru else 'explicit'}):", totals)
     assert totals["rounds"] == rounds and totals["wrong_pages"] == 0 and totals["pages_lost"] == 0
     assert totals["pages_checked"] > 0, "the child never stored a page before being killed"
@@ -88,8 +90,9 @@ def test_sigkill_rounds(tmp_path, lru, rounds):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("lru", [False, True], ids=["explicit", "lru"])
-def test_sigkill_many_rounds(tmp_path, lru):
+def test_sigkill_many_rounds(tmp_path, lru, data_path):
     rounds = int(os.environ.get("GDSKV_CRASH_ROUNDS", "120"))
-    totals = run_crash_rounds(tmp_path, rounds=rounds, seed=7, max_delay=1.0, lru=lru)
+    totals = run_crash_rounds(tmp_path, rounds=rounds, seed=7, max_delay=1.0, lru=lru,
+                              native=data_path == "native")
     print(f"crash rounds (slow, {'lru' if lru else 'explicit'}):", totals)
     assert totals["rounds"] == rounds and totals["wrong_pages"] == 0 and totals["pages_lost"] == 0

@@ -58,6 +58,20 @@ def test_wheel_and_sdist_pass_twine_check(dist):
     assert proc.stdout.count("PASSED") == 2
 
 
+def test_the_wheel_is_abi3_with_the_native_engine(dist):
+    """One wheel for every CPython from 3.11 (the limited API); the sdist carries the C source
+    that ``pip install`` compiles."""
+    whl = os.path.basename(_one(dist, "*.whl"))
+    if sys.version_info >= (3, 11):
+        assert "-cp311-abi3-" in whl, whl
+    with zipfile.ZipFile(_one(dist, "*.whl")) as z:
+        assert [n for n in z.namelist() if n.startswith("gdskv/native/_pages.")
+                and n.endswith(".so")], z.namelist()
+    with tarfile.open(_one(dist, "*.tar.gz")) as sdist:
+        assert any(n.endswith("/gdskv/native/_pages.c") for n in sdist.getnames())
+        assert any(n.endswith("/setup.py") for n in sdist.getnames())
+
+
 def test_license_is_the_apache_2_text_pyproject_declares(dist):
     with open(os.path.join(ROOT, "LICENSE"), encoding="utf-8") as f:
         license_text = f.read()
@@ -134,7 +148,8 @@ def test_built_wheel_in_a_fresh_venv_runs_the_readme_main_command(dist, tmp_path
     venv, site, env = _fresh_venv(tmp_path, [_one(dist, "*.whl")])
     py = f"{venv}/bin/python"
     where = subprocess.run([py, "-c", "import gdskv, gdskv.kernels, gdskv.bench.cli; "
-                            "print(gdskv.__file__); print(gdskv.kernels.__file__)"],
+                            "import gdskv.native as n; print(gdskv.__file__); "
+                            "print(gdskv.kernels.__file__); print(n._pages.__file__)"],
                            capture_output=True, text=True, env=env, cwd=tmp_path, check=True)
     assert all(p.startswith(site) for p in where.stdout.split()), where.stdout
     cmd = f"{venv}/bin/gdskv-bench {_main_command_args()}"
@@ -142,6 +157,7 @@ def test_built_wheel_in_a_fresh_venv_runs_the_readme_main_command(dist, tmp_path
                          cwd=tmp_path, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "verify: OK" in run.stdout and "err= 0" in run.stdout
+    assert "page engine: native" in run.stdout
     # the store is kept (fio's unlink=0) and named exactly: gdskv info reads it
     (store,) = re.findall(r"store: kept in (\S+) \(", run.stdout)
     assert os.path.dirname(os.path.dirname(store)) == str(tmp_path), store

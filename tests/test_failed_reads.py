@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from conftest import NEEDS_NIXL
+from conftest import NEEDS_NIXL, fail_io
 from gdskv.tier import Tier
 from reliability_helpers import (LAYOUT, SLOT, check_pages, put, read_back, ready_keys,
                                  slot_location, small_config)
@@ -61,18 +61,20 @@ def test_transient_eio_is_tried_again_then_dropped(tmp_path, monkeypatch, fails,
     with Tier(LAYOUT, config(tmp_path, "posix"), device="cpu") as tier:
         assert all(put(tier, keys, aligned=aligned))
         bad_fd = tier.store.files[0].fd
-        real = os.preadv
-        calls = []
+        seen = []  # offsets of the file's segments read; a read of the file starts at seen[0]
 
-        def flaky(fd, buffers, offset, *a):
-            if fd == bad_fd:
-                calls.append(offset)
-                if len(calls) <= fails:
-                    raise OSError(errno.EIO, "injected EIO")
-            return real(fd, buffers, offset, *a)
+        def attempts() -> int:
+            return seen.count(seen[0]) if seen else 0
 
-        monkeypatch.setattr(os, "preadv", flaky)
+        def flaky(fd, offset):
+            if fd != bad_fd:
+                return False
+            seen.append(offset)
+            return attempts() <= fails  # EIO
+
+        fail_io(monkeypatch, tier.backend, "read", flaky)  # through the page engine
         res = check_pages(tier, keys)
+        calls = [None] * attempts()
         assert not res["wrong"]
         if fails <= Tier.READ_RETRIES:
             assert res["hits"] == 6 and all(tier.contains(k) for k in keys)
@@ -81,7 +83,7 @@ def test_transient_eio_is_tried_again_then_dropped(tmp_path, monkeypatch, fails,
             assert res["hits"] == 0 and not any(tier.contains(k) for k in keys)
             assert len(calls) == Tier.READ_RETRIES + 1  # bounded: tried, then dropped
             assert tier.stats()["unreadable_pages"] == 6
-        monkeypatch.setattr(os, "preadv", real)
+        monkeypatch.undo()  # the faults end
         assert check_pages(tier, keys)["hits"] == (6 if fails <= Tier.READ_RETRIES else 0)
 
 
@@ -91,17 +93,10 @@ def test_a_file_gone_is_not_tried_again(tmp_path, monkeypatch):
     with Tier(LAYOUT, config(tmp_path, "posix"), device="cpu") as tier:
         assert all(put(tier, keys))
         bad_fd = tier.store.files[0].fd
-        real, calls = os.preadv, []
-
-        def stale(fd, buffers, offset, *a):
-            if fd == bad_fd:
-                calls.append(offset)
-                raise OSError(errno.ESTALE, "injected ESTALE")
-            return real(fd, buffers, offset, *a)
-
-        monkeypatch.setattr(os, "preadv", stale)
+        seen = fail_io(monkeypatch, tier.backend, "read", lambda fd, _: fd == bad_fd,
+                       errno.ESTALE)
         assert check_pages(tier, keys)["hits"] == 0
-        assert len(calls) == 1 and not any(tier.contains(k) for k in keys)
+        assert seen and seen.count(seen[0]) == 1 and not any(tier.contains(k) for k in keys)
 
 
 def test_a_page_put_again_is_not_dropped_by_a_late_verdict(tmp_path):

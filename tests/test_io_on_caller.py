@@ -5,7 +5,6 @@ the option off, go through the pool. Both paths must give the same bytes and the
 from __future__ import annotations
 
 import errno
-import os
 import threading
 
 import pytest
@@ -16,7 +15,7 @@ from gdskv.config import TierConfig
 from gdskv.layout import KVLayout
 from gdskv.tier import Tier
 
-from conftest import assert_same_rows, empty_like_pool, random_pool
+from conftest import assert_same_rows, empty_like_pool, fail_io, random_pool
 
 LAYOUT = KVLayout(num_layers=3, page_size=16, head_dim=32, kv_heads=2, dtype="bf16")
 SLOTS = 64 * LAYOUT.page_size
@@ -74,14 +73,6 @@ def test_calls_of_several_chunks_go_through_the_pool(make_config, device, backen
         assert calls == []
 
 
-def _failing(calls: list):
-    """An os.pwritev/preadv that records its offset and fails with EIO."""
-    def fail(fd, buffers, offset):
-        calls.append(offset)
-        raise OSError(errno.EIO, "injected I/O error")
-    return fail
-
-
 def test_a_failed_io_on_the_calling_thread_fails_its_pages_only(tmp_path, monkeypatch):
     """posix: an error in a write or read moved on the caller is a failed page, as from the
     pool: the page is not stored (its slot given back); a failed read is a miss, read again
@@ -92,16 +83,14 @@ def test_a_failed_io_on_the_calling_thread_fails_its_pages_only(tmp_path, monkey
                      backend="posix")
     with Tier(LAYOUT, cfg, device="cpu") as tier:
         calls = _spy(tier)
-        failed_writes: list = []
         with monkeypatch.context() as m:
-            m.setattr(os, "pwritev", _failing(failed_writes))
+            failed_writes = fail_io(m, tier.backend, "write", error=errno.EIO)
             assert tier.put(["bad"], src, _slots(1)) == [False]
         assert failed_writes and calls[-1][:2] == ("write", True)
         assert not tier.contains("bad") and len(tier.directory) == 0
         assert tier.put(["good"], src, _slots(1, first=1)) == [True]
-        failed_reads: list = []
         with monkeypatch.context() as m:
-            m.setattr(os, "preadv", _failing(failed_reads))
+            failed_reads = fail_io(m, tier.backend, "read", error=errno.EIO)
             assert tier.get(["good"], dst, _slots(1, first=7)) == [False]
         assert len(failed_reads) == 1 + Tier.READ_RETRIES and calls[-1][:2] == ("read", True)
         assert not tier.contains("good")

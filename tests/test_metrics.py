@@ -3,13 +3,12 @@ registry, on a registry passed in and on the default one; removed at close."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gdskv.tier import Tier
+from conftest import fail_io
 from reliability_helpers import LAYOUT, PAGE, put, read_back, slot_location, small_config
 
 
@@ -65,14 +64,9 @@ def test_failed_io_counted(tmp_path, monkeypatch):
     reg = CollectorRegistry()
     with Tier(LAYOUT, small_config(tmp_path), device="cpu", metrics_registry=reg) as tier:
         assert all(put(tier, ["a"]))
-        real = os.preadv
-
-        def failing(fd, buffers, offset, *a):
-            raise OSError(5, "injected read error")
-
-        monkeypatch.setattr(os, "preadv", failing)
-        assert read_back(tier, ["a"])[0] == [False]
-        monkeypatch.setattr(os, "preadv", real)
+        with monkeypatch.context() as m:
+            fail_io(m, tier.backend, "read")
+            assert read_back(tier, ["a"])[0] == [False]
         s = scrape(reg)
         assert value(s, "gdskv_io_failures_total", store=str(tmp_path), op="read") == 1
 

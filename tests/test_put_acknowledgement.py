@@ -12,6 +12,7 @@ import threading
 
 import pytest
 
+from conftest import fail_io
 from gdskv.tier import Tier
 from reliability_helpers import LAYOUT, SLOT, check_pages, put, run_in_threads, small_config
 
@@ -32,19 +33,11 @@ def test_every_true_answer_is_readable_now_and_after_a_restart(tmp_path, monkeyp
     lock = threading.Lock()
     with Tier(LAYOUT, cfg, device="cpu") as tier:
         fds = [f.fd for f in tier.store.files]
-        real = os.pwritev
         rng = random.Random(46)
-
-        def failing(fd, buffers, offset, *a):
-            if not faults:
-                pass
-            elif fd == fds[1]:
-                raise OSError(errno.ENOSPC, "injected ENOSPC")
-            if fd == fds[0] and rng.random() < 0.2:
-                raise OSError(errno.EIO, "injected EIO")
-            return real(fd, buffers, offset, *a)
-
-        monkeypatch.setattr(os, "pwritev", failing)
+        if faults:  # through the page engine, so both data paths meet them
+            fail_io(monkeypatch, tier.backend, "write", lambda fd, _: fd == fds[1], errno.ENOSPC)
+            fail_io(monkeypatch, tier.backend, "write",
+                    lambda fd, _: fd == fds[0] and rng.random() < 0.2, errno.EIO)
 
         def worker(t: int) -> list:
             order = random.Random(t)
@@ -61,7 +54,7 @@ def test_every_true_answer_is_readable_now_and_after_a_restart(tmp_path, monkeyp
             return []
 
         assert run_in_threads(worker, 2) == []
-        monkeypatch.setattr(os, "pwritev", real)
+        monkeypatch.undo()  # the faults end
         assert (tier.stats().get("write_failed", 0) > 0) == faults
     with Tier(LAYOUT, cfg, device="cpu") as tier:
         res = check_pages(tier, sorted(acked))
@@ -77,15 +70,14 @@ def test_a_put_waits_for_the_write_in_flight_of_its_key(tmp_path, monkeypatch):
     """Deterministic: call A's write of "k" is held; call B puts "k" meanwhile and must not
     answer before A's write ends; A's write fails, so B answers False, and "k" is not stored."""
     with Tier(LAYOUT, small_config(tmp_path, io_threads=1), device="cpu") as tier:
-        real = os.pwritev
         entered, release = threading.Event(), threading.Event()
 
-        def held_then_failed(fd, buffers, offset, *a):
+        def held_then_failed(fd, offset):
             entered.set()
             assert release.wait(10)
-            raise OSError(errno.EIO, "injected EIO")
+            return True  # EIO
 
-        monkeypatch.setattr(os, "pwritev", held_then_failed)
+        fail_io(monkeypatch, tier.backend, "write", held_then_failed)
         answers = {}
         a = threading.Thread(target=lambda: answers.setdefault("A", put(tier, ["k"])))
         a.start()
@@ -98,5 +90,5 @@ def test_a_put_waits_for_the_write_in_flight_of_its_key(tmp_path, monkeypatch):
         a.join(10)
         b.join(10)
         assert answers == {"A": [False], "B": [False]} and not tier.contains("k")
-        monkeypatch.setattr(os, "pwritev", real)
+        monkeypatch.undo()  # the faults end
         assert put(tier, ["k"]) == [True] and check_pages(tier, ["k"])["hits"] == 1

@@ -10,6 +10,7 @@ import time
 
 import numpy as np
 import pytest
+import torch
 import xxhash
 
 from gdskv import checksum
@@ -18,8 +19,9 @@ from gdskv.layout import KVLayout
 from gdskv.store import JOURNAL, LOCK, MANIFEST, MANIFEST_COPY, StoreError, StoreLockedError, StoreMismatchError
 from gdskv.tier import Tier
 from ack_helpers import ack_writer, read_log, wait_for_acks
-from reliability_helpers import (LAYOUT, PAGE, SLOT, check_pages, forkserver, hold_store, put,
-                                 ready_keys, slot_location, small_config, try_open)
+from reliability_helpers import (LAYOUT, PAGE, SLOT, check_pages, flip_byte, forkserver,
+                                 hold_store, page_content, put, read_back, ready_keys,
+                                 slot_location, small_config, try_open)
 
 STORE_FILES = {LOCK, MANIFEST, MANIFEST_COPY, JOURNAL, "slab-000.bin", "slab-001.bin"}
 
@@ -297,10 +299,10 @@ def test_pages_are_verified_with_their_recorded_algorithm(tmp_path):
             tier._checksums = _Xxh64(LAYOUT)  # a tier writing with another algorithm
             tier._verifiers[_Xxh64.algorithm] = tier._checksums
             assert all(put(tier, ["old1", "old2", "old3"]))
-        with Tier(LAYOUT, cfg, device="cpu") as tier:  # writes XXH3, still reads the old ones
+        with Tier(LAYOUT, cfg, device="cpu") as tier:  # writes CRC32C, still reads the old ones
             assert all(put(tier, ["new1"]))
             assert list(tier.directory.algorithms([tier.directory._index[k] for k in
-                                                   ("old1", "new1")])) == [200, checksum.XXH3]
+                                                   ("old1", "new1")])) == [200, checksum.CRC32C]
             path, off = slot_location(tier, "old2")
             fd = os.open(path, os.O_RDWR)
             os.pwrite(fd, bytes([os.pread(fd, 1, off + PAGE - 1)[0] ^ 1]), off + PAGE - 1)
@@ -314,6 +316,29 @@ def test_pages_are_verified_with_their_recorded_algorithm(tmp_path):
         checksum._FACTORIES.pop(_Xxh64.algorithm, None)
     with Tier(LAYOUT, small_config(tmp_path), device="cpu") as tier:  # algorithm unknown here
         assert set(ready_keys(tier)) == {"new1"}
+
+
+@pytest.mark.parametrize("aligned", [True, False], ids=["in-place", "staged"])
+def test_xxh3_pages_of_older_host_tiers_stay_readable(tmp_path, aligned):
+    """Host tiers wrote xxh3 (algorithm 1) before CRC-32C: a tier now writing CRC-32C reads
+    them, verified with xxh3 (in place into the caller's memory, or through staging), and a
+    flipped bit in one is still a miss; its own new pages are CRC-32C."""
+    cfg = small_config(tmp_path)
+    with Tier(LAYOUT, cfg, device="cpu") as tier:
+        tier._checksums = checksum.PageChecksummer(LAYOUT)  # what a host tier wrote before
+        tier._verifiers[checksum.XXH3] = tier._checksums
+        tier._host_pages.why_not = "xxh3 pages go through staging (as before CRC-32C)"
+        assert all(put(tier, ["x1", "x2", "x3"]))
+    with Tier(LAYOUT, cfg, device="cpu") as tier:
+        assert tier.stats()["in_place"]["enabled"]
+        assert all(put(tier, ["c1"]))
+        slots = [tier.directory._index[k] for k in ("x1", "x2", "x3", "c1")]
+        assert list(tier.directory.algorithms(slots)) == [checksum.XXH3] * 3 + [checksum.CRC32C]
+        flip_byte(tier, "x2", PAGE // 2)
+        hits, out = read_back(tier, ["x1", "x2", "x3", "c1"], aligned=aligned)
+        assert hits == [True, False, True, True]
+        assert all(torch.equal(o, page_content(k)) for k, o, h in
+                   zip(["x1", "x2", "x3", "c1"], out, hits) if h)
 
 
 # -- admission -------------------------------------------------------------------------------------

@@ -12,8 +12,9 @@ thread: the two costs a call is made of. Prints one JSON line.
 
 ``--phases`` wraps the tier's steps and sums their wall time per call: on the calling thread
 (checks, pin, extents, submitting the reads, waiting and verifying) and on the I/O threads
-(``_vector_io``: the preadv; ``_ReadHasher.moved``: hashing the pages a piece completed; thread
-sums over a call's time say how many threads were busy), then a cProfile of 10 calls.
+(``_vector_io``: the preadv and, since the page engine, the pages' checksums;
+``_ReadChecks.__call__``: recording them; thread sums over a call's time say how many threads
+were busy), then a cProfile of 10 calls.
 ``--hash-scale``: 64 pages of 1 MiB hashed one-shot, hashed streamed (as gdskv hashes host
 pages) and copied, on 1 to 16 pool threads, best of 7, GB/s.
 
@@ -152,7 +153,7 @@ def phases(args) -> str:
             (directory.PageDirectory, "pin", "main:pin"),
             (directory.PageDirectory, "unpin", "main:unpin"),
             (posix_backend, "_vector_io", "io:_vector_io"),
-            (host_pages._ReadHasher, "moved", "io:moved(hash)")):
+            (host_pages._ReadChecks, "__call__", "io:moved(sums)")):
         wrap(owner, name, tag)
     with sidecar_tier(args.dir) as (tier, keys, _src, dst):
         timed_gets(tier, keys, dst, 3)

@@ -47,14 +47,16 @@ class Extent:
 
     ``moved``: when set, a backend that can (posix) calls it with each piece of this extent it
     moved whole, in the thread that moved it, right after (the tier hashes pages there, with no
-    hand-off). Only a hint: backends that cannot ignore it, and its caller must
-    not rely on it."""
+    hand-off). A read's hint that has ``slot_bytes`` and ``page_bytes`` is called
+    ``moved(piece, sums)`` instead, with the CRC-32C of each slot's first ``page_bytes`` from
+    the call that read the piece (cut on slot boundaries). Only a hint: backends that cannot
+    ignore it, and its caller must not rely on it."""
     file: int
     file_offset: int
     length: int
     buffer_offset: int
     memory: tuple = field(default=(), compare=False)
-    moved: Callable[["Extent"], None] | None = field(default=None, compare=False)
+    moved: Callable[..., None] | None = field(default=None, compare=False)
 
 
 class ShortIOError(OSError):

@@ -1,10 +1,16 @@
-"""POSIX backend: ``os.pwritev/preadv`` from aligned host memory in a thread pool.
+"""POSIX backend: ``preadv``/``pwritev`` from aligned host memory in a thread pool.
 
 The backend that runs anywhere (CI has no GPU). GPU buffers go through a pinned host mirror.
 Each call's extents are cut into pieces (at most ``io_chunk_size``, smaller for small calls) so
 all threads keep the drive's queue full; O_DIRECT (when the store got it) needs the 4 KiB-aligned
 buffers the tier allocates. An extent carrying its own host memory (the caller's page regions,
 moved in place) is one ``pwritev``/``preadv`` of its I/O vector per piece.
+
+A piece is one call of the page engine (:mod:`gdskv.native`): the C extension moves all its
+buffers with the GIL released (``native``), or ``os.preadv``/``os.pwritev`` do (``python``,
+``native=false`` or no extension). ``describe()`` says which. A read whose extents carry a
+page-checking hint (``Extent.moved`` with ``slot_bytes`` and ``page_bytes``: the tier's in-place
+pages) is cut into pieces of whole slots, and the same engine call checksums each page it read.
 """
 
 from __future__ import annotations
@@ -14,12 +20,14 @@ import os
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import numpy as np
 import torch
 
+from .. import native
 from ..config import TierConfig
 from ..memory import host_numpy
 from .base import (Backend, CompletedIO, CompletionPoller, Extent, IOOutcome, ShortIOError,
-                   SlabFile, combine, io_pieces)
+                   SlabFile, combine, io_pieces, split_extents)
 from .bounce import HostMirrors
 
 log = logging.getLogger("gdskv.posix")
@@ -31,8 +39,8 @@ READAHEAD_HINT_BYTES = 256 * 1024
 #: it buys is short (page cache to memory: about 0.1 ms per MiB), so a short call uses fewer
 #: threads rather than more hand-offs (bench/RESULTS.md, "Hybrid models")
 MIN_PIECE_BYTES = 4 << 20
-#: most buffers one pwritev/preadv takes (Linux: 1024)
-IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+#: most buffers one pwritev/preadv takes (Linux: 1024; the page engine splits longer vectors)
+IOV_MAX = native.fallback.IOV_MAX
 
 
 class PosixBackend(Backend):
@@ -47,6 +55,7 @@ class PosixBackend(Backend):
         self._files: list[SlabFile] = []
         self._mirrors = HostMirrors()
         self._poller = CompletionPoller(config.io_poll_us)
+        self._engine = native.engine(config.native)
 
     @property
     def gpu_direct(self) -> bool:
@@ -58,16 +67,16 @@ class PosixBackend(Backend):
     def describe(self) -> dict:
         return {**super().describe(), "threads": self._threads, "io_chunk_size": self._chunk,
                 "gpu_buffers": "staged through a pinned host mirror",
-                "io_poll_us": self._poller.budget_us}
+                "io_poll_us": self._poller.budget_us, "engine": self._engine.path}
 
     def write(self, buffer: torch.Tensor | None, extents: Sequence[Extent]) -> Future:
         host = None if buffer is None else self._mirrors.to_host(buffer, extents)
-        return self._submit(os.pwritev, "write", host, extents)
+        return self._submit("write", host, extents)
 
     def read(self, buffer: torch.Tensor | None, extents: Sequence[Extent]) -> Future:
         host = None if buffer is None else self._mirrors.host_buffer(buffer)
         after = None if host is buffer else (lambda: self._mirrors.from_host(host, buffer, extents))
-        return self._submit(os.preadv, "read", host, extents, after)
+        return self._submit("read", host, extents, after)
 
     def move_on_caller(self, op: str, buffer: torch.Tensor | None,
                        extents: Sequence[Extent]) -> CompletedIO | None:
@@ -75,7 +84,7 @@ class PosixBackend(Backend):
         ``pwritev``/``preadv`` (the GIL released), through the GPU buffer's host mirror."""
         if self._pool is None:
             return None
-        pieces = io_pieces(extents, self._threads, self._chunk, MIN_PIECE_BYTES)
+        pieces = self._pieces(op, extents)
         if len(pieces) != 1:
             return None
         idx, piece = pieces[0]
@@ -87,8 +96,7 @@ class PosixBackend(Backend):
                     else self._mirrors.host_buffer(buffer)
             iov = piece.memory or (host_numpy(host)[piece.buffer_offset:
                                                     piece.buffer_offset + piece.length],)
-            outcome.nbytes = _move_piece(os.pwritev if op == "write" else os.preadv, op,
-                                         self._files[piece.file], iov, piece)
+            outcome.nbytes = _move_piece(self._engine, op, self._files[piece.file], iov, piece)
         except Exception as exc:  # noqa: BLE001 - recorded against the extent, as a pool I/O
             outcome.fail(idx, exc, piece)
         if op == "read" and host is not None and host is not buffer:
@@ -98,17 +106,28 @@ class PosixBackend(Backend):
                 outcome.fail(idx, exc, piece)
         return CompletedIO(outcome)
 
-    def _submit(self, call, op: str, host: torch.Tensor | None, extents: Sequence[Extent],
+    def _submit(self, op: str, host: torch.Tensor | None, extents: Sequence[Extent],
                 after=None) -> Future:
         if self._pool is None:
             raise RuntimeError("posix backend is closed")
         view = None if host is None else host_numpy(host)
         futures = []
-        for idx, piece in io_pieces(extents, self._threads, self._chunk, MIN_PIECE_BYTES):
+        for idx, piece in self._pieces(op, extents):
             f = self._files[piece.file]
             iov = piece.memory or (view[piece.buffer_offset:piece.buffer_offset + piece.length],)
-            futures.append((idx, piece, self._pool.submit(_move_piece, call, op, f, iov, piece)))
+            futures.append((idx, piece, self._pool.submit(_move_piece, self._engine, op, f, iov,
+                                                          piece)))
         return self._poller.wrap(combine(futures, after=after))
+
+    def _pieces(self, op: str, extents: Sequence[Extent]) -> list[tuple[int, Extent]]:
+        """The call's pieces (:func:`io_pieces`); reads whose pages are checksummed as they are
+        read (a ``moved`` hint with ``slot_bytes``) in pieces of whole slots."""
+        slot = _page_geometry(op, extents[0].moved)[0] if extents else 0
+        if not slot:
+            return io_pieces(extents, self._threads, self._chunk, MIN_PIECE_BYTES)
+        total = sum(e.length for e in extents)
+        size = min(self._chunk, max(MIN_PIECE_BYTES, -(-total // self._threads)))
+        return split_extents(extents, max(slot, size // slot * slot))
 
     def close(self) -> None:
         if self._pool is not None:
@@ -117,47 +136,63 @@ class PosixBackend(Backend):
         self._mirrors.clear()
 
 
-def _move_piece(call, op: str, f: SlabFile, iov: Sequence, piece: Extent) -> int:
-    """One piece moved with :func:`_vector_io`, then its ``moved`` hint called in this thread."""
-    n = _vector_io(call, op, f, iov, piece.file_offset)
+def _page_geometry(op: str, hint) -> tuple[int, int]:
+    """(slot_bytes, page_bytes) where a read's ``moved`` hint takes each page's checksum, else
+    (0, 0)."""
+    if op != "read" or hint is None:
+        return 0, 0
+    return getattr(hint, "slot_bytes", 0), getattr(hint, "page_bytes", 0)
+
+
+def _move_piece(engine: native.Engine, op: str, f: SlabFile, iov: Sequence,
+                piece: Extent) -> int:
+    """One piece moved with :func:`_vector_io`, then its ``moved`` hint called in this thread
+    (with the pages' checksums where it takes them)."""
+    slot, page = _page_geometry(op, piece.moved)
+    n, sums = _vector_io(engine, op, f, iov, piece.file_offset, slot, page)
     if piece.moved is not None:
         try:
-            piece.moved(piece)
+            piece.moved(piece) if sums is None else piece.moved(piece, sums)
         except Exception:  # noqa: BLE001 - a hint: the piece moved whatever it does
             log.debug("moved hint failed for %s", piece, exc_info=True)
     return n
 
 
-def _vector_io(call, op: str, f: SlabFile, iov: Sequence, offset: int) -> int:
-    """All of ``iov`` to or from ``f`` at ``offset`` with ``call`` (os.pwritev/preadv), going
-    on after partial transfers; ShortIOError when the file gives no more, or when an error
+def _vector_io(engine: native.Engine, op: str, f: SlabFile, iov: Sequence, offset: int,
+               slot_bytes: int = 0, page_bytes: int = 0) -> tuple[int, np.ndarray | None]:
+    """All of ``iov`` to or from ``f`` at ``offset``: one call of the page engine, which goes
+    on after partial transfers; with ``page_bytes``, a read also checksums each
+    ``slot_bytes`` slot of the piece (the first ``page_bytes`` of it). Returns the bytes moved
+    and the checksums (or None). ShortIOError when the file gives no more, or when an error
     (e.g. ENOSPC) stops it after some bytes moved: those bytes count (a full disk fails only
-    the pages past the point where it filled)."""
-    bufs = [mv for mv in (memoryview(b).cast("B") for b in iov) if len(mv)]
-    total = sum(len(b) for b in bufs)
-    if call is os.preadv and not f.direct and total > READAHEAD_HINT_BYTES:
+    the pages past the point where it filled); the OSError of a call that moved nothing."""
+    rows, at = [], offset
+    for b in iov:
+        rows.append((f.fd, at, len(b)))
+        at += len(b)
+    segments = np.array(rows, dtype=np.int64)
+    result = np.empty((len(iov), 2), dtype=np.int64)
+    sums = None
+    if op == "write":
+        done = engine.write_pages(segments, iov, result)
+    else:
+        status = None
+        if page_bytes:
+            pages = (at - offset) // slot_bytes
+            sums, status = np.empty(pages, dtype=np.uint64), np.empty(pages, dtype=np.uint8)
         # A cold buffered read reaches the drive a readahead window (128 KiB by default) at a
-        # time; announcing the whole piece lets the kernel queue it at once. On the H100's
-        # virtio disk it measured the same as no hint, within noise (bench/RESULTS.md, "Hybrid
-        # models"). Only a hint: a file system that refuses it must not fail the read.
-        try:
-            os.posix_fadvise(f.fd, offset, total, os.POSIX_FADV_WILLNEED)
-        except OSError:
-            pass
-    done = first = 0
-    while first < len(bufs):
-        try:
-            n = call(f.fd, bufs[first:first + IOV_MAX], offset + done)
-        except OSError as exc:
-            if not done:
-                raise
-            raise ShortIOError(op, f.path, offset, total, done, exc) from exc
-        if n <= 0:
-            raise ShortIOError(op, f.path, offset, total, done)
-        done += n
-        while first < len(bufs) and n >= len(bufs[first]):  # drop the buffers moved whole
-            n -= len(bufs[first])
-            first += 1
-        if n:
-            bufs[first] = bufs[first][n:]
-    return done
+        # time; announcing the whole piece (POSIX_FADV_WILLNEED, a hint the engine ignores
+        # failing) lets the kernel queue it at once. On the H100's virtio disk it measured the
+        # same as no hint, within noise (bench/RESULTS.md, "Hybrid models").
+        done = engine.read_pages(segments, iov, result, slot_bytes or 1, page_bytes, None, sums,
+                                 status, 0 if f.direct else READAHEAD_HINT_BYTES)
+    errors = result[:, 1]
+    if errors.any():
+        error = int(errors[errors != 0][0])
+        if error == -1:
+            raise ShortIOError(op, f.path, offset, at - offset, done)
+        exc = OSError(error, f"{os.strerror(error)} ({op} on {f.path} at offset {offset})")
+        if done:
+            raise ShortIOError(op, f.path, offset, at - offset, done, exc) from exc
+        raise exc
+    return done, sums

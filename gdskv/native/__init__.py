@@ -1,0 +1,92 @@
+"""The page engine: a data call's page I/O and page checksums, one call per pool task.
+
+Two implementations with the same four functions (see ``_pages.c`` for the arguments):
+
+- ``native``: the C extension ``gdskv.native._pages`` (CPython limited API, built by ``pip
+  install``). Each call runs with the GIL released from its first system call to its last
+  checksum, so calls from several threads run in parallel; checksums are hardware CRC-32C.
+- ``python``: :mod:`gdskv.native.fallback`, ``os.preadv``/``os.pwritev`` and the ``crc32c``
+  package. It runs where the extension did not load (said once in the log) or where the tier's
+  ``native`` option is off (``GDSKV_NATIVE=false``), and it is the oracle the tests hold the
+  native engine to: both write the same bytes and compute the same checksums.
+
+``crc32c(data, value=0)``: CRC-32C of a buffer, continuing ``value``.
+``page_sums(memory, slot_bytes, page_bytes, sums)``: CRC-32C of each page of a frame (the
+buffers of ``memory`` end to end; page ``k`` is its bytes ``[k * slot_bytes, (k + 1) *
+slot_bytes)``, of which the first ``page_bytes`` are checksummed) into ``sums`` (uint64).
+``read_pages(segments, memory, result, slot_bytes, page_bytes, want, sums, status, readahead)``
+and ``write_pages(segments, memory, result)``: move each buffer of ``memory`` from or to its
+segment (a row ``(fd, file offset, length)`` of the int64 array ``segments``); consecutive
+segments of one file go in one ``preadv``/``pwritev``. ``result`` (int64 rows) receives each
+segment's ``(bytes moved, error)``: 0, an errno, or -1 where the file ended. A read with
+``page_bytes`` > 0 then checksums each page of the frame into ``sums`` and sets ``status``
+(uint8): 0 read whole (and equal to ``want``, where given), 1 checksum differs, 2 not read
+whole. Both return the bytes moved.
+
+Whether the engine needs its own thread pool: no. A call holds no lock while it works, so the
+tier's calls from many threads and the posix backend's pool threads already run in parallel
+(``bench/results/cpu-2026-11-27/native/``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from . import fallback
+
+log = logging.getLogger("gdskv.native")
+
+try:
+    from . import _pages
+    LOAD_ERROR = ""
+except ImportError as exc:  # not built (a source tree without pip install), or a bad build
+    _pages = None
+    LOAD_ERROR = f"{type(exc).__name__}: {exc}"
+
+
+@dataclass(frozen=True)
+class Engine:
+    """One implementation of the page engine, and why it runs."""
+    #: "native" or "python"
+    path: str
+    #: why this path runs (shown in stats)
+    reason: str
+    #: the CRC-32C implementation: sse4.2, armv8-crc, table, or the crc32c package
+    checksum: str
+    crc32c: Callable
+    page_sums: Callable
+    read_pages: Callable
+    write_pages: Callable
+
+    def describe(self) -> dict:
+        return {"path": self.path, "reason": self.reason, "checksum": self.checksum}
+
+
+def _engine(module, path: str, reason: str) -> Engine:
+    return Engine(path, reason, module.implementation(), module.crc32c, module.page_sums,
+                  module.read_pages, module.write_pages)
+
+
+NATIVE: Engine | None = None if _pages is None else \
+    _engine(_pages, "native", "the C extension loaded")
+PYTHON_BY_CHOICE = _engine(fallback, "python", "native=false (GDSKV_NATIVE)")
+PYTHON_BY_NEED = _engine(fallback, "python", f"the C extension did not load ({LOAD_ERROR})")
+_warned = False
+
+
+def engine(native: bool = True) -> Engine:
+    """The native engine when ``native`` and it loaded, else the Python one (a failed load is
+    logged once, when a caller first asks for the native engine)."""
+    global _warned
+    if not native:
+        return PYTHON_BY_CHOICE
+    if NATIVE is not None:
+        return NATIVE
+    if not _warned:
+        _warned = True
+        log.warning("gdskv: the native page engine did not load (%s); using the Python path "
+                    "(slower page I/O and checksums; reinstall gdskv with a C compiler to build "
+                    "it)", LOAD_ERROR)
+    return PYTHON_BY_NEED

@@ -1,0 +1,706 @@
+/* gdskv's native page engine: a call's page I/O and page checksums with the GIL released.
+ *
+ * Plain C on the CPython limited API (one abi3 module for every CPython >= 3.11; built
+ * without the limited API on 3.10, whose limited API lacks the buffer protocol). gdskv/native/
+ * __init__.py loads it, or falls back to gdskv/native/fallback.py, which has the same four
+ * functions in Python and is the test oracle:
+ *
+ *   crc32c(data, value=0)                            CRC-32C of a buffer, continuing `value`
+ *   page_sums(memory, slot_bytes, page_bytes, sums)  CRC-32C of each page of a frame
+ *   read_pages(segments, memory, result, slot_bytes, page_bytes, want, sums, status,
+ *              readahead)                            preadv, then each page's CRC-32C checked
+ *   write_pages(segments, memory, result)            pwritev
+ *
+ * A call's memory is a sequence of buffers laid end to end: its "frame". Page k of a frame is
+ * the frame's bytes [k * slot_bytes, (k + 1) * slot_bytes); its checksum covers the first
+ * page_bytes of them (the payload; the rest is padding and the slot trailer). `segments` is an
+ * int64 array of rows (fd, file offset, length), one per buffer of `memory`: segment i moves
+ * memory[i] to or from its file range. Consecutive segments that continue each other in one
+ * file are moved by one preadv/pwritev (at most IOV_MAX buffers each, going on after partial
+ * transfers). `result` (int64 rows, one per segment) receives (bytes moved, error): error 0,
+ * an errno, or -1 where the file gave no more (end of file). A segment after a failure in
+ * its run is not tried (error set, 0 bytes moved); other runs still are.
+ *
+ * Checksums are CRC-32C (Castagnoli, the crc32c package's values): SSE4.2 or ARMv8 CRC
+ * instructions where the CPU has them (checked at import), three interleaved streams combined
+ * by a multiplication in GF(2)[x] / P, else a slicing-by-8 table.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <nmmintrin.h>
+#define GDSKV_X86 1
+#elif defined(__aarch64__)
+#if defined(__linux__)
+#include <sys/auxv.h>
+#endif
+#if defined(__has_include)
+#if __has_include(<arm_acle.h>)
+#include <arm_acle.h>
+#define GDSKV_ARM 1
+#endif
+#endif
+#ifndef HWCAP_CRC32
+#define HWCAP_CRC32 (1 << 7)
+#endif
+#endif
+
+/* ---------------------------------------------------------------------------------------- */
+/* CRC-32C                                                                                  */
+/* ---------------------------------------------------------------------------------------- */
+
+/* The Castagnoli polynomial, bit-reflected: bit 31 - i of a register is the coefficient of x^i */
+#define CRC32C_POLY 0x82F63B78u
+/* bytes per stream in a round of three interleaved streams (long inputs, then short tails) */
+#define LONG_BLOCK 8192
+#define SHORT_BLOCK 256
+
+static uint32_t crc_table[8][256];        /* slicing-by-8: entry [k][b] = b followed by k zeros */
+static uint32_t shift_long[4][256];       /* register * x^(8 * LONG_BLOCK) mod P, by byte */
+static uint32_t shift_short[4][256];      /* register * x^(8 * SHORT_BLOCK) mod P, by byte */
+
+/* v * x mod P */
+static uint32_t
+mul_x(uint32_t v)
+{
+    return (v >> 1) ^ ((v & 1u) ? CRC32C_POLY : 0u);
+}
+
+/* a * b mod P (both bit-reflected polynomials) */
+static uint32_t
+gf_mul(uint32_t a, uint32_t b)
+{
+    uint32_t p = 0;
+    for (int i = 0; i < 32; i++) {
+        if (a & (0x80000000u >> i))
+            p ^= b;
+        b = mul_x(b);
+    }
+    return p;
+}
+
+/* Processing n zero bytes multiplies a CRC register by x^(8n) mod P; the register is linear
+ * in the message, so the register after A|B is shift(register after A, |B|) ^ (register of B
+ * from 0). A table per shift makes it four lookups. */
+static void
+make_shift_table(uint32_t table[4][256], size_t nbytes)
+{
+    uint32_t k = 0x80000000u; /* x^0 */
+    for (size_t i = 0; i < 8 * nbytes; i++)
+        k = mul_x(k);
+    for (int j = 0; j < 4; j++)
+        for (uint32_t b = 0; b < 256; b++)
+            table[j][b] = gf_mul(b << (8 * j), k);
+}
+
+static inline uint32_t
+shift(uint32_t table[4][256], uint32_t r)
+{
+    return table[0][r & 0xff] ^ table[1][(r >> 8) & 0xff] ^ table[2][(r >> 16) & 0xff] ^
+           table[3][r >> 24];
+}
+
+static void
+make_tables(void)
+{
+    for (uint32_t b = 0; b < 256; b++) {
+        uint32_t r = b;
+        for (int i = 0; i < 8; i++)
+            r = mul_x(r);
+        crc_table[0][b] = r;
+    }
+    for (int k = 1; k < 8; k++)
+        for (uint32_t b = 0; b < 256; b++) {
+            uint32_t r = crc_table[k - 1][b];
+            crc_table[k][b] = (r >> 8) ^ crc_table[0][r & 0xff];
+        }
+    make_shift_table(shift_long, LONG_BLOCK);
+    make_shift_table(shift_short, SHORT_BLOCK);
+}
+
+static inline uint64_t
+load64(const unsigned char *p)
+{
+    uint64_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* The register after `p[0:n]`, from register `r` (no inversion), by table. */
+static uint32_t
+crc_table_update(uint32_t r, const unsigned char *p, size_t n)
+{
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    for (; n >= 8; n -= 8, p += 8) {
+        uint64_t v = load64(p) ^ r;
+        r = crc_table[7][v & 0xff] ^ crc_table[6][(v >> 8) & 0xff] ^
+            crc_table[5][(v >> 16) & 0xff] ^ crc_table[4][(v >> 24) & 0xff] ^
+            crc_table[3][(v >> 32) & 0xff] ^ crc_table[2][(v >> 40) & 0xff] ^
+            crc_table[1][(v >> 48) & 0xff] ^ crc_table[0][v >> 56];
+    }
+#endif
+    for (; n; n--, p++)
+        r = (r >> 8) ^ crc_table[0][(r ^ *p) & 0xff];
+    return r;
+}
+
+/* The hardware forms: one 8-byte step `STEP64(r, v)` and one byte `STEP8(r, b)`, compiled for
+ * the instruction set extension alone, used only when the CPU reports it. */
+#define DEFINE_HW_UPDATE(name, attr, STEP64, STEP8)                                           \
+    static attr uint32_t name##_streams(uint32_t r, const unsigned char *p, size_t block,     \
+                                        uint32_t table[4][256])                         \
+    {                                                                                         \
+        uint64_t a = r, b = 0, c = 0;                                                         \
+        const unsigned char *pb = p + block, *pc = p + 2 * block;                             \
+        for (size_t i = 0; i < block; i += 8) {                                               \
+            a = STEP64(a, load64(p + i));                                                     \
+            b = STEP64(b, load64(pb + i));                                                    \
+            c = STEP64(c, load64(pc + i));                                                    \
+        }                                                                                     \
+        return shift(table, shift(table, (uint32_t)a) ^ (uint32_t)b) ^ (uint32_t)c;           \
+    }                                                                                         \
+    static attr uint32_t name(uint32_t r, const unsigned char *p, size_t n)                   \
+    {                                                                                         \
+        for (; n && ((uintptr_t)p & 7); n--, p++)                                             \
+            r = STEP8(r, *p);                                                                 \
+        for (; n >= 3 * LONG_BLOCK; n -= 3 * LONG_BLOCK, p += 3 * LONG_BLOCK)                 \
+            r = name##_streams(r, p, LONG_BLOCK, shift_long);                                 \
+        for (; n >= 3 * SHORT_BLOCK; n -= 3 * SHORT_BLOCK, p += 3 * SHORT_BLOCK)              \
+            r = name##_streams(r, p, SHORT_BLOCK, shift_short);                               \
+        uint64_t r64 = r;                                                                     \
+        for (; n >= 8; n -= 8, p += 8)                                                        \
+            r64 = STEP64(r64, load64(p));                                                     \
+        r = (uint32_t)r64;                                                                    \
+        for (; n; n--, p++)                                                                   \
+            r = STEP8(r, *p);                                                                 \
+        return r;                                                                             \
+    }
+
+#if defined(GDSKV_X86) && defined(__x86_64__)
+#define SSE42_STEP64(r, v) _mm_crc32_u64((r), (v))
+#define SSE42_STEP8(r, b) _mm_crc32_u8((r), (b))
+DEFINE_HW_UPDATE(crc_sse42_update, __attribute__((target("sse4.2"))), SSE42_STEP64, SSE42_STEP8)
+#define HAVE_HW_CRC 1
+#elif defined(GDSKV_ARM)
+#define ARM_STEP64(r, v) __crc32cd((uint32_t)(r), (v))
+#define ARM_STEP8(r, b) __crc32cb((r), (b))
+#if defined(__ARM_FEATURE_CRC32)
+#define ARM_CRC_ATTR
+#elif defined(__clang__)
+#define ARM_CRC_ATTR __attribute__((target("crc")))
+#else
+#define ARM_CRC_ATTR __attribute__((target("+crc")))
+#endif
+DEFINE_HW_UPDATE(crc_armv8_update, ARM_CRC_ATTR, ARM_STEP64, ARM_STEP8)
+#define HAVE_HW_CRC 1
+#endif
+
+typedef uint32_t (*crc_update_fn)(uint32_t, const unsigned char *, size_t);
+static crc_update_fn crc_update = crc_table_update;
+static const char *crc_implementation = "table";
+
+static void
+choose_crc(void)
+{
+#if defined(GDSKV_X86) && defined(__x86_64__)
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("sse4.2")) {
+        crc_update = crc_sse42_update;
+        crc_implementation = "sse4.2";
+    }
+#elif defined(GDSKV_ARM) && defined(__ARM_FEATURE_CRC32)
+    crc_update = crc_armv8_update; /* built for CPUs that all have it (e.g. Apple's) */
+    crc_implementation = "armv8-crc";
+#elif defined(GDSKV_ARM) && defined(__linux__)
+    if (getauxval(AT_HWCAP) & HWCAP_CRC32) {
+        crc_update = crc_armv8_update;
+        crc_implementation = "armv8-crc";
+    }
+#endif
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Arguments                                                                                */
+/* ---------------------------------------------------------------------------------------- */
+
+/* The buffers of one call, held (and their memory valid) until release_all. */
+typedef struct {
+    Py_buffer *views;
+    Py_ssize_t count;
+    Py_buffer small[4];
+} Buffers;
+
+static void
+release_all(Buffers *b)
+{
+    for (Py_ssize_t i = 0; i < b->count; i++)
+        PyBuffer_Release(&b->views[i]);
+    if (b->views != b->small)
+        PyMem_Free(b->views);
+    b->views = NULL;
+    b->count = 0;
+}
+
+/* Each item of the sequence `memory` as a contiguous buffer (writable when asked). */
+static int
+get_memory(PyObject *memory, int writable, Buffers *out)
+{
+    out->count = 0;
+    out->views = out->small;
+    Py_ssize_t n = PySequence_Size(memory);
+    if (n < 0)
+        return -1;
+    if (n > (Py_ssize_t)(sizeof out->small / sizeof out->small[0])) {
+        out->views = PyMem_Malloc((size_t)n * sizeof(Py_buffer));
+        if (out->views == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PySequence_GetItem(memory, i);
+        if (item == NULL) {
+            release_all(out);
+            return -1;
+        }
+        int rc = PyObject_GetBuffer(item, &out->views[i],
+                                    writable ? PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS
+                                             : PyBUF_C_CONTIGUOUS);
+        Py_DECREF(item);
+        if (rc < 0) {
+            release_all(out);
+            return -1;
+        }
+        out->count = i + 1;
+    }
+    return 0;
+}
+
+/* A contiguous buffer of `count` items of `itemsize` bytes (at least `count` with `at_least`),
+ * or None where allowed (view->buf NULL then). */
+static int
+get_array(PyObject *obj, const char *name, Py_ssize_t itemsize, Py_ssize_t count, int at_least,
+          int writable, int allow_none, Py_buffer *view)
+{
+    view->buf = NULL;
+    view->obj = NULL;
+    if (obj == Py_None && allow_none)
+        return 0;
+    if (PyObject_GetBuffer(obj, view, (writable ? PyBUF_WRITABLE : 0) | PyBUF_C_CONTIGUOUS |
+                                          PyBUF_FORMAT) < 0)
+        return -1;
+    Py_ssize_t items = view->len / itemsize;
+    if (view->itemsize != itemsize || (at_least ? items < count : items != count)) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s: expected %s%zd items of %zd bytes, got %zd bytes of items of %zd bytes",
+                     name, at_least ? "at least " : "", count, itemsize, view->len,
+                     view->itemsize);
+        PyBuffer_Release(view);
+        view->buf = NULL;
+        view->obj = NULL;
+        return -1;
+    }
+    return 0;
+}
+
+static void
+release_array(Py_buffer *view)
+{
+    if (view->obj != NULL)
+        PyBuffer_Release(view);
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Frames: buffers laid end to end, cut into pages                                          */
+/* ---------------------------------------------------------------------------------------- */
+
+typedef struct {
+    const Py_buffer *views;
+    Py_ssize_t count;
+    Py_ssize_t seg;       /* the segment holding `at` */
+    long long seg_start;  /* frame offset of segment `seg` */
+} Cursor;
+
+/* Move the cursor to the segment holding frame offset `at` (forwards only). */
+static void
+seek(Cursor *c, long long at)
+{
+    while (c->seg < c->count && c->seg_start + c->views[c->seg].len <= at) {
+        c->seg_start += c->views[c->seg].len;
+        c->seg++;
+    }
+}
+
+/* CRC-32C (inverted in and out, as crc32c() returns it) of frame bytes [at, at + n). */
+static uint32_t
+frame_crc(Cursor *c, long long at, long long n)
+{
+    uint32_t r = 0xFFFFFFFFu;
+    seek(c, at);
+    Py_ssize_t seg = c->seg;
+    long long start = c->seg_start;
+    while (n > 0 && seg < c->count) {
+        long long off = at - start, len = c->views[seg].len;
+        long long take = len - off < n ? len - off : n;
+        if (take > 0) {
+            r = crc_update(r, (const unsigned char *)c->views[seg].buf + off, (size_t)take);
+            n -= take;
+            at += take;
+        }
+        start += len;
+        seg++;
+    }
+    return ~r;
+}
+
+static long long
+frame_length(const Buffers *b)
+{
+    long long total = 0;
+    for (Py_ssize_t i = 0; i < b->count; i++)
+        total += b->views[i].len;
+    return total;
+}
+
+static int
+check_pages(long long total, long long slot_bytes, long long page_bytes, long long *pages)
+{
+    if (slot_bytes <= 0 || page_bytes < 0 || page_bytes > slot_bytes) {
+        PyErr_Format(PyExc_ValueError,
+                     "slot_bytes must be > 0 and page_bytes in 0..slot_bytes, got %lld and %lld",
+                     slot_bytes, page_bytes);
+        return -1;
+    }
+    if (total % slot_bytes) {
+        PyErr_Format(PyExc_ValueError,
+                     "the buffers hold %lld bytes, not a whole number of %lld-byte slots", total,
+                     slot_bytes);
+        return -1;
+    }
+    *pages = total / slot_bytes;
+    return 0;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* I/O                                                                                      */
+/* ---------------------------------------------------------------------------------------- */
+
+#ifdef IOV_MAX
+#define MOST_IOV (IOV_MAX < 1024 ? IOV_MAX : 1024)
+#else
+#define MOST_IOV 1024
+#endif
+
+typedef struct {
+    long long fd, offset, length;
+} Segment;
+
+typedef struct {
+    long long done, error;
+} Moved;
+
+/* Move segments [first, end) -- one run, continuing each other in one file -- with as few
+ * preadv/pwritev as IOV_MAX allows. Returns the bytes moved. */
+static long long
+move_run(int write, const Segment *segs, const Py_buffer *mem, Moved *res, Py_ssize_t first,
+         Py_ssize_t end, long long readahead)
+{
+    struct iovec iov[MOST_IOV];
+    int fd = (int)segs[first].fd;
+    long long offset = segs[first].offset, moved = 0, into = 0; /* into: done of `first` */
+#ifdef POSIX_FADV_WILLNEED
+    if (!write && readahead > 0) {
+        long long total = segs[end - 1].offset + segs[end - 1].length - offset;
+        if (total > readahead)
+            (void)posix_fadvise(fd, (off_t)offset, (off_t)total, POSIX_FADV_WILLNEED);
+    }
+#endif
+    while (first < end && segs[first].length == 0)
+        first++;
+    while (first < end) {
+        int n = 0;
+        for (Py_ssize_t k = first; k < end && n < MOST_IOV; k++) {
+            long long skip = k == first ? into : 0;
+            if (segs[k].length - skip == 0)
+                continue;
+            iov[n].iov_base = (char *)mem[k].buf + skip;
+            iov[n].iov_len = (size_t)(segs[k].length - skip);
+            n++;
+        }
+        ssize_t got = write ? pwritev(fd, iov, n, (off_t)offset) : preadv(fd, iov, n, (off_t)offset);
+        if (got < 0 && errno == EINTR)
+            continue;
+        if (got <= 0) {
+            long long error = got < 0 ? errno : -1;
+            for (Py_ssize_t k = first; k < end; k++)
+                if (segs[k].length)
+                    res[k].error = error;
+            break;
+        }
+        offset += got;
+        moved += got;
+        while (got > 0) {
+            long long take = segs[first].length - into;
+            if (take > got)
+                take = got;
+            res[first].done += take;
+            into += take;
+            got -= (ssize_t)take;
+            if (into == segs[first].length) {
+                first++;
+                into = 0;
+                while (first < end && segs[first].length == 0)
+                    first++;
+            }
+        }
+    }
+    return moved;
+}
+
+static long long
+move_all(int write, const Segment *segs, const Py_buffer *mem, Moved *res, Py_ssize_t count,
+         long long readahead)
+{
+    long long moved = 0;
+    Py_ssize_t first = 0;
+    for (Py_ssize_t k = 0; k < count; k++)
+        res[k].done = res[k].error = 0;
+    for (Py_ssize_t k = 1; k <= count; k++) {
+        if (k < count && segs[k].fd == segs[k - 1].fd &&
+            segs[k].offset == segs[k - 1].offset + segs[k - 1].length)
+            continue;
+        moved += move_run(write, segs, mem, res, first, k, readahead);
+        first = k;
+    }
+    return moved;
+}
+
+/* Check segments (int64 rows of 3) against memory before any I/O: one row per buffer, its
+ * length the buffer's, sane numbers. */
+static int
+check_segments(const Py_buffer *rows, const Buffers *mem)
+{
+    const Segment *segs = rows->buf;
+    Py_ssize_t count = rows->len / (Py_ssize_t)sizeof(Segment);
+    if (rows->len % (Py_ssize_t)sizeof(Segment)) {
+        PyErr_Format(PyExc_ValueError, "segments: rows of 3 int64 (fd, offset, length), got "
+                     "%zd bytes", rows->len);
+        return -1;
+    }
+    if (mem->count != count) {
+        PyErr_Format(PyExc_ValueError, "memory: %zd buffers for %zd segments", mem->count, count);
+        return -1;
+    }
+    for (Py_ssize_t k = 0; k < count; k++) {
+        if (segs[k].fd < 0 || segs[k].fd > INT_MAX || segs[k].offset < 0 ||
+            segs[k].length != mem->views[k].len) {
+            PyErr_Format(PyExc_ValueError,
+                         "segment %zd: (fd %lld, offset %lld, length %lld) for a buffer of %zd "
+                         "bytes",
+                         k, segs[k].fd, segs[k].offset, segs[k].length, mem->views[k].len);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* The bytes of frame range [start, end) that did not move: none (0) or some (1). */
+static int
+missing(const Buffers *mem, const Moved *res, Cursor *c, long long start, long long end)
+{
+    seek(c, start);
+    long long seg_start = c->seg_start;
+    for (Py_ssize_t k = c->seg; k < mem->count && seg_start < end; k++) {
+        long long len = mem->views[k].len;
+        if (res[k].done < len && seg_start + res[k].done < end)
+            return 1;
+        seg_start += len;
+    }
+    return 0;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Module functions                                                                         */
+/* ---------------------------------------------------------------------------------------- */
+
+static PyObject *
+py_crc32c(PyObject *self, PyObject *args)
+{
+    PyObject *obj;
+    unsigned long long value = 0;
+    if (!PyArg_ParseTuple(args, "O|K:crc32c", &obj, &value))
+        return NULL;
+    if (value > 0xFFFFFFFFull) {
+        PyErr_Format(PyExc_ValueError, "value: a CRC-32C is below 2**32, got %llu", value);
+        return NULL;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(obj, &view, PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    uint32_t r = ~(uint32_t)value;
+    if (view.len >= 4096) {
+        Py_BEGIN_ALLOW_THREADS r = crc_update(r, view.buf, (size_t)view.len);
+        Py_END_ALLOW_THREADS
+    } else {
+        r = crc_update(r, view.buf, (size_t)view.len);
+    }
+    PyBuffer_Release(&view);
+    return PyLong_FromUnsignedLong(~r);
+}
+
+static PyObject *
+py_crc32c_table(PyObject *self, PyObject *args)
+{
+    PyObject *obj;
+    unsigned long long value = 0;
+    if (!PyArg_ParseTuple(args, "O|K:crc32c_table", &obj, &value))
+        return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(obj, &view, PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    uint32_t r = crc_table_update(~(uint32_t)value, view.buf, (size_t)view.len);
+    PyBuffer_Release(&view);
+    return PyLong_FromUnsignedLong(~r);
+}
+
+static PyObject *
+py_page_sums(PyObject *self, PyObject *args)
+{
+    PyObject *memory, *sums_obj;
+    long long slot_bytes, page_bytes, pages;
+    if (!PyArg_ParseTuple(args, "OLLO:page_sums", &memory, &slot_bytes, &page_bytes, &sums_obj))
+        return NULL;
+    Buffers mem;
+    if (get_memory(memory, 0, &mem) < 0)
+        return NULL;
+    Py_buffer sums;
+    if (check_pages(frame_length(&mem), slot_bytes, page_bytes, &pages) < 0 ||
+        get_array(sums_obj, "sums", 8, pages, 1, 1, 0, &sums) < 0) {
+        release_all(&mem);
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    Cursor c = {mem.views, mem.count, 0, 0};
+    uint64_t *out = sums.buf;
+    for (long long k = 0; k < pages; k++)
+        out[k] = frame_crc(&c, k * slot_bytes, page_bytes);
+    Py_END_ALLOW_THREADS
+    release_array(&sums);
+    release_all(&mem);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+move_pages(int write, PyObject *args)
+{
+    PyObject *segments_obj, *memory, *result_obj;
+    PyObject *want_obj = Py_None, *sums_obj = Py_None, *status_obj = Py_None;
+    long long slot_bytes = 1, page_bytes = 0, readahead = 0, pages = 0, moved = 0;
+    if (write) {
+        if (!PyArg_ParseTuple(args, "OOO:write_pages", &segments_obj, &memory, &result_obj))
+            return NULL;
+    } else if (!PyArg_ParseTuple(args, "OOOLLOOOL:read_pages", &segments_obj, &memory,
+                                 &result_obj, &slot_bytes, &page_bytes, &want_obj, &sums_obj,
+                                 &status_obj, &readahead)) {
+        return NULL;
+    }
+    Buffers mem;
+    if (get_memory(memory, !write, &mem) < 0)
+        return NULL;
+    Py_buffer segs = {0}, res = {0}, want = {0}, sums = {0}, status = {0};
+    int failed = get_array(segments_obj, "segments", 8, 0, 1, 0, 0, &segs) < 0 ||
+                 check_segments(&segs, &mem) < 0 ||
+                 get_array(result_obj, "result", 8, 2 * mem.count, 0, 1, 0, &res) < 0;
+    if (!failed && page_bytes > 0) {
+        failed = check_pages(frame_length(&mem), slot_bytes, page_bytes, &pages) < 0 ||
+                 get_array(want_obj, "want", 8, pages, 1, 0, 1, &want) < 0 ||
+                 get_array(sums_obj, "sums", 8, pages, 1, 1, 0, &sums) < 0 ||
+                 get_array(status_obj, "status", 1, pages, 1, 1, 0, &status) < 0;
+    }
+    if (!failed) {
+        Py_BEGIN_ALLOW_THREADS
+        moved = move_all(write, segs.buf, mem.views, res.buf, mem.count, readahead);
+        if (pages) {
+            Cursor c = {mem.views, mem.count, 0, 0}, gaps = {mem.views, mem.count, 0, 0};
+            uint64_t *out = sums.buf;
+            const uint64_t *expect = want.buf;
+            unsigned char *state = status.buf;
+            for (long long k = 0; k < pages; k++) {
+                long long start = k * slot_bytes;
+                if (missing(&mem, res.buf, &gaps, start, start + slot_bytes)) {
+                    out[k] = 0;
+                    state[k] = 2;
+                    continue;
+                }
+                out[k] = frame_crc(&c, start, page_bytes);
+                state[k] = expect != NULL && out[k] != expect[k];
+            }
+        }
+        Py_END_ALLOW_THREADS
+    }
+    release_array(&status);
+    release_array(&sums);
+    release_array(&want);
+    release_array(&res);
+    release_array(&segs);
+    release_all(&mem);
+    return failed ? NULL : PyLong_FromLongLong(moved);
+}
+
+static PyObject *
+py_read_pages(PyObject *self, PyObject *args)
+{
+    return move_pages(0, args);
+}
+
+static PyObject *
+py_write_pages(PyObject *self, PyObject *args)
+{
+    return move_pages(1, args);
+}
+
+static PyObject *
+py_implementation(PyObject *self, PyObject *unused)
+{
+    return PyUnicode_FromString(crc_implementation);
+}
+
+static PyMethodDef methods[] = {
+    {"crc32c", py_crc32c, METH_VARARGS,
+     "crc32c(data, value=0) -> int: CRC-32C of data, continuing the CRC `value`."},
+    {"crc32c_table", py_crc32c_table, METH_VARARGS,
+     "crc32c_table(data, value=0) -> int: crc32c() by the portable table (for tests)."},
+    {"page_sums", py_page_sums, METH_VARARGS,
+     "page_sums(memory, slot_bytes, page_bytes, sums): CRC-32C of each page's payload."},
+    {"read_pages", py_read_pages, METH_VARARGS,
+     "read_pages(segments, memory, result, slot_bytes, page_bytes, want, sums, status, "
+     "readahead) -> bytes read; each page's CRC-32C and status (0 ok, 1 mismatch, 2 not read)."},
+    {"write_pages", py_write_pages, METH_VARARGS,
+     "write_pages(segments, memory, result) -> bytes written."},
+    {"implementation", py_implementation, METH_NOARGS,
+     "implementation() -> str: the CRC-32C instructions in use (sse4.2, armv8-crc or table)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_pages", "gdskv's native page engine (see gdskv.native).", -1,
+    methods, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC
+PyInit__pages(void)
+{
+    make_tables();
+    choose_crc();
+    return PyModule_Create(&module);
+}

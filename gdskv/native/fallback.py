@@ -1,0 +1,147 @@
+"""The page engine in Python: what ``_pages.c`` does, with the same signatures and results.
+
+The path that runs where the extension is missing or switched off (``native=false``), and the
+oracle the native engine is tested against. I/O is ``os.preadv``/``os.pwritev`` (which release
+the GIL during the system call), checksums are the ``crc32c`` package's. See
+:mod:`gdskv.native` for the arguments.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import crc32c as _crc32c
+import numpy as np
+
+PATH = "python"
+#: most buffers one pwritev/preadv takes (Linux: 1024)
+IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
+
+
+def crc32c(data, value: int = 0) -> int:
+    return _crc32c.crc32c(data, value)
+
+
+def implementation() -> str:
+    return "crc32c package"
+
+
+def _bytes(memory: Sequence) -> list[memoryview]:
+    return [memoryview(b).cast("B") for b in memory]
+
+
+def _frame_crc(views: list[memoryview], starts: list[int], at: int, n: int) -> int:
+    crc, k = 0, 0
+    while n > 0:
+        while starts[k] + len(views[k]) <= at:
+            k += 1
+        off = at - starts[k]
+        take = min(len(views[k]) - off, n)
+        crc = _crc32c.crc32c(views[k][off:off + take], crc)
+        at, n = at + take, n - take
+    return crc
+
+
+def _starts(views: list[memoryview]) -> list[int]:
+    return np.concatenate(([0], np.cumsum([len(v) for v in views]))).tolist()
+
+
+def _pages(total: int, slot_bytes: int, page_bytes: int) -> int:
+    if slot_bytes <= 0 or not 0 <= page_bytes <= slot_bytes:
+        raise ValueError(f"slot_bytes must be > 0 and page_bytes in 0..slot_bytes, got "
+                         f"{slot_bytes} and {page_bytes}")
+    if total % slot_bytes:
+        raise ValueError(f"the buffers hold {total} bytes, not a whole number of "
+                         f"{slot_bytes}-byte slots")
+    return total // slot_bytes
+
+
+def page_sums(memory: Sequence, slot_bytes: int, page_bytes: int, sums: np.ndarray) -> None:
+    views = _bytes(memory)
+    starts = _starts(views)
+    for k in range(_pages(starts[-1], slot_bytes, page_bytes)):
+        sums[k] = _frame_crc(views, starts, k * slot_bytes, page_bytes)
+
+
+def _move(call, segments: np.ndarray, views: list[memoryview], result: np.ndarray,
+          readahead: int) -> int:
+    segs = np.asarray(segments).reshape(-1, 3).tolist()
+    if len(segs) != len(views):
+        raise ValueError(f"memory: {len(views)} buffers for {len(segs)} segments")
+    for k, ((fd, offset, length), v) in enumerate(zip(segs, views)):
+        if fd < 0 or offset < 0 or length != len(v):
+            raise ValueError(f"segment {k}: (fd {fd}, offset {offset}, length {length}) for a "
+                             f"buffer of {len(v)} bytes")
+    result[:] = 0
+    moved, first = 0, 0
+    for k in range(1, len(segs) + 1):
+        if k < len(segs) and segs[k][0] == segs[k - 1][0] and \
+                segs[k][1] == segs[k - 1][1] + segs[k - 1][2]:
+            continue
+        moved += _move_run(call, segs, views, result, first, k, readahead)
+        first = k
+    return moved
+
+
+def _move_run(call, segs: list, views: list[memoryview], result: np.ndarray, first: int,
+              end: int, readahead: int) -> int:
+    fd, offset = segs[first][0], segs[first][1]
+    if call is os.preadv and readahead > 0:
+        total = segs[end - 1][1] + segs[end - 1][2] - offset
+        if total > readahead:
+            try:  # only a hint
+                os.posix_fadvise(fd, offset, total, os.POSIX_FADV_WILLNEED)
+            except OSError:
+                pass
+    todo = [(k, views[k]) for k in range(first, end) if len(views[k])]
+    moved = 0
+    while todo:
+        try:
+            n = call(fd, [v for _, v in todo[:IOV_MAX]], offset)
+        except InterruptedError:
+            continue
+        except OSError as exc:
+            n, error = 0, exc.errno
+        else:
+            error = -1
+        if n <= 0:
+            result[[k for k, _ in todo], 1] = error
+            break
+        offset += n
+        moved += n
+        while n:
+            k, v = todo[0]
+            take = min(len(v), n)
+            result[k, 0] += take
+            n -= take
+            if take == len(v):
+                todo.pop(0)
+            else:
+                todo[0] = (k, v[take:])
+    return moved
+
+
+def read_pages(segments: np.ndarray, memory: Sequence, result: np.ndarray, slot_bytes: int,
+               page_bytes: int, want: np.ndarray | None, sums: np.ndarray | None,
+               status: np.ndarray | None, readahead: int) -> int:
+    views = _bytes(memory)
+    pages = _pages(sum(len(v) for v in views), slot_bytes, page_bytes) if page_bytes > 0 else 0
+    result = result.reshape(-1, 2)
+    moved = _move(os.preadv, segments, views, result, readahead)
+    if pages:
+        starts = _starts(views)
+        gaps = [(starts[k] + int(result[k, 0]), starts[k + 1]) for k in range(len(views))
+                if result[k, 0] < len(views[k])]
+        for k in range(pages):
+            start, end = k * slot_bytes, (k + 1) * slot_bytes
+            if any(a < end and b > start for a, b in gaps):
+                sums[k], status[k] = 0, 2
+                continue
+            sums[k] = _frame_crc(views, starts, start, page_bytes)
+            status[k] = want is not None and int(sums[k]) != int(want[k])
+    return moved
+
+
+def write_pages(segments: np.ndarray, memory: Sequence, result: np.ndarray) -> int:
+    return _move(os.pwritev, segments, _bytes(memory), result.reshape(-1, 2), 0)

@@ -1,0 +1,395 @@
+"""The page engine (gdskv/native): the C extension against its Python oracle.
+
+The extension must be built (pip install); its CRC-32C equals the crc32c package's, and its
+page checksums, reads, writes, per-segment results and per-page statuses equal the Python
+path's for the same calls, failures included. Tiers on the two paths write byte-identical
+slabs (trailers included) and read each other's. A call releases the GIL while it works.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+import time
+
+import crc32c
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gdskv import checksum, native
+from gdskv.config import TierConfig
+from gdskv.layout import BytePageLayout, KVLayout
+from gdskv.memory import alloc_host
+from gdskv.tier import Tier
+
+from conftest import empty_like_pool, random_pool
+
+NATIVE, PYTHON = native.NATIVE, native.PYTHON_BY_CHOICE
+needs_native = pytest.mark.skipif(NATIVE is None, reason="the extension did not load: "
+                                  "test_the_extension_is_built says why")
+
+
+@pytest.fixture
+def both_paths(data_path):
+    """For a test that picks the paths itself through native.engine()."""
+    if data_path == "python":
+        pytest.skip("compares the native and Python paths itself: it runs in the default "
+                    "(native) pass, not under --data-path python")
+
+
+def test_the_extension_is_built(both_paths):
+    """Not a skip: a broken build must fail CI, not quietly test the Python path twice."""
+    assert NATIVE is not None, f"gdskv.native._pages did not load: {native.LOAD_ERROR}"
+    assert native.engine() is NATIVE and native.engine(False).path == "python"
+    if os.uname().machine == "x86_64" and "sse4_2" in open("/proc/cpuinfo").read():
+        assert NATIVE.checksum == "sse4.2"
+
+
+def test_a_failed_load_is_logged_once_and_named(monkeypatch, caplog, both_paths):
+    monkeypatch.setattr(native, "NATIVE", None)
+    monkeypatch.setattr(native, "_warned", False)
+    with caplog.at_level(logging.WARNING, logger="gdskv.native"):
+        first, second = native.engine(), native.engine()
+    assert first.path == second.path == "python" and "did not load" in first.reason
+    assert len([r for r in caplog.records if "did not load" in r.getMessage()]) == 1
+
+
+# -- CRC-32C ------------------------------------------------------------------------------------
+@needs_native
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 767, 768, 769, 4096, 24575, 24576, 24577,
+                               65536 + 3, 1 << 20])
+def test_crc32c_equals_the_package(n):
+    data = np.random.default_rng(n).integers(0, 256, n + 5, dtype=np.uint8)
+    for skew in range(0, 5):  # every alignment of the start
+        want = crc32c.crc32c(data[skew:skew + n])
+        assert NATIVE.crc32c(data[skew:skew + n]) == want
+        assert native._pages.crc32c_table(data[skew:skew + n]) == want
+    assert NATIVE.crc32c(b"123456789") == 0xE3069283  # the check value of CRC-32C
+
+
+@needs_native
+@settings(max_examples=60, deadline=None)
+@given(st.binary(max_size=30_000), st.integers(0, 30_000), st.integers(0, 2**32 - 1))
+def test_crc32c_continues_a_value(data, cut, value):
+    cut = min(cut, len(data))
+    whole = crc32c.crc32c(data, value)
+    assert NATIVE.crc32c(data[cut:], NATIVE.crc32c(data[:cut], value)) == whole
+    assert native._pages.crc32c_table(data, value) == whole
+
+
+def _frame(rng, pages: int, slot: int, cuts: int) -> tuple[np.ndarray, list[np.ndarray]]:
+    """``pages`` slots of random bytes, and the same bytes as buffers cut at random places."""
+    raw = rng.integers(0, 256, pages * slot, dtype=np.uint8)
+    at = sorted(rng.integers(0, len(raw) + 1, cuts).tolist())
+    return raw, [raw[a:b] for a, b in zip([0] + at, at + [len(raw)])]
+
+
+@needs_native
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 9), st.integers(1, 9000), st.integers(0, 9000), st.integers(0, 12),
+       st.integers(0, 2**32))
+def test_page_sums_equal_the_oracle(pages, slot, page, cuts, seed):
+    page = min(page, slot)
+    raw, memory = _frame(np.random.default_rng(seed), pages, slot, cuts)
+    got, want = np.zeros(pages, np.uint64), np.zeros(pages, np.uint64)
+    NATIVE.page_sums(memory, slot, page, got)
+    PYTHON.page_sums(memory, slot, page, want)
+    assert list(got) == list(want) == [crc32c.crc32c(raw[k * slot:k * slot + page])
+                                       for k in range(pages)]
+
+
+@needs_native
+@pytest.mark.parametrize("engine", [NATIVE, PYTHON], ids=["native", "python"])
+def test_bad_arguments_are_value_errors(engine):
+    buf = np.zeros(100, np.uint8)
+    with pytest.raises(ValueError, match="whole number"):
+        engine.page_sums([buf], 30, 30, np.zeros(4, np.uint64))
+    with pytest.raises(ValueError, match="page_bytes"):
+        engine.page_sums([buf], 50, 60, np.zeros(2, np.uint64))
+    with pytest.raises(ValueError, match="segment 0"):  # a length that is not the buffer's
+        engine.write_pages(np.array([[1, 0, 99]], np.int64), [buf], np.zeros((1, 2), np.int64))
+    with pytest.raises(ValueError, match="2 buffers for 1 segments"):
+        engine.write_pages(np.array([[1, 0, 100]], np.int64), [buf, buf],
+                           np.zeros((1, 2), np.int64))
+    if engine is NATIVE:  # (the Python path takes any array the numpy calls take)
+        with pytest.raises(ValueError, match="sums"):
+            engine.page_sums([buf], 50, 50, np.zeros(1, np.uint64))
+
+
+# -- I/O ----------------------------------------------------------------------------------------
+def _files(tmp_path, n: int, size: int, tag: str) -> list[int]:
+    fds = []
+    for i in range(n):
+        fd = os.open(str(tmp_path / f"{tag}{i}"), os.O_RDWR | os.O_CREAT, 0o600)
+        os.ftruncate(fd, size)
+        fds.append(fd)
+    return fds
+
+
+def _segments(rng, memory, fds_count: int) -> list[tuple[int, int, int]]:
+    """(file index, offset, length) per buffer, never overlapping: runs of buffers that
+    continue each other, and new runs (in another file, or after a gap)."""
+    ends, f = [0] * fds_count, 0
+    out = []
+    for b in memory:
+        if rng.random() < 0.3:  # a new run
+            f = int(rng.integers(0, fds_count))
+            ends[f] += int(rng.integers(0, 3000))
+        out.append((f, ends[f], len(b)))
+        ends[f] += len(b)
+    return out
+
+
+@needs_native
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 6), st.integers(1, 5000), st.integers(0, 10), st.integers(0, 2**32))
+def test_reads_and_writes_equal_the_oracle(tmp_path_factory, pages, slot, cuts, seed):
+    tmp = tmp_path_factory.mktemp("io")
+    rng = np.random.default_rng(seed)
+    size = 1 << 17  # larger than any frame and its gaps
+    raw, memory = _frame(rng, pages, slot, cuts)
+    layout = _segments(rng, memory, 2)
+    fds = {name: _files(tmp, 2, size, name) for name in ("n", "p")}
+    try:
+        results = {}
+        for name, engine in (("n", NATIVE), ("p", PYTHON)):
+            segs = np.array([(fds[name][f], o, n) for f, o, n in layout], np.int64).reshape(-1, 3)
+            res = np.full((len(memory), 2), 7, np.int64)
+            assert engine.write_pages(segs, memory, res) == len(raw)
+            assert not res[:, 1].any() and list(res[:, 0]) == [len(b) for b in memory]
+            back = [np.zeros(len(b), np.uint8) for b in memory]
+            want = np.array([crc32c.crc32c(raw[k * slot:k * slot + slot // 2])
+                             for k in range(pages)], np.uint64)
+            want[0] ^= 1  # page 0: a stored checksum that does not match
+            sums, status = np.zeros(pages, np.uint64), np.full(pages, 9, np.uint8)
+            assert engine.read_pages(segs, back, res, slot, slot // 2, want, sums, status,
+                                     0) == len(raw)
+            assert np.array_equal(np.concatenate(back + [np.zeros(0, np.uint8)]), raw)
+            results[name] = (res.copy(), sums, status)
+            if slot // 2:
+                assert list(status) == [1] + [0] * (pages - 1)
+        for a, b in zip(fds["n"], fds["p"]):  # the same bytes in the same places
+            assert os.pread(a, size, 0) == os.pread(b, size, 0)
+        for x, y in zip(results["n"], results["p"]):
+            assert np.array_equal(x, y)
+    finally:
+        for fd in fds["n"] + fds["p"]:
+            os.close(fd)
+
+
+@needs_native
+@pytest.mark.parametrize("engine", [NATIVE, PYTHON], ids=["native", "python"])
+def test_failures_are_reported_per_segment_and_page(tmp_path, engine):
+    fd = _files(tmp_path, 1, 3 * 1000, "f")[0]
+    ro = os.open(str(tmp_path / "f0"), os.O_RDONLY)
+    try:
+        mem = [np.full(1000, i + 1, np.uint8) for i in range(4)]
+        res = np.zeros((4, 2), np.int64)
+        # segments 0-1: one run in the writable fd; 2-3: a run in the read-only one
+        segs = np.array([[fd, 0, 1000], [fd, 1000, 1000], [ro, 2000, 1000], [ro, 3000, 1000]],
+                        np.int64)
+        assert engine.write_pages(segs, mem, res) == 2000
+        assert res.tolist() == [[1000, 0], [1000, 0], [0, errno.EBADF], [0, errno.EBADF]]
+        # reading 4 slots from a 3000-byte file: the last slot is past its end
+        back = [np.zeros(1000, np.uint8) for _ in range(4)]
+        segs = np.array([[fd, i * 1000, 1000] for i in range(4)], np.int64)
+        sums, status = np.zeros(4, np.uint64), np.zeros(4, np.uint8)
+        want = np.array([crc32c.crc32c(bytes([i + 1]) * 1000) for i in range(4)], np.uint64)
+        assert engine.read_pages(segs, back, res, 1000, 1000, want, sums, status, 0) == 3000
+        assert res.tolist() == [[1000, 0], [1000, 0], [1000, 0], [0, -1]]
+        assert list(status) == [0, 0, 1, 2]  # page 2 holds zeros (never written), 3 not read
+        assert list(sums[:2]) == list(want[:2]) and sums[3] == 0
+        # a run that stops part way: its first segment partly moved, the rest not at all
+        segs = np.array([[fd, 2500, 1000], [fd, 3500, 1000]], np.int64)
+        part = [np.zeros(1000, np.uint8), np.zeros(1000, np.uint8)]
+        assert engine.read_pages(segs, part, res[:2], 1, 0, None, None, None, 0) == 500
+        assert res[:2].tolist() == [[500, -1], [0, -1]]
+    finally:
+        os.close(fd)
+        os.close(ro)
+
+
+@needs_native
+def test_runs_longer_than_iov_max(tmp_path):
+    """3000 buffers of one run: several preadv/pwritev calls, the same bytes on both paths."""
+    rng = np.random.default_rng(3)
+    memory = [rng.integers(0, 256, 17, dtype=np.uint8) for _ in range(3000)]
+    for engine in (NATIVE, PYTHON):
+        fd = _files(tmp_path, 1, 0, engine.path)[0]
+        segs = np.array([[fd, 17 * i, 17] for i in range(3000)], np.int64)
+        res = np.zeros((3000, 2), np.int64)
+        assert engine.write_pages(segs, memory, res) == 51000
+        assert os.pread(fd, 51000, 0) == b"".join(m.tobytes() for m in memory)
+        os.close(fd)
+
+
+@needs_native
+def test_calls_release_the_gil(tmp_path):
+    """While one thread is inside a call, another runs Python: checksums of 1 GiB (one 64 MiB
+    buffer 16 times), then a read of 64 MiB 8 times."""
+    buf = np.ones(64 << 20, np.uint8)
+    path = str(tmp_path / "big")
+    with open(path, "wb") as fh:
+        fh.write(buf.tobytes())
+    fd = os.open(path, os.O_RDONLY)
+    sums = np.zeros(16, np.uint64)
+    res = np.zeros((8, 2), np.int64)
+    segs = np.array([[fd, 0, 64 << 20]] * 8, np.int64)
+    calls = [lambda: NATIVE.page_sums([buf] * 16, 64 << 20, 64 << 20, sums),
+             lambda: NATIVE.read_pages(segs, [buf] * 8, res, 1, 0, None, None, None, 0)]
+    try:
+        for call in calls:
+            for _attempt in range(3):  # a loaded machine may not run the other thread at once
+                span, ticks = [], []
+                worker = threading.Thread(target=lambda: (span.append(time.perf_counter()),
+                                                          call(),
+                                                          span.append(time.perf_counter())))
+                worker.start()
+                while worker.is_alive():
+                    ticks.append(time.perf_counter())
+                worker.join()
+                if sum(span[0] < t < span[1] for t in ticks) > 100:
+                    break
+            else:
+                pytest.fail(f"no Python ran while {call} ran: the GIL was held")
+    finally:
+        os.close(fd)
+
+
+# -- tiers on both paths ------------------------------------------------------------------------
+LAYOUT = KVLayout(num_layers=2, page_size=4, head_dim=40, kv_heads=2)   # 1280 B pages
+
+
+def _tier(path, native_on: bool, **overrides) -> Tier:
+    d = path
+    d.mkdir(exist_ok=True)
+    cfg = TierConfig(directories=(str(d),), capacity="1MiB", staging_size=f"{8 * 4096}",
+                     io_chunk_size="16KiB", io_threads=3, backend="posix", files_per_dir=2,
+                     native=native_on, **overrides)
+    return Tier(LAYOUT, cfg, device="cpu")
+
+
+def _host_regions(pool_bytes: torch.Tensor, page: int, aligned: bool) -> list[torch.Tensor]:
+    """A page's payload in a fresh host region (4 KiB aligned or one byte past it)."""
+    raw = alloc_host(LAYOUT.page_bytes + 4096, pin=False)
+    r = raw[(0 if aligned else 1):][:LAYOUT.page_bytes]
+    r.copy_(pool_bytes[page * LAYOUT.page_bytes:(page + 1) * LAYOUT.page_bytes])
+    return [r]
+
+
+def _same_calls(tier: Tier, pool, data: torch.Tensor) -> None:
+    slots = torch.arange(40 * LAYOUT.page_size)
+    assert all(tier.put([f"p{i}" for i in range(20)], pool, slots[:20 * LAYOUT.page_size]))
+    assert all(tier.put(["p3", "q0"], pool, slots[20 * LAYOUT.page_size:22 * LAYOUT.page_size]))
+    assert all(tier.put_pages([f"a{i}" for i in range(9)],
+                              [_host_regions(data, i, True) for i in range(9)]))
+    assert all(tier.put_pages([f"u{i}" for i in range(5)],
+                              [_host_regions(data, i, False) for i in range(5)]))
+    tier.evict(["p5", "a2"])
+    assert all(tier.put(["r0"], pool, slots[30 * LAYOUT.page_size:31 * LAYOUT.page_size]))
+
+
+def test_both_paths_write_identical_slabs_and_read_each_others(tmp_path, monkeypatch,
+                                                              both_paths):
+    """The same calls on a native and a Python tier, each with the same store id: the slab
+    files (payloads, padding and slot trailers) are equal byte for byte. Each path then reads
+    the other's store, and a flipped bit is a miss on both."""
+    pool = random_pool(LAYOUT, 64 * LAYOUT.page_size, seed=5)
+    data = torch.randint(0, 256, (40 * LAYOUT.page_bytes,), dtype=torch.uint8,
+                         generator=torch.Generator().manual_seed(6))
+    monkeypatch.setattr(os, "urandom", lambda n: bytes(range(n)))  # the store id
+    paths = {"native": tmp_path / "native", "python": tmp_path / "python"}
+    for name, path in paths.items():
+        with _tier(path, name == "native") as tier:
+            assert tier.stats()["page_engine"] == (name if NATIVE is not None else "python")
+            _same_calls(tier, pool, data)
+    monkeypatch.undo()
+    slabs = sorted(f for f in os.listdir(paths["native"]) if f.startswith("slab"))
+    assert slabs
+    for f in slabs:
+        with open(paths["native"] / f, "rb") as a, open(paths["python"] / f, "rb") as b:
+            assert a.read() == b.read(), f
+    keys = [f"p{i}" for i in range(20) if i != 5] + ["q0", "r0"]
+    for reader, store in (("native", "python"), ("python", "native")):
+        with _tier(paths[store], reader == "native") as tier:
+            assert checksum.CRC32C in set(tier.directory.algorithms(
+                [tier.directory._index[k] for k in keys]).tolist())
+            out = empty_like_pool(pool)
+            slots = torch.arange(len(keys) * LAYOUT.page_size)
+            assert all(tier.get(keys, out, slots))
+            regions = [[torch.zeros(LAYOUT.page_bytes, dtype=torch.uint8)] for _ in range(8)]
+            assert all(tier.get_pages([f"a{i}" for i in range(9) if i != 2], regions))
+            assert all(torch.equal(r[0], data[i * LAYOUT.page_bytes:(i + 1) * LAYOUT.page_bytes])
+                       for r, i in zip(regions, [0, 1, 3, 4, 5, 6, 7, 8]))
+    with _tier(paths["python"], True) as tier:
+        f, off = tier.store.location(tier.directory._index["a4"])
+        path = tier.store.files[f].path
+    with open(path, "r+b") as fh:  # a flipped payload bit: a miss on both paths
+        fh.seek(off + 100)
+        byte = fh.read(1)[0]
+        fh.seek(off + 100)
+        fh.write(bytes([byte ^ 4]))
+    for native_on in (True, False):
+        with _tier(paths["python"], native_on) as tier:
+            pages = [[torch.zeros(LAYOUT.page_bytes, dtype=torch.uint8)] for _ in range(2)]
+            assert tier.get_pages(["a3", "a4"], pages) == [True, False]
+
+
+def test_stats_name_the_path_that_runs(tmp_path, data_path):
+    with _tier(tmp_path / "s", True) as tier:
+        s = tier.stats()
+        assert s["page_engine"] == s["page_engine_detail"]["path"] == data_path
+        assert s["backend_detail"]["engine"] == data_path
+    with _tier(tmp_path / "t", False) as tier:
+        assert tier.stats()["page_engine"] == "python"
+        assert "native=false" in tier.stats()["page_engine_detail"]["reason"] or \
+            data_path == "python"
+
+
+def test_byte_pages_layout_on_both_paths(tmp_path, both_paths):
+    layout = BytePageLayout(page_bytes=5000, kind="test/native")
+    data = [torch.randint(0, 256, (5000,), dtype=torch.uint8,
+                          generator=torch.Generator().manual_seed(i)) for i in range(6)]
+    for on in (True, False):
+        d = tmp_path / f"b{on}"
+        d.mkdir()
+        cfg = TierConfig(directories=(str(d),), capacity="1MiB", staging_size="64KiB",
+                         backend="posix", native=on)
+        with Tier(layout, cfg, device="cpu") as tier:
+            assert all(tier.put_pages([f"k{i}" for i in range(6)], [[x] for x in data]))
+            out = [[torch.zeros(5000, dtype=torch.uint8)] for _ in data]
+            assert all(tier.get_pages([f"k{i}" for i in range(6)], out))
+            assert all(torch.equal(x, o[0]) for x, o in zip(data, out))
+
+
+@pytest.mark.parametrize("page_bytes", [5000, 3 * 65536 + 100], ids=["pages-per-piece",
+                                                                     "page-over-chunk"])
+def test_in_place_reads_checksum_in_the_call_that_reads(tmp_path, page_bytes):
+    """get_pages on posix: each piece (whole slots, even a slot larger than io_chunk_size) is
+    one read_pages call that checksums its pages; no page is checksummed in a pass of its own."""
+    import dataclasses
+
+    layout = BytePageLayout(page_bytes=page_bytes, kind="test/native")
+    cfg = TierConfig(directories=(str(tmp_path),), capacity="16MiB", staging_size="4MiB",
+                     io_chunk_size="64KiB", io_threads=3, backend="posix")
+    data = [torch.randint(0, 256, (page_bytes,), dtype=torch.uint8,
+                          generator=torch.Generator().manual_seed(i)) for i in range(12)]
+    keys = [f"k{i}" for i in range(12)]
+    with Tier(layout, cfg, device="cpu") as tier:
+        assert all(tier.put_pages(keys, [[alloc_host(page_bytes, pin=False).copy_(d)]
+                                         for d in data]))
+        reads, sums = [], []
+        engine = tier.backend._engine
+        tier.backend._engine = dataclasses.replace(
+            engine, read_pages=lambda *a: reads.append(a[4]) or engine.read_pages(*a))
+        tier._host_pages.engine = dataclasses.replace(
+            engine, page_sums=lambda *a: sums.append(a) or engine.page_sums(*a))
+        out = [[alloc_host(page_bytes, pin=False)] for _ in data]
+        assert all(tier.get_pages(keys, out))
+        assert all(torch.equal(d, o[0]) for d, o in zip(data, out))
+        assert reads and set(reads) == {page_bytes} and not sums
