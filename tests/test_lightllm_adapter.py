@@ -217,7 +217,7 @@ def test_cluster_store_servers_on_one_mount_share_pages(tmp_path, servers, monke
     monkeypatch.setenv("GDSKV_NODE_ID", "server-b")
     b = Server(tmp_path / "b", "mha", disk_dir=disk)
     servers.append(b)
-    assert sorted(os.listdir(disk / "gdskv")) == ["server-a", "server-b"]
+    assert sorted(os.listdir(disk / "gdskv")) == [".gdskv-cluster.lock", "server-a", "server-b"]
     found, from_disk = b.match(hashes)
     assert from_disk == 5
     assert_loaded(b, found, data)

@@ -255,7 +255,8 @@ def test_cluster_store_two_lmcache_processes_share_objects(tmp_path):
         data = [random_bytes(OBJ, 70 + i) for i in range(4)]
         assert store(a, keys[:2], [obj(d) for d in data[:2]])
         b = make_adapter(tmp_path, node_id="b", **opts)
-        assert sorted(os.listdir(tmp_path)) == ["a", "b"]  # one namespace each
+        # one namespace each, beside the cluster start lock
+        assert sorted(os.listdir(tmp_path)) == [".gdskv-cluster.lock", "a", "b"]
         assert store(a, keys[2:], [obj(d) for d in data[2:]])  # after b opened
         assert lookup(b, keys + [key(99)]) == [True] * 4 + [False]
         out = [obj(torch.zeros(OBJ, dtype=torch.uint8)) for _ in keys]
