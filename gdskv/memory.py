@@ -65,7 +65,9 @@ def alloc_host(nbytes: int, *, pin: bool | None = None) -> torch.Tensor:
         # torch's caching host allocator does not promise 4 KiB alignment: over-allocate.
         raw = torch.empty(nbytes + ALIGNMENT, dtype=torch.uint8, pin_memory=True)
         skew = (-raw.data_ptr()) % ALIGNMENT
-        t = raw[skew:skew + nbytes]
+        # zeroed, as the mmap below is: the allocator may hand back memory another tensor of
+        # this process held, and staging padding is written to disk as found
+        t = raw[skew:skew + nbytes].zero_()
     else:
         # numpy keeps the mmap alive and torch keeps the array alive.
         t = torch.from_numpy(np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8))

@@ -59,7 +59,9 @@ class StagingParts:
                 raw = alloc_host(depth * part_bytes)
                 self.parts = [raw[i * part_bytes:(i + 1) * part_bytes] for i in range(depth)]
             else:
-                raw = torch.empty(depth * part_bytes + ALIGNMENT, dtype=torch.uint8,
+                # zeroed once: the gather writes payloads and trailers only, so a slot's
+                # padding is written as found here (never an earlier allocation's bytes)
+                raw = torch.zeros(depth * part_bytes + ALIGNMENT, dtype=torch.uint8,
                                   device=device)
                 skew = (-raw.data_ptr()) % ALIGNMENT
                 self.parts = [raw[skew + i * part_bytes:skew + (i + 1) * part_bytes]
