@@ -6,7 +6,7 @@ The forms and what proves each:
 
 - ``-e <clone>[extras]``: an editable install of a clone, what ``tests/run.sh`` and the README's
   main command do; every test run imports gdskv that way (tests/test_packaging.py);
-- ``<clone>/dist/gdskv-<version>-py3-none-any.whl[extras]``: the wheel ``python -m build <clone>``
+- ``<clone>/dist/gdskv-<version>-cp311-abi3-linux_x86_64.whl[extras]``: the wheel ``python -m build <clone>``
   makes, under exactly that name, installed into a fresh venv where it runs the README's main
   command (tests/test_distribution.py);
 - ``<clone>/integrations/light_mem``: built and installed beside that wheel (same file);
@@ -42,7 +42,9 @@ def _project() -> dict:
 
 def built_wheel_name() -> str:
     """The file name ``python -m build`` gives gdskv's wheel, as the docs install it."""
-    return f"gdskv-{_project()['version']}-py3-none-any.whl"
+    # one abi3 wheel (the C page engine, gdskv/native) for CPython 3.11 and later, tagged with
+    # the platform it was built on: linux_x86_64 on the machines the docs were checked on
+    return f"gdskv-{_project()['version']}-cp311-abi3-linux_x86_64.whl"
 
 
 def _install_lines() -> list[tuple[str, str]]:
@@ -112,7 +114,8 @@ def test_every_install_line_is_a_proven_form(where, args):
     ("-e '/path/to/gdskv[gpu]'", True), ("-e /path/to/gdskv[gpu]", False),
     ("-q torch==2.13.0 -e '.[bench]'", True), ("-e '.[nosuchextra]'", False),
     (f"'/path/to/gdskv/dist/{built_wheel_name()}[gpu]'", True),
-    ("'/path/to/gdskv/dist/gdskv-9.9.9-py3-none-any.whl[gpu]'", False),
+    ("'/path/to/gdskv/dist/gdskv-9.9.9-cp311-abi3-linux_x86_64.whl[gpu]'", False),
+    ("'/path/to/gdskv/dist/gdskv-0.1.0-py3-none-any.whl[gpu]'", False),
     ("/path/to/gdskv/integrations/light_mem", True), ("gdskv-light-mem", False),
     ("/path/to/gdskv", False), ("build", True),
 ])
