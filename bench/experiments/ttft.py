@@ -29,8 +29,8 @@ reported apart: it runs other kernels, so it may differ in the last bits (issue 
 status 1 if a check fails or a run fails other than by running out of GPU memory (recorded, and
 the next N tried).
 
-Result it produced: not kept as a file yet (written for the GPU machine; its run goes under
-bench/results/ with the device and date).
+Result it produced: ``h100-2026-11-27/ttft/`` (the H100 run of issue 49; docs/ttft.md reads
+it).
 
     python bench/experiments/ttft.py --dirs /dev/shm/gdskv,/var/tmp/gdskv \\
         --json ttft.json --plot ttft.png    # minutes: split --tokens over calls if time is short
