@@ -140,8 +140,9 @@ class HostPagePath:
         task per ``PARALLEL_HASH_BYTES`` or more, at most one per thread, the first on the
         caller (the native engine hashes with the GIL released, so tasks run in parallel)."""
         out = np.empty(len(iovs), dtype=np.uint64)
-        nbytes = sum(len(b) for iov in iovs for b in iov)
-        tasks = min(self._threads, len(iovs), nbytes // PARALLEL_HASH_BYTES)
+        tasks = 1 if len(iovs) < 2 else min(  # (one page: no share to count)
+            self._threads, len(iovs), sum(len(b) for iov in iovs for b in iov)
+            // PARALLEL_HASH_BYTES)
         if tasks < 2:
             self.page_sums(iovs, out)
             return out
@@ -276,7 +277,10 @@ class InPlacePages:
         """CRC-32C of each page's payload as read (by the call that read it, or now)."""
         with self._lock:
             out = self._read_sums[page_idx]
-            todo = np.flatnonzero(~self._summed[page_idx]).tolist()
+            summed = self._summed[page_idx]
+            # (all summed is the usual case: one C-level count, no index list)
+            todo = [] if np.count_nonzero(summed) == len(summed) else \
+                np.flatnonzero(~summed).tolist()
         if todo:
             out[todo] = self.path.hash_pages([self._payload(page_idx[k]) for k in todo])
         return out
