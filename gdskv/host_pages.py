@@ -176,8 +176,10 @@ class InPlacePages:
         self.slot_bytes = lay.slot_bytes
         self.pages = [[host_numpy(r) for r in regions if r.numel()] for regions in pages]
         # payload bytes moved in place (the same for every page of the call, so each page's
-        # scratch row is one size); the rest of the slot is the page's scratch row
-        self.direct_bytes = min((path.direct_bytes(r) for r in pages), default=lay.page_bytes)
+        # scratch row is one size); the rest of the slot is the page's scratch row (without
+        # O_DIRECT: all of every page in place)
+        self.direct_bytes = min((path.direct_bytes(r) for r in pages),
+                                default=lay.page_bytes) if path.direct else lay.page_bytes
         self.rest = lay.page_bytes - self.direct_bytes   # payload bytes in the scratch row
         self._tail = lay.slot_bytes - self.direct_bytes
         self._rows: np.ndarray | None = None    # the scratch rows, taken when the call runs
@@ -236,7 +238,7 @@ class InPlacePages:
             if self.rest:
                 np.concatenate(self._rest(i), out=row[:self.rest])
             row[self.rest:-TRAILER_BYTES] = 0   # (a reused row: no earlier call's bytes)
-            row[-TRAILER_BYTES:] = np.frombuffer(trailer, dtype=np.uint8)
+            row.data[-TRAILER_BYTES:] = trailer  # (a memoryview copy: no array made)
         return self._extents(extents, page_idx)
 
     # -- restore ------------------------------------------------------------------------------

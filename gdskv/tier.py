@@ -266,7 +266,8 @@ class Tier:
                                     self.store.num_slots, layout.page_bytes, metrics_registry)
         self._stats.listener = self._metrics.count
         # each data call's counters and metrics, applied off its critical path
-        self._ledger = CallLedger(self._apply_counts)
+        self._ledger_counts: dict = {}  # calls' counters applied, not yet added (ledger flush)
+        self._ledger = CallLedger(self._apply_counts, flush=self._flush_counts)
         self._metrics.settle_on_scrape(self._ledger, lambda: len(self.directory))
         if not o_direct:
             self._metrics.fallback("o_direct", o_direct_reason)
@@ -722,10 +723,18 @@ class Tier:
     def _apply_counts(self, amounts: dict | None, call: tuple | None) -> None:
         """Apply what a data call recorded in the ledger: its counters (``amounts``), or the
         ``(op, pages, seconds)`` of a call that has ended (the metrics)."""
-        if amounts is not None:
-            self._stats.add(**amounts)
+        if amounts is not None:  # (added up once per settle: :meth:`_flush_counts`)
+            counts = self._ledger_counts
+            for key, value in amounts.items():
+                counts[key] = counts.get(key, 0) + value
         if call is not None:
             self._metrics.call(*call, len(self.directory))
+
+    def _flush_counts(self) -> None:
+        """Add the counters :meth:`_apply_counts` gathered in this settle to the stats."""
+        if self._ledger_counts:
+            counts, self._ledger_counts = self._ledger_counts, {}
+            self._stats.add(**counts)
 
     def _copies_done(self, gpu: torch.cuda.Stream | None) -> None:
         """Wait for the GPU copies this thread queued so far on ``gpu``, the call's stream
