@@ -593,6 +593,8 @@ class Tier:
         """Run a put_pages/get_pages call (:meth:`_region_calls`) as one tier call, its parts
         one after the other; the per-page results in call order."""
         def run(keys: list, parts: list, stream: CallStream | None) -> list[bool]:
+            if len(parts) == 1:  # (every page in one part, in call order: its results are)
+                return fn(keys, parts[0][1], stream)
             results = [False] * len(keys)
             for positions, mover in parts:
                 for pos, ok in zip(positions, fn([keys[p] for p in positions], mover, stream)):
