@@ -140,8 +140,9 @@ class HostPagePath:
         task per ``PARALLEL_HASH_BYTES`` or more, at most one per thread, the first on the
         caller (the native engine hashes with the GIL released, so tasks run in parallel)."""
         out = np.empty(len(iovs), dtype=np.uint64)
-        nbytes = sum(len(b) for iov in iovs for b in iov)
-        tasks = min(self._threads, len(iovs), nbytes // PARALLEL_HASH_BYTES)
+        tasks = 1 if len(iovs) < 2 else min(  # (one page: no share to count)
+            self._threads, len(iovs), sum(len(b) for iov in iovs for b in iov)
+            // PARALLEL_HASH_BYTES)
         if tasks < 2:
             self.page_sums(iovs, out)
             return out
@@ -175,8 +176,10 @@ class InPlacePages:
         self.slot_bytes = lay.slot_bytes
         self.pages = [[host_numpy(r) for r in regions if r.numel()] for regions in pages]
         # payload bytes moved in place (the same for every page of the call, so each page's
-        # scratch row is one size); the rest of the slot is the page's scratch row
-        self.direct_bytes = min((path.direct_bytes(r) for r in pages), default=lay.page_bytes)
+        # scratch row is one size); the rest of the slot is the page's scratch row (without
+        # O_DIRECT: all of every page in place)
+        self.direct_bytes = min((path.direct_bytes(r) for r in pages),
+                                default=lay.page_bytes) if path.direct else lay.page_bytes
         self.rest = lay.page_bytes - self.direct_bytes   # payload bytes in the scratch row
         self._tail = lay.slot_bytes - self.direct_bytes
         self._rows: np.ndarray | None = None    # the scratch rows, taken when the call runs
@@ -235,7 +238,7 @@ class InPlacePages:
             if self.rest:
                 np.concatenate(self._rest(i), out=row[:self.rest])
             row[self.rest:-TRAILER_BYTES] = 0   # (a reused row: no earlier call's bytes)
-            row[-TRAILER_BYTES:] = np.frombuffer(trailer, dtype=np.uint8)
+            row.data[-TRAILER_BYTES:] = trailer  # (a memoryview copy: no array made)
         return self._extents(extents, page_idx)
 
     # -- restore ------------------------------------------------------------------------------
@@ -276,7 +279,10 @@ class InPlacePages:
         """CRC-32C of each page's payload as read (by the call that read it, or now)."""
         with self._lock:
             out = self._read_sums[page_idx]
-            todo = np.flatnonzero(~self._summed[page_idx]).tolist()
+            summed = self._summed[page_idx]
+            # (all summed is the usual case: one C-level count, no index list)
+            todo = [] if np.count_nonzero(summed) == len(summed) else \
+                np.flatnonzero(~summed).tolist()
         if todo:
             out[todo] = self.path.hash_pages([self._payload(page_idx[k]) for k in todo])
         return out

@@ -266,7 +266,8 @@ class Tier:
                                     self.store.num_slots, layout.page_bytes, metrics_registry)
         self._stats.listener = self._metrics.count
         # each data call's counters and metrics, applied off its critical path
-        self._ledger = CallLedger(self._apply_counts)
+        self._ledger_counts: dict = {}  # calls' counters applied, not yet added (ledger flush)
+        self._ledger = CallLedger(self._apply_counts, flush=self._flush_counts)
         self._metrics.settle_on_scrape(self._ledger, lambda: len(self.directory))
         if not o_direct:
             self._metrics.fallback("o_direct", o_direct_reason)
@@ -579,7 +580,7 @@ class Tier:
         if starts is not None and len(starts) > 1:
             _refuse_shared_regions(starts, sizes, pages)
         direct = [i for i, regions in enumerate(pages) if self._host_pages.in_place(regions)]
-        staged = sorted(set(range(len(pages))) - set(direct))
+        staged = [] if len(direct) == len(pages) else sorted(set(range(len(pages))) - set(direct))
         parts = []
         if direct:
             parts.append((direct, self._host_pages.call([pages[i] for i in direct])))
@@ -592,6 +593,8 @@ class Tier:
         """Run a put_pages/get_pages call (:meth:`_region_calls`) as one tier call, its parts
         one after the other; the per-page results in call order."""
         def run(keys: list, parts: list, stream: CallStream | None) -> list[bool]:
+            if len(parts) == 1:  # (every page in one part, in call order: its results are)
+                return fn(keys, parts[0][1], stream)
             results = [False] * len(keys)
             for positions, mover in parts:
                 for pos, ok in zip(positions, fn([keys[p] for p in positions], mover, stream)):
@@ -722,10 +725,18 @@ class Tier:
     def _apply_counts(self, amounts: dict | None, call: tuple | None) -> None:
         """Apply what a data call recorded in the ledger: its counters (``amounts``), or the
         ``(op, pages, seconds)`` of a call that has ended (the metrics)."""
-        if amounts is not None:
-            self._stats.add(**amounts)
+        if amounts is not None:  # (added up once per settle: :meth:`_flush_counts`)
+            counts = self._ledger_counts
+            for key, value in amounts.items():
+                counts[key] = counts.get(key, 0) + value
         if call is not None:
             self._metrics.call(*call, len(self.directory))
+
+    def _flush_counts(self) -> None:
+        """Add the counters :meth:`_apply_counts` gathered in this settle to the stats."""
+        if self._ledger_counts:
+            counts, self._ledger_counts = self._ledger_counts, {}
+            self._stats.add(**counts)
 
     def _copies_done(self, gpu: torch.cuda.Stream | None) -> None:
         """Wait for the GPU copies this thread queued so far on ``gpu``, the call's stream
@@ -808,7 +819,7 @@ class Tier:
         in_place = isinstance(fill, InPlacePages)
         # one chunk: nothing to overlap its write with, so it may move on this thread
         on_caller = self._io_on_caller and len(chunks) == 1
-        self._count_region_pages(fill, len(todo), "written")
+        self._count_region_pages(fill, len(todo), "written", tally)
         spill = None
         gpu = None  # the call's stream, once entered: its GPU work goes there
         try:
@@ -922,12 +933,14 @@ class Tier:
         return self._persist.encode_commits([keys[i] for i, _ in chunk], [s for _, s in chunk],
                                             sums, self._checksums.algorithm, seqs)
 
-    def _count_region_pages(self, mover, n: int, direction: str) -> None:
-        """Stats: how put_pages/get_pages pages moved (in place, or staged from regions)."""
+    @staticmethod
+    def _count_region_pages(mover, n: int, direction: str, tally: dict) -> None:
+        """Stats: how put_pages/get_pages pages moved (in place, or staged from regions), into
+        the call's ``tally`` (added with its other counters: one add per call)."""
         if isinstance(mover, InPlacePages):
-            self._stats.add(**{f"pages_{direction}_in_place": n})
+            tally[f"pages_{direction}_in_place"] = n
         elif isinstance(mover, RegionCopier):
-            self._stats.add(**{f"region_pages_{direction}_staged": n})
+            tally[f"region_pages_{direction}_staged"] = n
 
     def _finish_write(self, keys, chunk, sums, seqs, extents: list[Extent], fut: Future,
                       t0: float, commits: Encoded, lost: bool, results: list[bool],
@@ -968,8 +981,9 @@ class Tier:
              stream: CallStream | None = None) -> list[bool]:
         results = [False] * len(keys)
         pins = self.directory.pin(keys)
-        todo = sorted(((i, p[0], p[1]) for i, p in enumerate(pins) if p is not None),
-                      key=lambda t: t[1])
+        todo = [(i, p[0], p[1]) for i, p in enumerate(pins) if p is not None]
+        if len(todo) > 1:
+            todo.sort(key=lambda t: t[1])  # adjacent slots coalesce into one I/O
         chunks = [todo[k:k + self._chunk_pages] for k in range(0, len(todo), self._chunk_pages)]
         unreadable: list = []  # (key, slot) of pages to drop: checksum mismatch, failed read
         pending: collections.deque = collections.deque()
@@ -985,7 +999,7 @@ class Tier:
 
         in_place = isinstance(drain, InPlacePages)
         on_caller = self._io_on_caller and len(chunks) == 1  # (see _put)
-        self._count_region_pages(drain, len(todo), "read")
+        self._count_region_pages(drain, len(todo), "read", tally)
 
         def finish_oldest() -> None:
             if in_place:
@@ -1195,27 +1209,37 @@ class Tier:
             failed = self._failed_positions(outcome, extents, "read", lost)
             self._lost_reads(keys, chunk, lost, unreadable, tally)
         if self.config.verify:
-            algos = self.directory.algorithms([s for _, s, _ in chunk])
-            own = [pos for pos in range(len(chunk)) if algos[pos] == checksum.CRC32C]
-            sums = np.zeros(len(chunk), dtype=np.uint64)
-            sums[own] = pages.read_checksums([chunk[pos][0] for pos in own])
-            for pos in sorted(set(range(len(chunk))) - set(own)):  # written by another tier
-                algo = int(algos[pos])
-                if algo not in self._verifiers:
-                    self._verifiers[algo] = checksum.checksummer(algo, self.layout)
-                sums[pos] = self._verifiers[algo].compute(pages.as_slot(chunk[pos][0]), 1)[0]
-            bad = [(keys[i], slot) for pos, (i, slot, want) in enumerate(chunk)
-                   if pos not in failed and int(sums[pos]) != want]
-            failed.update(pos for pos, (i, _, want) in enumerate(chunk)
-                          if int(sums[pos]) != want)
-            self._corrupt(bad, unreadable, tally)
-        good = [pos for pos in range(len(chunk)) if pos not in failed]
+            slots = [s for _, s, _ in chunk]
+            if self.directory.all_use(slots, checksum.CRC32C):  # (the usual case: one pass)
+                sums = pages.read_checksums([i for i, _, _ in chunk]).tolist()
+            else:
+                sums = self._mixed_read_sums(chunk, self.directory.algorithms(slots), pages)
+            mismatched = [pos for pos, (_, _, want) in enumerate(chunk) if sums[pos] != want]
+            if mismatched:
+                self._corrupt([(keys[chunk[pos][0]], chunk[pos][1]) for pos in mismatched
+                               if pos not in failed], unreadable, tally)
+                failed.update(mismatched)
+        good = [pos for pos in range(len(chunk)) if pos not in failed] if failed \
+            else range(len(chunk))
         pages.complete([chunk[pos][0] for pos in good])
         for pos in good:
             results[chunk[pos][0]] = True
         tally["bytes_read"] += len(good) * self.layout.page_bytes
         tally["read_seconds"] += time.perf_counter() - t0
         tally["read_failed"] += len(failed)
+
+    def _mixed_read_sums(self, chunk, algos: np.ndarray, pages: InPlacePages) -> list[int]:
+        """The checksums of an in-place chunk whose pages were not all written with CRC-32C
+        (by another tier): each page's with the algorithm that made it."""
+        own = [pos for pos in range(len(chunk)) if algos[pos] == checksum.CRC32C]
+        sums = np.zeros(len(chunk), dtype=np.uint64)
+        sums[own] = pages.read_checksums([chunk[pos][0] for pos in own])
+        for pos in sorted(set(range(len(chunk))) - set(own)):  # written by another tier
+            algo = int(algos[pos])
+            if algo not in self._verifiers:
+                self._verifiers[algo] = checksum.checksummer(algo, self.layout)
+            sums[pos] = self._verifiers[algo].compute(pages.as_slot(chunk[pos][0]), 1)[0]
+        return sums.tolist()
 
     def _trailer_buffer(self) -> torch.Tensor | None:
         """This thread's pinned buffer for a chunk's slot trailers (GPU staging only): their

@@ -98,3 +98,18 @@ def test_a_tiers_counters_are_exact_right_after_each_call_and_its_thread_ends(tm
         assert thread.is_alive()
     assert not thread.is_alive()
     assert tier.stats()["put_stored"] == 3  # the final counters, after close
+
+
+def test_flush_ends_each_settle_that_applied_entries():
+    events = []
+    ledger = CallLedger(lambda *e: events.append(e), idle_seconds=60,
+                        flush=lambda: events.append("flush"))
+    try:
+        ledger.settle()
+        assert events == []  # nothing applied: no flush
+        ledger.record(1)
+        ledger.record(2)
+        ledger.settle()
+        assert events == [(1,), (2,), "flush"]
+    finally:
+        ledger.close()

@@ -187,7 +187,7 @@ def _vector_io(engine: native.Engine, op: str, f: SlabFile, iov: Sequence, offse
         done = engine.read_pages(segments, iov, result, slot_bytes or 1, page_bytes, None, sums,
                                  status, 0 if f.direct else READAHEAD_HINT_BYTES)
     errors = result[:, 1]
-    if errors.any():
+    if np.count_nonzero(errors):  # (a C-level count: ndarray.any() goes through Python)
         error = int(errors[errors != 0][0])
         if error == -1:
             raise ShortIOError(op, f.path, offset, at - offset, done)
