@@ -11,14 +11,11 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm is installed only in .venv-vllm (tests/run_vllm.sh)")
 
-import numpy as np  # noqa: E402
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext  # noqa: E402
-from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
 
-from gdskv.adapters.vllm.secondary import GdskvSecondaryTier  # noqa: E402
 from gdskv.adapters.vllm.spec import REFRESH_INTERVAL_S  # noqa: E402
 from test_vllm_spec import CTX, connector_worker, extra, load, make_spec, store  # noqa: E402
-from test_vllm_tier import ROW, drive, gdskv_tier_config  # noqa: E402
+from test_vllm_tier import drive, store_and_cascade, tiering_manager  # noqa: E402
 from vllm_helpers import keys, kv_caches, offloading_config  # noqa: E402
 
 
@@ -33,26 +30,11 @@ def test_tiering_manager_settles_a_failed_promotion_as_a_miss(tmp_path):
     """TieringOffloadingManager + GdskvSecondaryTier: the blocks cascade to gdskv, the primary
     is reset, the slab files are truncated. The promotion job fails once; from then on the
     lookup answers MISS (no new promotion), as vLLM's own fs tier does."""
-    cfg = offloading_config({"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 4 << 20,
-                             "secondary_tiers": [gdskv_tier_config(tmp_path)]},
-                            worker_kv_bytes_per_block=ROW)
-    manager = OffloadingSpecFactory.create_spec(cfg).get_manager()
+    manager, tier, primary = tiering_manager(tmp_path)
     try:
-        tier = manager.secondary_tiers[0]
-        assert isinstance(tier, GdskvSecondaryTier)
-        primary = np.frombuffer(manager.primary_tier.get_kv_memoryview().cast("B"),
-                                dtype=np.uint8).reshape(-1, tier.block_size_bytes)
         ctx = ReqContext("req-a")
         ks = keys(5, salt="damaged")
-        with manager.lock:
-            manager.on_new_request(ctx)
-            out = manager.prepare_store(ks, ctx)
-        for c in out.store_spec.block_ids:
-            primary[int(c)] = 7
-        with manager.lock:
-            manager.complete_store(out.keys_to_store, ctx)
-        drive(manager, ctx, lambda: all(tier.tier.contains(k) for k in ks)
-              and not manager.has_pending_work())
+        store_and_cascade(manager, tier, primary, ctx, {k: 7 for k in ks})
         with manager.lock:
             manager.on_request_finished(ctx)
             manager.reset_cache()

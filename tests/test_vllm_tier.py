@@ -147,34 +147,44 @@ def drive(manager, ctx, until, timeout=30.0):
         time.sleep(0.005)
 
 
-def test_real_tiering_manager_cascades_to_gdskv_and_promotes_back(tmp_path):
+def tiering_manager(tmp_path):
     """vLLM's TieringOffloadingManager (built by TieringOffloadingSpec, CPU primary in
-    /dev/shm) with gdskv below it: stores cascade down, a reset empties the primary, and
-    lookups promote the blocks back from gdskv bit-exact."""
+    /dev/shm) with a GdskvSecondaryTier below it: (manager, that tier, the primary's rows)."""
     cfg = offloading_config({"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 4 << 20,
                              "secondary_tiers": [gdskv_tier_config(tmp_path)]},
                             worker_kv_bytes_per_block=ROW)
-    spec = OffloadingSpecFactory.create_spec(cfg)
-    manager = spec.get_manager()
+    manager = OffloadingSpecFactory.create_spec(cfg).get_manager()
+    tier = manager.secondary_tiers[0]
+    assert isinstance(tier, GdskvSecondaryTier)
+    primary = np.frombuffer(manager.primary_tier.get_kv_memoryview().cast("B"),
+                            dtype=np.uint8).reshape(-1, tier.block_size_bytes)
+    return manager, tier, primary
+
+
+def store_and_cascade(manager, tier, primary, ctx, rows: dict) -> None:
+    """Store ``rows`` (key -> row) in the primary as vLLM's worker would (the GPU->CPU copy),
+    then step the scheduler until every key has cascaded down to gdskv."""
+    with manager.lock:
+        manager.on_new_request(ctx)
+        out = manager.prepare_store(list(rows), ctx)
+    for k, c in zip(out.keys_to_store, out.store_spec.block_ids):
+        primary[int(c)] = rows[k]
+    with manager.lock:
+        manager.complete_store(out.keys_to_store, ctx)
+    drive(manager, ctx, lambda: all(tier.tier.contains(k) for k in rows)
+          and not manager.has_pending_work())
+
+
+def test_real_tiering_manager_cascades_to_gdskv_and_promotes_back(tmp_path):
+    """vLLM's TieringOffloadingManager with gdskv below it: stores cascade down, a reset
+    empties the primary, and lookups promote the blocks back from gdskv bit-exact."""
+    manager, tier, primary = tiering_manager(tmp_path)
     try:
-        tier = manager.secondary_tiers[0]
-        assert isinstance(tier, GdskvSecondaryTier)
-        primary = np.frombuffer(manager.primary_tier.get_kv_memoryview().cast("B"),
-                                dtype=np.uint8).reshape(-1, tier.block_size_bytes)
         ctx = ReqContext("req-a")
         ks = keys(5, salt="tiering")
-        with manager.lock:
-            manager.on_new_request(ctx)
-            out = manager.prepare_store(ks, ctx)
-        chunks = [int(c) for c in out.store_spec.block_ids]
         rng = np.random.default_rng(7)
         want = {k: rng.integers(0, 256, primary.shape[1], dtype=np.uint8) for k in ks}
-        for k, c in zip(out.keys_to_store, chunks):  # the GPU->CPU copy, done by vLLM's worker
-            primary[c] = want[k]
-        with manager.lock:
-            manager.complete_store(out.keys_to_store, ctx)
-        drive(manager, ctx, lambda: all(tier.tier.contains(k) for k in ks)
-              and not manager.has_pending_work())
+        store_and_cascade(manager, tier, primary, ctx, want)
 
         with manager.lock:
             manager.on_request_finished(ctx)
