@@ -40,10 +40,10 @@ class PoolCopier(PageCopier):
     """Gather from or scatter to the engine's KV pool at its token slots, through the kernels.
 
     The kernels need each chunk's slot indices on the pool's device. ``prepare`` uploads the
-    whole call's indices once, in call order, on the tier's stream, and each chunk then takes
-    its rows as a view. The caller's stream is never used for the upload: when that is the
-    legacy default stream, a copy on it waits for every blocking stream's work, kvikio's
-    compat-mode copies for other calls included. On an H100 this was no faster than one
+    whole call's indices once, in call order, on the call's stream, and each chunk then takes
+    its rows as a view. The legacy default stream is never used for the upload: a copy on it
+    waits for every blocking stream's work, kvikio's compat-mode copies for other calls
+    included. On an H100 this was no faster than one
     upload per chunk (256 MiB reads from /dev/shm, bench/RESULTS.md); it is one copy instead
     of one per chunk, and never on the caller's stream.
     """

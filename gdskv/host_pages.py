@@ -12,7 +12,7 @@ backend each page is checksummed in the same page engine call that reads it, by 
 (``Extent.moved`` hands the sums back); pages no such call checksummed (other backends, a failed
 piece) are checksummed after the read, as a write's pages are before it.
 Slot reservation, trailers, journal, sync policy, commit or abort, pins and stats are the
-tier's own (``Tier._put`` / ``Tier._get``).
+tier's own (:mod:`.spill_call`, :mod:`.restore_call`).
 
 When it applies (:meth:`HostPagePath.in_place`): the tier stages in host memory, its backend
 moves host memory itself (posix, kvikio; NIXL would have to register every call's regions with

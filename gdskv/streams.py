@@ -1,5 +1,9 @@
 """Which CUDA stream a data call's GPU work goes on, and making it current cheaply.
 
+A call runs on its caller's stream where it can, else on a stream of its own from the tier's
+:class:`StreamPool`: never on a stream another call in flight uses, so calls from several
+threads overlap on the GPU and each call's sync waits for its own work only.
+
 ``with torch.cuda.stream(s):`` resolves the current device through several Python layers on
 every entry (``torch.cuda._utils._get_device_index(None)``, which reads environment variables
 to decide what "available" means) and again for each stream it queries; on a 1-page restore
@@ -11,6 +15,7 @@ after -- asking torch for the current device once, by index.
 
 from __future__ import annotations
 
+import queue
 import threading
 
 import torch
@@ -60,6 +65,40 @@ class OnStream:
             torch.cuda.set_stream(prev)
 
 
+class StreamPool:
+    """The tier's streams for calls that cannot run on their caller's stream: one per call in
+    flight, made the first time that many calls are (a new stream costs a few µs of host time
+    and some driver memory; the pool keeps what concurrency asked for), reused after."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._free: queue.SimpleQueue = queue.SimpleQueue()
+        self._made: list[torch.cuda.Stream] = []
+        self._lock = threading.Lock()
+
+    def take(self) -> torch.cuda.Stream:
+        """A stream no other call holds."""
+        try:
+            return self._free.get_nowait()
+        except queue.Empty:
+            stream = torch.cuda.Stream(self.device)
+            with self._lock:
+                self._made.append(stream)
+            return stream
+
+    def give_back(self, stream: torch.cuda.Stream) -> None:
+        """Free ``stream`` for the next call (work still queued on it runs first: a later
+        call's work on it is in order after it)."""
+        self._free.put(stream)
+
+    def __len__(self) -> int:
+        """Streams made so far (the most calls that needed one at once)."""
+        return len(self._made)
+
+    def __contains__(self, stream) -> bool:
+        return any(stream == s for s in self._made)
+
+
 class CallStream:
     """The stream one data call's GPU work goes on, chosen when the call first needs a stream
     (:meth:`enter`) and given back when the call ends (:meth:`leave`).
@@ -70,8 +109,8 @@ class CallStream:
     the rows a spill gathers) with no switch, event or cross-stream wait (about 50 µs of a
     1-page spill's host time on an H200's host,
     ``bench/results/h200-2026-11-25/call-overhead-5/call4/timeline_new_2M.txt``). Otherwise the
-    call takes its turn on the tier's stream: :meth:`enter` makes it current and has it wait
-    for what the caller had queued on its own stream. The legacy default stream is never used
+    call takes a stream of its own from the tier's pool: :meth:`enter` makes it current and has
+    it wait for what the caller had queued on its own stream; :meth:`leave` gives it back. The legacy default stream is never used
     for gdskv's work: work on it waits for every blocking stream's work, kvikio's compat-mode
     copies for other calls included.
 
@@ -80,19 +119,19 @@ class CallStream:
     hides instead of a delay before the read starts.
 
     Args:
-        stream: the tier's stream.
-        event: what the tier's stream waits for.
+        pool: the tier's streams.
+        event: what the call's stream waits for.
         record: a synchronous call (the caller's thread is this one, blocked in the call, so
             nothing it queues is missed): run on the caller's stream where it can, else record
             ``event`` (the thread's one, reused) on the caller's stream at :meth:`enter`. False:
-            an asynchronous call, in a worker thread: the tier's stream, after ``event``, which
-            the caller recorded when it submitted.
+            an asynchronous call, in a worker thread: a pool stream, after ``event``, which the
+            caller recorded when it submitted.
     """
 
-    __slots__ = ("_tier", "_on", "_event", "_record", "_switched", "entered", "stream")
+    __slots__ = ("_pool", "_on", "_event", "_record", "_switched", "entered", "stream")
 
-    def __init__(self, stream: torch.cuda.Stream, event: torch.cuda.Event, record: bool) -> None:
-        self._tier = stream
+    def __init__(self, pool: StreamPool, event: torch.cuda.Event, record: bool) -> None:
+        self._pool = pool
         self._on: OnStream | None = None  # made only to switch streams
         self._event = event
         self._record = record
@@ -102,18 +141,18 @@ class CallStream:
         self.stream: torch.cuda.Stream | None = None
 
     def enter(self) -> None:
-        """Take the turn (a second call does nothing)."""
+        """Take the call's stream and make it current (a second call does nothing)."""
         if self.entered:
             return
         self.entered = True
         if self._record:
-            index = self._tier.device_index
+            index = self._pool.device.index
             if torch._C._cuda_getDevice() == index:  # (current_device() without its checks)
                 caller = current_stream(index)
                 if caller.cuda_stream != 0:  # 0: the legacy default stream
                     self.stream = caller
                     return
-        on = self._on = OnStream(self._tier)
+        on = self._on = OnStream(self._pool.take())
         on.__enter__()
         self._switched = True
         self.stream = on.stream
@@ -122,8 +161,10 @@ class CallStream:
         on.stream.wait_event(self._event)
 
     def leave(self) -> None:
-        """Give the turn back (restore the caller's current streams), if it was taken."""
+        """Restore the caller's current streams and give the pool's stream back, if one was
+        taken."""
         if self._switched:
             self._switched = False
             self._on.__exit__()
+            self._pool.give_back(self._on.stream)
         self.entered = False

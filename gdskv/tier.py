@@ -1,17 +1,14 @@
 """The tier: spill KV pages from an engine pool to the slab store and restore them.
 
-Spill (``put``): reserve slots in the directory -> gather pages into one part of the staging
-buffer -> checksum -> ``backend.write`` -> (fdatasync per sync policy) -> journal COMMIT ->
-directory READY. The staging buffer has ``pipeline_depth`` parts (:mod:`.staging`): while the
-others' writes are in flight the next chunk is gathered into a free part.
-
-Restore (``get``): pin READY pages -> ``backend.read`` chunks into the staging parts -> verify
-checksums -> scatter into the engine's slots -> unpin. While one chunk is scattered the next is
-read. A page that is missing, fails I/O or fails its checksum is a miss (``False``), never an
-exception and never wrong bytes; one that could not be read is dropped (journaled as evicted),
-so existence checks answer miss and no engine loads it again and again: at once when the
-failure lasts (a checksum mismatch, a slab that ends early, a file gone), after
-``READ_RETRIES`` more reads in the call for an error that may pass (EIO).
+Each data call is an object over the tier's shared :class:`CallContext` (:mod:`.data_call`):
+a spill (``put``) is a :class:`SpillCall` (:mod:`.spill_call`: reserve slots -> gather into a
+staging part -> checksum -> write -> fdatasync per sync policy -> journal COMMIT -> READY), a
+restore (``get``) a :class:`RestoreCall` (:mod:`.restore_call`: pin -> read into staging parts
+-> verify -> scatter -> unpin). A page that is missing, fails I/O or fails its checksum is a
+miss (``False``), never an exception and never wrong bytes; one that could not be read is
+dropped (journaled as evicted), after ``READ_RETRIES`` more reads in the call for an error
+that may pass (EIO). This module keeps the public API, argument checks, the call gate, which
+stream a call's GPU work goes on, warm-up, and the read-only follower.
 
 Data calls from several threads run concurrently and share the staging parts (``put_async`` /
 ``get_async`` run on ``pipeline_depth`` workers): one call's fixed costs (fdatasync, journal,
@@ -48,11 +45,7 @@ are :mod:`.persistence`; the call gate :mod:`.call_gate`; the admission filter
 from __future__ import annotations
 
 import collections
-import dataclasses
-import errno
-import itertools
 import logging
-import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -62,51 +55,31 @@ import torch
 
 from . import checksum, native
 from . import kernels as kd
+from . import slot_trailer
 from .admission import AdmissionFilter
 from .backends import backend_class, create_backend
-from .backends.base import Extent, IOOutcome, ShortIOError
 from .call_gate import CallGate
 from .config import ConfigError, SyncPolicy, TierConfig
 from .copiers import DeferredCopier, PageCopier, PoolCopier, RegionCopier
+from .data_call import READ_RETRIES, CallContext, copies_done
 from .directory import PageDirectory, PageState
-from .gpu_spill import GpuSpill
-from .gpu_verdicts import GpuVerdicts, VerdictBuffers
-from .host_pages import HostPagePath, InPlacePages
-from .journal import Encoded, Journal, JournalFollower, check_key
+from .host_pages import HostPagePath
+from .journal import Journal, JournalFollower, check_key
 from .ledger import CallLedger
 from .log_once import LogOnce
-from . import slot_trailer
-from .layout import FORMAT_VERSION, BytePageLayout, KVLayout, PageLayout
+from .layout import BytePageLayout, KVLayout, PageLayout
 from .memory import check_device, cuda_available
 from .metrics import TierMetrics
 from .persistence import PersistentDirectory
 from .pool import KVPool, PoolCache
+from .restore_call import RestoreCall
+from .spill_call import SpillCall
 from .staging import StagingParts, staging_part_pages
-from .streams import CallStream
+from .streams import CallStream, StreamPool
 from .stats import TierStats
 from .store import SlabStore, StoreError
 
 log = logging.getLogger("gdskv.tier")
-
-#: where a pending write's future sits in the entry :meth:`Tier._writing` makes
-_FUT = 4
-#: page states as plain ints (an enum member lookup costs a put's loop more)
-_FREE, _WRITING, _READY = int(PageState.FREE), int(PageState.WRITING), int(PageState.READY)
-#: a read failing with these will fail again: the file is gone (a truncated one, a short read
-#: that found its end, is the other lasting case)
-_GONE = frozenset({errno.ENOENT, errno.ESTALE, errno.ENXIO, errno.ENODEV})
-
-
-def _may_read_later(exc: BaseException) -> bool:
-    """Whether a read that failed with ``exc`` may succeed if tried again
-    (:meth:`Tier._read_again`): an I/O error (EIO, a NIXL transfer error), not a file that
-    ended or is gone. Not an ``OSError`` (a fault of this process, e.g. a CUDA copy's): not
-    tried again, nor dropped."""
-    if not isinstance(exc, OSError):
-        return False
-    if isinstance(exc, ShortIOError) and exc.errno is None:
-        return False
-    return exc.errno not in _GONE
 
 
 def _refuse_shared_regions(starts: list[int], sizes: list[int], pages) -> None:
@@ -128,29 +101,6 @@ def _refuse_shared_regions(starts: list[int], sizes: list[int], pages) -> None:
         f"the regions of pages {p} and {q} share memory"
     raise ValueError(f"get_pages: {where}; each page restored needs memory of its own, or one "
                      "page's bytes would land in another's")
-
-
-class _HeldPart:
-    """A staging part a spill's write holds until the write ends. It is given back once, by
-    whichever comes first: the write's done-callback (a backend thread may run that after it
-    has woken the waiters) or the call that waited for the write. (It holds no reference to
-    the write's future, whose callback holds it: no reference cycle for the collector.)"""
-
-    __slots__ = ("_part",)
-
-    def __init__(self, part: int) -> None:
-        self._part = [part]
-
-    @property
-    def out(self) -> bool:
-        return bool(self._part)
-
-    def give_back(self, staging: StagingParts) -> None:
-        try:
-            i = self._part.pop()  # (one call of list.pop: of two racing callers, one gets it)
-        except IndexError:
-            return
-        staging.give_back(i)
 
 
 class TierClosedError(RuntimeError):
@@ -178,8 +128,8 @@ class Tier:
     #: seconds between a read-only follower's journal catch-ups (see :meth:`refresh`)
     FOLLOW_INTERVAL = 0.05
     #: times a read that failed for a reason that may pass (EIO) is tried again, at once,
-    #: before its pages are dropped (:meth:`_read_again`)
-    READ_RETRIES = 2
+    #: before its pages are dropped (:mod:`.data_call`)
+    READ_RETRIES = READ_RETRIES
 
     def __init__(self, layout: PageLayout, config: TierConfig | None = None, *,
                  device: torch.device | str | None = None, scan_headers: bool = False,
@@ -206,13 +156,9 @@ class Tier:
                               f"slot per pipeline stage ({depth} x {layout.slot_bytes} B for "
                               f"this layout and pipeline_depth)")
         self._closed = True
-        self._sync_data = self.config.sync == SyncPolicy.DATA  # (an enum lookup less per write)
-        self._io_on_caller = bool(self.config.io_on_caller)
         self._stats = TierStats()
         self._log_once = LogOnce(log)  # one line per kind of failure
         self.read_only = bool(self.config.read_only)
-        #: why puts are refused now ("" while they are not): a store file removed under us
-        self._lost = ""
         part_bytes = self._chunk_pages * layout.slot_bytes
         # refused before the store is touched: a bad option changes nothing on disk
         StagingParts.check_fits(part_bytes * depth, self.device)
@@ -225,36 +171,40 @@ class Tier:
         try:  # whatever fails from here releases all it acquired: lock, files, threads
             # host page I/O and checksums: the native page engine, or the Python path
             self._engine = native.engine(self.config.native)
-            self._checksums = checksum.default_for(self.device, layout, self._engine)
-            self._gpu_checks: tuple = (None, False)  # (checksummer, _gpu_checked's answer)
-            # pages are verified with the algorithm that made their checksum (see checksum.py)
-            self._verifiers = {self._checksums.algorithm: self._checksums}
-            # per thread: its VerdictBuffers ("buffers"), engine event for synchronous calls
-            # ("engine") and pinned slot-trailer buffer ("trailers")
-            self._per_thread = threading.local()
             self._persist = PersistentDirectory(self.store, self.config, self._stats,
                                                 self._log_once, scan_headers=scan_headers,
                                                 scan_progress=scan_progress)
             self._followed_at = time.monotonic()
             self.backend = create_backend(self.config, self.device)
             self.backend.attach(self.store.files)
+            self._staging = StagingParts(part_bytes, depth, self.device)
+            # what every data call works with (SpillCall, RestoreCall)
+            self._calls = CallContext(
+                layout=layout, config=self.config, store=self.store, backend=self.backend,
+                staging=self._staging, persist=self._persist,
+                checksums=checksum.default_for(self.device, layout, self._engine),
+                stats=self._stats, log_once=self._log_once, chunk_pages=self._chunk_pages,
+                device=self.device, has_stream=self.device.type == "cuda",
+                admission=AdmissionFilter(self.config.admit_after, self._stored,
+                                          max_tracked=4 * self.store.num_slots))
+            self._calls.sync_data = self.config.sync == SyncPolicy.DATA
+            # per thread: its VerdictBuffers ("buffers"), engine event for synchronous calls
+            # ("engine") and pinned slot-trailer buffer ("trailers")
+            self._per_thread = self._calls.per_thread
+            self._verifiers = self._calls.verifiers
             self._host_pages = HostPagePath(
                 layout, self._in_place_why_not(),
                 any(f.direct for f in self.store.files) or bool(self._direct_io()[0]),
                 self.config.io_threads, self._engine)
-            self._staging = StagingParts(part_bytes, depth, self.device)
-            # Asynchronous calls gather/scatter on the tier's own stream, so the engine's stream
-            # is never blocked behind their I/O; the tier stream waits only for the engine work
-            # issued before a call. A synchronous call (its caller waits for it anyway) runs
-            # on the caller's own stream where it can (:class:`CallStream`).
-            self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-            if self._stream is not None:
+            # A call whose GPU work cannot go on its caller's stream takes a stream of its own
+            # from this pool (:class:`CallStream`): calls in flight never queue behind each
+            # other's copies and kernels, nor wait for each other's syncs.
+            self._streams = StreamPool(self.device) if self.device.type == "cuda" else None
+            if self._streams is not None:
                 self._warm_up_kernels()
                 self._warm_up_backend()
             self._gate = CallGate()
             self._worker = ThreadPoolExecutor(depth, thread_name_prefix="gdskv-tier")
-            self._admission = AdmissionFilter(self.config.admit_after, self._stored,
-                                              max_tracked=4 * self.store.num_slots)
             self._pools = PoolCache(layout)
         except BaseException:
             self._release()
@@ -268,6 +218,7 @@ class Tier:
         # each data call's counters and metrics, applied off its critical path
         self._ledger_counts: dict = {}  # calls' counters applied, not yet added (ledger flush)
         self._ledger = CallLedger(self._apply_counts, flush=self._flush_counts)
+        self._calls.ledger, self._calls.metrics = self._ledger, self._metrics
         self._metrics.settle_on_scrape(self._ledger, lambda: len(self.directory))
         if not o_direct:
             self._metrics.fallback("o_direct", o_direct_reason)
@@ -291,6 +242,20 @@ class Tier:
     @property
     def journal(self) -> Journal | JournalFollower:
         return self._persist.journal
+
+    @property
+    def _checksums(self):
+        """How this tier checksums the pages it writes (and verifies its own)."""
+        return self._calls.checksums
+
+    @_checksums.setter
+    def _checksums(self, checksummer) -> None:
+        self._calls.checksums = checksummer
+
+    @property
+    def _lost(self) -> str:
+        """Why puts are refused now ("" while they are not): a store file removed under us."""
+        return self._calls.lost
 
     # -- public API -----------------------------------------------------------------------------
     def put(self, keys: Sequence[Hashable], kv_pool, token_slots) -> list[bool]:
@@ -632,8 +597,9 @@ class Tier:
         # The first CUDA event of a call path costs ~13 ms on an H100 (measured by
         # bench/experiments/call_profile.py): make it here, with the cross-stream wait every
         # call does.
-        self._stream.wait_event(self._engine_event())
-        with torch.cuda.stream(self._stream):
+        stream = self._streams.take()
+        stream.wait_event(self._engine_event())
+        with torch.cuda.stream(stream):
             for dtype in (torch.int64, torch.int32):  # engines use either for slot indices
                 if pool is not None:
                     slots = torch.arange(pages * lay.page_size, dtype=dtype).to(
@@ -644,8 +610,8 @@ class Tier:
                     kd.scatter_pages(pool, lay, slots, self._staging[0])
                 if pool is not None and self.config.verify:  # restores' and spills' variants
                     self._warm_up_gpu_checksums(pool, slots, pages)
-            self._copies_done(self._stream)
-        self._stream.synchronize()
+        copies_done(stream)
+        self._streams.give_back(stream)
 
     def _warm_up_gpu_checksums(self, pool: KVPool, slots: torch.Tensor, pages: int) -> None:
         """The verifying scatter restores use (:mod:`.gpu_verdicts`) and the seal spills use
@@ -678,7 +644,7 @@ class Tier:
         """An event after the caller's queued GPU work (the pool writes we are to read), for a
         call that runs in another thread (an asynchronous one). A synchronous call records its
         thread's one event when it takes its turn on the stream (:class:`CallStream`)."""
-        if self._stream is None:
+        if self._streams is None:
             return None
         ev = torch.cuda.Event()
         ev.record(torch.cuda.current_stream(self.device))
@@ -688,21 +654,21 @@ class Tier:
         """The call's stream, chosen when it first needs one (:class:`CallStream`; None for a
         tier without a stream). ``engine_event``: an asynchronous call's
         (:meth:`_engine_event`); None: a synchronous call, which runs on the caller's own stream
-        where it can, else on the tier's, its thread reusing one event (a new event costs host
-        time to create, record and destroy)."""
-        if self._stream is None:
+        where it can, else on a stream of its own from the tier's pool, its thread reusing one
+        event (a new event costs host time to create, record and destroy)."""
+        if self._streams is None:
             return None
         if engine_event is not None:
-            return CallStream(self._stream, engine_event, record=False)
+            return CallStream(self._streams, engine_event, record=False)
         ev = getattr(self._per_thread, "engine", None)
         if ev is None:
             ev = self._per_thread.engine = torch.cuda.Event()
-        return CallStream(self._stream, ev, record=True)
+        return CallStream(self._streams, ev, record=True)
 
     def _run(self, fn, keys, copier, engine_event=None, *, op: str) -> list[bool]:
         """Run a data call (``op``: "put" or "get", for the metrics): ``fn(keys, copier,
-        stream)``, where ``stream`` is the call's turn on the tier's stream
-        (:class:`CallStream`), which ``fn`` enters before its first GPU work and this leaves."""
+        stream)``, where ``stream`` is the call's :class:`CallStream`, which ``fn`` enters
+        before its first GPU work and this leaves."""
         self._check_open()
         if self.read_only and self._follow_due():
             with self._gate.alone():
@@ -722,6 +688,13 @@ class Tier:
         self._ledger.record(None, (op, len(keys), time.perf_counter() - t0))
         return results
 
+    def _put(self, keys: list, fill: PageCopier, stream: CallStream | None = None) -> list[bool]:
+        return SpillCall(self._calls, keys, fill, stream).run()
+
+    def _get(self, keys: list, drain: PageCopier | DeferredCopier,
+             stream: CallStream | None = None) -> list[bool]:
+        return RestoreCall(self._calls, keys, drain, stream).run()
+
     def _apply_counts(self, amounts: dict | None, call: tuple | None) -> None:
         """Apply what a data call recorded in the ledger: its counters (``amounts``), or the
         ``(op, pages, seconds)`` of a call that has ended (the metrics)."""
@@ -737,629 +710,6 @@ class Tier:
         if self._ledger_counts:
             counts, self._ledger_counts = self._ledger_counts, {}
             self._stats.add(**counts)
-
-    def _copies_done(self, gpu: torch.cuda.Stream | None) -> None:
-        """Wait for the GPU copies this thread queued so far on ``gpu``, the call's stream
-        (before I/O threads read a part it gathered into, or before a get returns to the
-        engine); None: a tier without a stream."""
-        if gpu is not None:
-            # (one call; an event recorded and waited for here was two, and the same wait)
-            gpu.synchronize()
-
-    def _take_part(self, pending: collections.deque, finish_oldest: Callable[[], None]) -> int:
-        """A free staging part. With none free, a call finishes its own oldest chunk (which
-        frees a part) before it waits for other calls' parts: no cycle of waiting calls."""
-        while True:
-            i = self._staging.try_take()
-            if i is not None:
-                return i
-            if not pending:
-                return self._staging.take()
-            finish_oldest()
-
-    def _take_write_part(self, parts_out: collections.deque) -> tuple[int, bool]:
-        """A free staging part for a spill's next chunk, and whether the call had to wait for
-        one. With none free, the call waits for its own writes that still hold parts, oldest
-        first, giving each part back as its write ends, before it waits for other calls'
-        parts: no cycle of waiting calls. Their commits (fdatasync, journal, directory) wait
-        until the next chunk's write is under way (:meth:`_put`)."""
-        waited = False
-        while True:
-            i = self._staging.try_take()
-            if i is not None:
-                return i, waited
-            while parts_out and not parts_out[0][1].out:
-                parts_out.popleft()
-            if not parts_out:  # all of this call's parts are back: another call holds them
-                return self._staging.take(), True
-            fut, held = parts_out.popleft()
-            fut.exception()  # its write ends (the outcome is the commit's to read)
-            held.give_back(self._staging)  # unless its done-callback already has
-            waited = True
-
-    def _put(self, keys: list, fill: PageCopier, stream: CallStream | None = None) -> list[bool]:
-        results = [False] * len(keys)
-        admitted = self._admission.admit(keys)
-        res = self.directory.reserve(keys if len(admitted) == len(keys)
-                                     else [keys[i] for i in admitted])
-        if res.evicted:
-            self._persist.journal_evictions(res.evicted)
-        # the call's counters, added to the stats once at its end (each add costs host time)
-        tally = {"not_admitted": len(keys) - len(admitted), "evictions": len(res.evicted),
-                 "bytes_written": 0, "write_seconds": 0.0, "write_failed": 0}
-        todo: list[tuple[int, int]] = []
-        waiting: list[int] = []  # keys another call is writing now: its outcome is theirs
-        no_room = 0
-        for i, slot, found in zip(admitted, res.slots, res.found):
-            if slot is not None:
-                todo.append((i, slot))
-            elif found == _READY:
-                results[i] = True
-            elif found == _WRITING:
-                waiting.append(i)
-            elif found == _FREE:
-                no_room += 1
-            # (EVICTING: asked to go while a reader holds it; it is not stored for this put)
-        if no_room:
-            self._log_once("full", "store full and eviction cannot make room: %d pages not "
-                           "stored", no_room)
-        if len(todo) > 1:
-            todo.sort(key=lambda t: t[1])  # adjacent slots coalesce into one I/O
-        chunks = [todo[k:k + self._chunk_pages] for k in range(0, len(todo), self._chunk_pages)]
-        pending: collections.deque = collections.deque()
-        parts_out: collections.deque = collections.deque()  # (write, _HeldPart), oldest first
-        finished = 0
-        held = None  # a part taken for the current chunk, not yet handed to the backend
-
-        def finish_oldest() -> None:
-            nonlocal finished
-            self._finish_write(keys, *pending.popleft(), results, tally)
-            finished += 1
-
-        in_place = isinstance(fill, InPlacePages)
-        # one chunk: nothing to overlap its write with, so it may move on this thread
-        on_caller = self._io_on_caller and len(chunks) == 1
-        self._count_region_pages(fill, len(todo), "written", tally)
-        spill = None
-        gpu = None  # the call's stream, once entered: its GPU work goes there
-        try:
-            if stream is not None:
-                stream.enter()
-                gpu = stream.stream
-            if not in_place and todo:
-                spill = self._gpu_spill(fill, [i for i, _ in todo], gpu)
-                if spill is None:
-                    fill.prepare([i for i, _ in todo])
-            for chunk in chunks:
-                if in_place:  # no part: the I/O goes straight from the caller's regions
-                    pending.append(self._write_in_place(keys, chunk, fill, on_caller))
-                    continue
-                if spill is not None:  # trailers sealed on the GPU: encoded before the wait
-                    seqs, trailers = self._trailers(keys, chunk, itertools.repeat(0))
-                held, waited = self._take_write_part(parts_out)
-                part = self._staging[held]
-                if spill is not None:  # one sync, then the write
-                    spill.gather(part, [i for i, _ in chunk], trailers)
-                else:
-                    fill(part, [i for i, _ in chunk])
-                    sums = self._checksums.compute(part, len(chunk)) if self.config.verify \
-                        else np.zeros(len(chunk), dtype=np.uint64)
-                    seqs, trailers = self._trailers(keys, chunk, sums)
-                    slot_trailer.write_into(part, self.layout.slot_bytes, trailers,
-                                            self._trailer_buffer())
-                extents = self.store.extents([s for _, s in chunk])  # (while the GPU works)
-                # (while the GPU works too: a write moved on this thread has no wait to hide it)
-                lost = self._lost_files()
-                self._copies_done(gpu)
-                t0 = time.perf_counter()
-                fut = self.backend.start("write", part, extents, on_caller)
-                # the part is free once its bytes are written: fdatasync and journal need not it
-                part_held = _HeldPart(held)
-                fut.add_done_callback(lambda _f, p=part_held: p.give_back(self._staging))
-                parts_out.append((fut, part_held))
-                held = None
-                if spill is not None:  # the checksums came back with the sync
-                    sums = spill.sums(len(chunk))
-                pending.append(self._writing(keys, chunk, sums, seqs, extents, fut, t0, lost))
-                if waited:  # staging is the limit: commit what ended while this write runs
-                    while len(pending) > 1 and pending[0][_FUT].done():
-                        finish_oldest()
-            if spill is not None:
-                spill.done()  # every chunk's copies ended before its write was queued
-            while pending:
-                finish_oldest()
-            if waiting:  # (only now: this call writes nothing any more, so no cycle of waits)
-                for i, ok in zip(waiting, self.directory.wait_written([keys[i] for i in waiting])):
-                    results[i] = ok
-        except BaseException:
-            if held is not None:
-                self._staging.give_back(held)
-            # let in-flight I/O end before giving its slots back, and its parts too (a write
-            # whose entry was not made yet among them)
-            for fut, part_held in parts_out:
-                fut.exception()
-                part_held.give_back(self._staging)
-            for item in pending:
-                item[_FUT].exception()
-            self.directory.abort([s for c in chunks[finished:] for _, s in c])
-            self._stats.add(**tally)
-            raise
-        tally.update(put_pages=len(keys), put_stored=sum(results))
-        self._ledger.record(tally, None)
-        return results
-
-    def _trailers(self, keys, chunk, sums) -> tuple[list[int], list[bytes]]:
-        """Each page's slot trailer (written beside its payload, in the same I/O) and sequence
-        number, which the journal's COMMITs carry too."""
-        seqs = self._persist.next_seqs(len(chunk))
-        algo, store_id = self._checksums.algorithm, self.store.store_id
-        return seqs, [slot_trailer.encode(FORMAT_VERSION, store_id, slot, keys[i], seq,
-                                          int(csum), algo)
-                      for (i, slot), seq, csum in zip(chunk, seqs, sums)]
-
-    def _write_in_place(self, keys, chunk, pages: InPlacePages, on_caller: bool) -> tuple:
-        """Start writing a chunk straight from the caller's regions (checksummed there); the
-        pending entry :meth:`_finish_write` completes."""
-        idx = [i for i, _ in chunk]
-        sums = pages.checksums(idx) if self.config.verify \
-            else np.zeros(len(chunk), dtype=np.uint64)
-        seqs, trailers = self._trailers(keys, chunk, sums)
-        extents = pages.write_extents(self.store.extents([s for _, s in chunk]), idx, trailers)
-        t0 = time.perf_counter()
-        return self._writing(keys, chunk, sums, seqs, extents,
-                             self.backend.start("write", None, extents, on_caller), t0)
-
-    def _writing(self, keys, chunk, sums, seqs, extents: list[Extent], fut: Future,
-                 t0: float, lost: bool | None = None) -> tuple:
-        """A chunk whose write was just started (at ``t0``), as :meth:`_finish_write` takes it.
-        The host work its commit needs that does not wait for the write is done here, while
-        the write runs: its COMMIT records encoded, and whether a store file was removed
-        (``lost``, unless the caller looked already)."""
-        commits = self._commits(keys, chunk, sums, seqs)
-        if lost is None:
-            lost = self._lost_files()
-        if not fut.done():  # earlier calls' counters, while the write runs (else: later)
-            self._ledger.settle(wait=False)
-        return chunk, sums, seqs, extents, fut, t0, commits, lost
-
-    def _commits(self, keys, chunk, sums: np.ndarray, seqs, positions=None) -> Encoded:
-        """The encoded COMMITs of a chunk's pages (those at ``positions``; None: all of them)
-        (:meth:`PersistentDirectory.journal_commits`)."""
-        sums = sums.tolist()  # (Python ints pack faster than numpy scalars)
-        if positions is not None:
-            chunk = [chunk[pos] for pos in positions]
-            sums = [sums[pos] for pos in positions]
-            seqs = [seqs[pos] for pos in positions]
-        return self._persist.encode_commits([keys[i] for i, _ in chunk], [s for _, s in chunk],
-                                            sums, self._checksums.algorithm, seqs)
-
-    @staticmethod
-    def _count_region_pages(mover, n: int, direction: str, tally: dict) -> None:
-        """Stats: how put_pages/get_pages pages moved (in place, or staged from regions), into
-        the call's ``tally`` (added with its other counters: one add per call)."""
-        if isinstance(mover, InPlacePages):
-            tally[f"pages_{direction}_in_place"] = n
-        elif isinstance(mover, RegionCopier):
-            tally[f"region_pages_{direction}_staged"] = n
-
-    def _finish_write(self, keys, chunk, sums, seqs, extents: list[Extent], fut: Future,
-                      t0: float, commits: Encoded, lost: bool, results: list[bool],
-                      tally: dict) -> None:
-        """Commit a chunk :meth:`_writing` started, once its write has ended: its pages durable,
-        journaled and READY, or given back."""
-        outcome: IOOutcome = fut.result()
-        # (the usual case, nothing failed, takes no per-position steps: each costs a host
-        # that has just woken from the write's wait a few µs)
-        failed = self._failed_positions(outcome, extents, "write") if outcome.errors else set()
-        ok = [pos for pos in range(len(chunk)) if pos not in failed] if failed \
-            else range(len(chunk))
-        if ok and lost:
-            failed.update(ok)
-            ok = []
-        if ok:
-            try:
-                if self._sync_data:
-                    self.store.sync({e.file for e in extents})
-                self._persist.journal_commits(
-                    self._commits(keys, chunk, sums, seqs, ok) if failed else commits)
-            except OSError as exc:
-                self._log_once(f"commit:{exc.errno}", "commit of %d pages failed: %s", len(ok), exc)
-                failed.update(ok)
-                ok = []
-        if ok:
-            self.directory.commit([chunk[pos][1] for pos in ok], sums[ok] if failed else sums,
-                                  self._checksums.algorithm)
-        if failed:
-            self.directory.abort([chunk[pos][1] for pos in sorted(failed)])
-        for pos in ok:
-            results[chunk[pos][0]] = True
-        tally["bytes_written"] += len(ok) * self.layout.page_bytes
-        tally["write_seconds"] += time.perf_counter() - t0
-        tally["write_failed"] += len(failed)
-
-    def _get(self, keys: list, drain: PageCopier | DeferredCopier,
-             stream: CallStream | None = None) -> list[bool]:
-        results = [False] * len(keys)
-        pins = self.directory.pin(keys)
-        todo = [(i, p[0], p[1]) for i, p in enumerate(pins) if p is not None]
-        if len(todo) > 1:
-            todo.sort(key=lambda t: t[1])  # adjacent slots coalesce into one I/O
-        chunks = [todo[k:k + self._chunk_pages] for k in range(0, len(todo), self._chunk_pages)]
-        unreadable: list = []  # (key, slot) of pages to drop: checksum mismatch, failed read
-        pending: collections.deque = collections.deque()
-        held = None
-        verdicts = None
-        # the call's counters, added to the stats once at its end (each add costs host time)
-        tally = {"bytes_read": 0, "read_seconds": 0.0, "read_failed": 0, "corrupt_pages": 0,
-                 "unreadable_pages": 0}
-        synced_parts: list[int] = []  # parts given back after the call's sync, not before
-        gpu = None  # the call's stream, once entered (after the first read's submit)
-        settled = False
-        pinned = True
-
-        in_place = isinstance(drain, InPlacePages)
-        on_caller = self._io_on_caller and len(chunks) == 1  # (see _put)
-        self._count_region_pages(drain, len(todo), "read", tally)
-
-        def finish_oldest() -> None:
-            if in_place:
-                self._finish_read_in_place(keys, *pending.popleft(), drain, results,
-                                           unreadable, tally)
-            else:
-                self._finish_read(keys, *pending.popleft(), drain, results, unreadable,
-                                  verdicts, tally, synced_parts, gpu)
-
-        try:
-            for k, chunk in enumerate(chunks):
-                if in_place:  # no part: the I/O goes straight into the caller's regions
-                    extents = drain.read_extents(self.store.extents([s for _, s, _ in chunk]),
-                                                 [i for i, _, _ in chunk],
-                                                 hash_as_read=self.config.verify)
-                    t0 = time.perf_counter()
-                    pending.append((chunk, k * self._chunk_pages, None, extents,
-                                    self.backend.start("read", None, extents, on_caller), t0))
-                    continue
-                held = self._take_part(pending, finish_oldest)
-                extents = self.store.extents([s for _, s, _ in chunk])
-                part = self._staging[held]
-                t0 = time.perf_counter()
-                pending.append((chunk, k * self._chunk_pages, held, extents,
-                                self.backend.start("read", part, extents, on_caller), t0))
-                held = None
-                if k == 0:
-                    # The first read is under way (or, moved on this thread, has ended): the
-                    # call takes its turn on the stream, its arguments are checked and its slot
-                    # indices and stored checksums are made ready meanwhile (host work that
-                    # would otherwise come first).
-                    if stream is not None:
-                        stream.enter()
-                        gpu = stream.stream
-                    if isinstance(drain, DeferredCopier):
-                        drain = drain.make()
-                    verdicts = self._gpu_verdicts(drain, todo, gpu)
-                    if drain.prepare([i for i, _, _ in todo],
-                                     into=verdicts.slot_buffers if verdicts is not None
-                                     else None, defer_upload=verdicts is not None):
-                        # the indices go up inside the chunks' launch graphs (as a spill's)
-                        verdicts.upload_slots(len(todo) * self.layout.page_size)
-                    if not pending[-1][4].done():  # earlier calls' counters (see _writing)
-                        self._ledger.settle(wait=False)
-                if verdicts is not None:  # its launches made while its read runs
-                    verdicts.plan(drain, part, k * self._chunk_pages, [i for i, _, _ in chunk],
-                                  last=k == len(chunks) - 1)
-            while pending:
-                finish_oldest()
-            if stream is not None:
-                stream.enter()  # (nothing read: the argument checks below may use the GPU)
-                gpu = stream.stream
-            if isinstance(drain, DeferredCopier):  # nothing read: the arguments still count
-                drain = drain.make()
-            if verdicts is not None:
-                verdicts.read_back()
-            # Every read has ended (the pages are in staging or their regions): the slots may
-            # go while the GPU still scatters, so unpin now, not after the sync.
-            self._drop_unreadable(unreadable)  # (while pinned: the slots are still theirs)
-            pinned = False
-            self._unpin(todo)
-            self._copies_done(gpu)
-            while synced_parts:  # nothing reads them now: no event for their next user
-                self._staging.give_back(synced_parts.pop())
-            if verdicts is not None:
-                self._settle(keys, todo, verdicts, results, unreadable, tally)
-            settled = True
-        finally:
-            if held is not None:
-                self._staging.give_back(held)
-            for i in synced_parts:  # an exception before the sync: the GPU may still read it
-                self._staging.give_back(i, gpu)
-            for item in pending:  # not drained: its part is free once its read has ended
-                item[4].exception()
-                if item[2] is not None:
-                    self._staging.give_back(item[2])
-            if pinned:
-                self._drop_unreadable(unreadable)
-                self._unpin(todo)
-            self._drop_unreadable(unreadable)  # those the GPU's verdicts found, after the sync
-            if not settled:  # an exception: what the finished chunks moved still counts
-                self._stats.add(**tally)
-        hits = sum(results)
-        tally.update(get_pages=len(keys), hits=hits, misses=len(keys) - hits)
-        self._ledger.record(tally, None)
-        return results
-
-    def _unpin(self, todo: list) -> None:
-        """Unpin a restore's slots (its reads have ended); journal the evictions that waited."""
-        self._persist.journal_evictions(self.directory.unpin([s for _, s, _ in todo]))
-
-    def _drop_unreadable(self, pages: list) -> None:
-        """Drop the pages a restore could not read, ``(key, slot)`` pairs (then empties the
-        list): a checksum mismatch, or a read that failed and was not worth or did not succeed
-        trying again (:meth:`_read_again`). From now on they are misses for every caller, so an
-        engine's existence check answers MISS and it stops loading them (a page it kept hitting
-        would be loaded and fail again forever); the journal says so too (vLLM's scheduler and
-        followers read it). A page still pinned, by this call or another, goes at its last
-        unpin."""
-        if pages:
-            self._persist.journal_evictions(self.directory.remove([k for k, _ in pages],
-                                                                  [s for _, s in pages]))
-            pages.clear()
-
-    def _read_again(self, buffer: torch.Tensor | None, extents: list[Extent],
-                    outcome: IOOutcome,
-                    forget: Callable[[list[int]], None] | None = None) -> IOOutcome:
-        """Read again, up to ``READ_RETRIES`` times, the extents whose read failed for a reason
-        that may pass (an EIO, a NIXL transfer error): ``outcome`` with their last result. A
-        read that lasts -- the file ended (a truncated slab), or is gone (ENOENT, ESTALE) -- is
-        not tried again. ``forget(positions)``: told the chunk positions read again first (an
-        in-place read forgets what it hashed of them)."""
-        sb = self.layout.slot_bytes
-        for _ in range(self.READ_RETRIES):
-            again = [i for i, exc in outcome.errors.items() if _may_read_later(exc)]
-            if not again:
-                break
-            if forget is not None:
-                forget(sorted({p for i in again for p in range(
-                    extents[i].buffer_offset // sb,
-                    -(-(extents[i].buffer_offset + extents[i].length) // sb))}))
-            # (without the ``moved`` hints: a piece read twice would count its bytes twice)
-            retry = self.backend.start("read", buffer, [dataclasses.replace(extents[i],
-                                                                            moved=None)
-                                                        for i in again], True).result()
-            for j, i in enumerate(again):
-                del outcome.errors[i]
-                outcome.failed.pop(i, None)
-                if j in retry.errors:
-                    outcome.errors[i] = retry.errors[j]
-                    if j in retry.failed:
-                        outcome.failed[i] = retry.failed[j]
-            outcome.nbytes += retry.nbytes
-        return outcome
-
-    def _finish_read(self, keys, chunk, first: int, part_index: int, extents, fut: Future,
-                     t0: float, drain: PageCopier, results: list[bool], unreadable: list,
-                     verdicts: GpuVerdicts | None, tally: dict, synced_parts: list[int],
-                     gpu: torch.cuda.Stream | None) -> None:
-        """Verify and drain one chunk (its read ended or ends now); ``first`` is the chunk's
-        first position in the call's read order. With ``verdicts``, a chunk whose I/O moved
-        every page is verified and scattered in one launch, and its hits are counted when the
-        call settles (:meth:`_settle`); the call's last such chunk leaves its part in
-        ``synced_parts``, for the call to give back after its sync (one event fewer to record
-        here and for the part's next user to wait for). ``gpu``: the call's stream."""
-        part = self._staging[part_index]
-        good: list[int] = []
-        after_sync = False
-        try:
-            outcome: IOOutcome = fut.result()
-            lost: set[int] = set()
-            if outcome.errors:
-                outcome = self._read_again(part, extents, outcome)
-                failed = self._failed_positions(outcome, extents, "read", lost)
-                self._lost_reads(keys, chunk, lost, unreadable, tally)
-            else:
-                failed = set()
-            if verdicts is not None and not failed:
-                last = first + len(chunk) == verdicts.pages
-                verdicts.scatter(drain, part, first, [i for i, _, _ in chunk], last=last)
-                tally["read_seconds"] += time.perf_counter() - t0
-                after_sync = last
-                return
-            if self.config.verify:
-                sums = self._verify_sums(part, chunk)
-                bad = []
-                for pos, (i, slot, want) in enumerate(chunk):
-                    if pos not in failed and int(sums[pos]) != want:
-                        failed.add(pos)
-                        bad.append((keys[i], slot))
-                self._corrupt(bad, unreadable, tally)
-            good = [pos for pos in range(len(chunk)) if pos not in failed]
-            if good and verdicts is not None:  # a plain scatter reads the uploaded indices
-                verdicts.slots_uploaded()
-            if good:
-                if len(good) == len(chunk):
-                    drain(part, [i for i, _, _ in chunk])
-                else:  # only verified pages reach the engine: pack them to the front first
-                    packed = torch.empty(len(good) * self.layout.slot_bytes, dtype=torch.uint8,
-                                         device=part.device)
-                    sb = self.layout.slot_bytes
-                    for j, pos in enumerate(good):
-                        packed[j * sb:(j + 1) * sb].copy_(part[pos * sb:(pos + 1) * sb])
-                    drain(packed, [chunk[pos][0] for pos in good])
-        finally:
-            if after_sync:
-                synced_parts.append(part_index)
-            else:  # free as soon as the scatter is queued; its next user waits for this event
-                self._staging.give_back(part_index, gpu)
-        for pos in good:
-            results[chunk[pos][0]] = True
-        tally["bytes_read"] += len(good) * self.layout.page_bytes
-        tally["read_seconds"] += time.perf_counter() - t0
-        tally["read_failed"] += len(failed)
-
-    def _finish_read_in_place(self, keys, chunk, _first: int, _part: None, extents,
-                              fut: Future, t0: float, pages: InPlacePages, results: list[bool],
-                              unreadable: list, tally: dict) -> None:
-        """Complete an in-place read: the pages it did not move whole, or whose bytes (in the
-        caller's regions) fail their checksum, are misses."""
-        outcome: IOOutcome = fut.result()
-        failed: set[int] = set()
-        if outcome.errors:
-            outcome = self._read_again(None, extents, outcome, lambda positions: (
-                pages.forget_reads([chunk[pos][0] for pos in positions])))
-            lost: set[int] = set()
-            failed = self._failed_positions(outcome, extents, "read", lost)
-            self._lost_reads(keys, chunk, lost, unreadable, tally)
-        if self.config.verify:
-            slots = [s for _, s, _ in chunk]
-            if self.directory.all_use(slots, checksum.CRC32C):  # (the usual case: one pass)
-                sums = pages.read_checksums([i for i, _, _ in chunk]).tolist()
-            else:
-                sums = self._mixed_read_sums(chunk, self.directory.algorithms(slots), pages)
-            mismatched = [pos for pos, (_, _, want) in enumerate(chunk) if sums[pos] != want]
-            if mismatched:
-                self._corrupt([(keys[chunk[pos][0]], chunk[pos][1]) for pos in mismatched
-                               if pos not in failed], unreadable, tally)
-                failed.update(mismatched)
-        good = [pos for pos in range(len(chunk)) if pos not in failed] if failed \
-            else range(len(chunk))
-        pages.complete([chunk[pos][0] for pos in good])
-        for pos in good:
-            results[chunk[pos][0]] = True
-        tally["bytes_read"] += len(good) * self.layout.page_bytes
-        tally["read_seconds"] += time.perf_counter() - t0
-        tally["read_failed"] += len(failed)
-
-    def _mixed_read_sums(self, chunk, algos: np.ndarray, pages: InPlacePages) -> list[int]:
-        """The checksums of an in-place chunk whose pages were not all written with CRC-32C
-        (by another tier): each page's with the algorithm that made it."""
-        own = [pos for pos in range(len(chunk)) if algos[pos] == checksum.CRC32C]
-        sums = np.zeros(len(chunk), dtype=np.uint64)
-        sums[own] = pages.read_checksums([chunk[pos][0] for pos in own])
-        for pos in sorted(set(range(len(chunk))) - set(own)):  # written by another tier
-            algo = int(algos[pos])
-            if algo not in self._verifiers:
-                self._verifiers[algo] = checksum.checksummer(algo, self.layout)
-            sums[pos] = self._verifiers[algo].compute(pages.as_slot(chunk[pos][0]), 1)[0]
-        return sums.tolist()
-
-    def _trailer_buffer(self) -> torch.Tensor | None:
-        """This thread's pinned buffer for a chunk's slot trailers (GPU staging only): their
-        upload is then asynchronous, finished by the sync that precedes the chunk's write."""
-        if self._stream is None:
-            return None
-        buf = getattr(self._per_thread, "trailers", None)
-        if buf is None:
-            buf = self._per_thread.trailers = torch.empty(
-                self._chunk_pages * slot_trailer.TRAILER_BYTES, dtype=torch.uint8,
-                pin_memory=True)
-        return buf
-
-    def _thread_buffers(self) -> VerdictBuffers:
-        buffers = getattr(self._per_thread, "buffers", None)
-        if buffers is None:
-            buffers = self._per_thread.buffers = VerdictBuffers(
-                self.device, self._chunk_pages, self.layout.page_bytes, self.layout.page_size,
-                graphs=self.config.launch_graphs)
-        return buffers
-
-    def _gpu_checked(self, copier: PageCopier) -> bool:
-        """Whether a call's checksums are made or checked by the kernels on the GPU: staging on
-        CUDA, pages moving to or from a KV pool through the kernels, verification on."""
-        if not isinstance(copier, PoolCopier):
-            return False
-        # (worked out once per checksummer: the queries cost a cold host 7 µs a call,
-        # bench/results/h200-2026-11-26/call-overhead-7/call6/put_lines2_after.txt)
-        checks = self._checksums
-        if self._gpu_checks[0] is not checks:
-            self._gpu_checks = (checks, self._stream is not None and self.config.verify
-                                and checks.algorithm == checksum.GPU_PAGE
-                                and kd.uses_triton(self.device))
-        return self._gpu_checks[1]
-
-    def _gpu_spill(self, fill: PageCopier, order: list[int],
-                   gpu: torch.cuda.Stream | None) -> GpuSpill | None:
-        """The gather + checksum of this spill as graph replays (:mod:`.gpu_spill`), where it
-        can: staging on CUDA, pages from a KV pool through the kernels, verification on.
-        ``gpu``: the call's stream (current)."""
-        if not self._gpu_checked(fill):
-            return None
-        return GpuSpill(fill, order, self._thread_buffers(),
-                        self.layout.page_bytes, self.layout.slot_bytes, gpu)
-
-    def _gpu_verdicts(self, drain: PageCopier, todo: list,
-                      gpu: torch.cuda.Stream | None) -> GpuVerdicts | None:
-        """Verdicts decided on the GPU for this restore, where it can: staging on CUDA, pages
-        going to a KV pool through the kernels, verification on, and every page checksummed
-        with this tier's GPU algorithm (pages an older configuration wrote are verified the
-        plain way)."""
-        if not todo or not self._gpu_checked(drain):
-            return None
-        if not self.directory.all_use([s for _, s, _ in todo], checksum.GPU_PAGE):
-            return None
-        return GpuVerdicts([want for _, _, want in todo], self._thread_buffers(),
-                           self.layout.page_bytes, self.layout.slot_bytes, gpu)
-
-    def _settle(self, keys, todo: list, verdicts: GpuVerdicts, results: list[bool],
-                unreadable: list, tally: dict) -> None:
-        """Hits and checksum misses of the chunks verified on the GPU (after the stream sync)."""
-        bad, settled = [], verdicts.settle()
-        for k, matched in settled:
-            i, slot, _ = todo[k]
-            if matched:
-                results[i] = True
-            else:
-                bad.append((keys[i], slot))
-        self._corrupt(bad, unreadable, tally)
-        tally["bytes_read"] += (len(settled) - len(bad)) * self.layout.page_bytes
-        tally["read_failed"] += len(bad)
-
-    def _verify_sums(self, part: torch.Tensor, chunk) -> np.ndarray:
-        """Checksums of the chunk's pages, each made with the algorithm its stored one used."""
-        algos = self.directory.algorithms([s for _, s, _ in chunk])
-        if (algos == self._checksums.algorithm).all():
-            return self._checksums.compute(part, len(chunk))
-        sums = np.zeros(len(chunk), dtype=np.uint64)
-        for algo in np.unique(algos).tolist():
-            if algo not in self._verifiers:
-                self._verifiers[algo] = checksum.checksummer(algo, self.layout)
-            mask = algos == algo
-            sums[mask] = np.asarray(self._verifiers[algo].compute(part, len(chunk)))[mask]
-        return sums
-
-    def _corrupt(self, bad: list, unreadable: list, tally: dict) -> None:
-        """Pages ``(key, slot)`` whose checksum did not match: misses, dropped."""
-        if bad:
-            unreadable.extend(bad)
-            tally["corrupt_pages"] += len(bad)
-            self._log_once("corrupt", "checksum mismatch: %d pages dropped as misses "
-                           "(first key %r)", len(bad), bad[0][0])
-
-    def _lost_reads(self, keys, chunk, lost: set[int], unreadable: list, tally: dict) -> None:
-        """Pages (chunk positions ``lost``) whose read failed for good: misses, dropped."""
-        if lost:
-            unreadable.extend((keys[chunk[pos][0]], chunk[pos][1]) for pos in sorted(lost))
-            tally["unreadable_pages"] += len(lost)
-            self._log_once("unreadable", "read failed: %d pages dropped as misses (first key "
-                           "%r)", len(lost), keys[chunk[min(lost)][0]])
-
-    def _failed_positions(self, outcome: IOOutcome, extents: list[Extent], op: str,
-                          lost: set[int] | None = None) -> set[int]:
-        """Positions (in the chunk) of the pages an I/O did not move whole. A page before the
-        point where a short read or write stopped moved whole: it is not failed (and a read
-        one is still verified). ``lost``: given the failed positions whose failure is an I/O
-        error (an ``OSError``: the page's bytes could not be read, not a fault of this process
-        such as a CUDA copy's)."""
-        failed: set[int] = set()
-        sb = self.layout.slot_bytes
-        for idx, exc in outcome.errors.items():
-            e = extents[idx]
-            ranges = outcome.failed.get(idx) or [(e.buffer_offset, e.buffer_offset + e.length)]
-            pages = {p for start, end in ranges for p in range(start // sb, -(-end // sb))}
-            failed |= pages
-            if lost is not None and isinstance(exc, OSError):
-                lost |= pages
-            self._log_once(f"{op}:{type(exc).__name__}", "%s of %d pages failed: %s", op,
-                           len(pages), exc)
-        return failed
 
     # -- read-only follower ---------------------------------------------------------------------
     def _follow_if_idle(self) -> None:
@@ -1389,23 +739,6 @@ class Tier:
             self._log_once("read-only", "read-only tier: puts store nothing (the writer's "
                            "process owns the store)")
         return [False] * len(keys)
-
-    def _lost_files(self) -> bool:
-        """Whether a store file was removed (unlinked) under this writer. Checked for every
-        chunk written, while its write runs (a few fstat calls): a page written to a removed
-        file would be acknowledged and then be gone at the next start, so from then on no put
-        is acknowledged."""
-        if not self._lost:
-            gone = self.store.removed_files() + self._persist.removed_files()
-            if not gone:
-                return False
-            self._lost = (f"store files removed while open: {', '.join(gone)}; pages written "
-                          "from now on could not be found again. Close the tier and open the "
-                          "store again (its surviving files) or a new store")
-            self._stats.add(store_files_removed=len(gone))
-            self._metrics.fallback("puts", "refused: store files removed while open")
-            log.error("gdskv: %s", self._lost)
-        return True
 
     def _stored(self, key: Hashable) -> bool:
         return self.directory.contains(key)

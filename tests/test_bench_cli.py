@@ -341,7 +341,7 @@ def test_call_profile_phases_and_threads(tmp_path):
         assert len(e["write_ms"]) == 4 and e["read_gbps"] > 0 and e["write_gbps"] > 0
     phases = res["gdskv_phases_ms_per_call"]
     assert phases["gdskv.tier:Tier._run"] > 0
-    assert phases["gdskv.tier:Tier._run"] >= phases["gdskv.tier:Tier._finish_read"]
+    assert phases["gdskv.tier:Tier._run"] >= phases["gdskv.restore_call:RestoreCall._finish_read"]
     assert "gdskv.tier:Tier._run" in res["gdskv_first_write_phases_ms"]
 
 

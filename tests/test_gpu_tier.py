@@ -89,12 +89,14 @@ def test_async_get_does_not_block_engine_stream(tmp_path):
             assert torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
+@pytest.mark.parametrize("callers", ["own-streams", "default-stream"])
 @pytest.mark.parametrize("backend", ["kvikio", "kvikio-polled", "posix", "posix-polled"])
-def test_gpu_calls_from_four_threads(tmp_path, backend):
-    """Four threads, each on its own CUDA stream (as engine transfer threads are), putting and
-    getting through one tier with fewer staging parts than calls in flight: every page comes
-    back bit-exact into other slots, and nothing waits forever. ``-polled``: the waiting
-    threads poll their I/O first (io_poll_us), one at a time."""
+def test_gpu_calls_from_four_threads(tmp_path, backend, callers):
+    """Four threads, each on its own CUDA stream (as engine transfer threads are) or all on the
+    legacy default stream (each call then on a stream of the tier's pool), putting and getting
+    through one tier with fewer staging parts than calls in flight: every page comes back
+    bit-exact into other slots, and nothing waits forever. ``-polled``: the waiting threads
+    poll their I/O first (io_poll_us), one at a time."""
     per_call, calls = 24, 4     # 24 pages of 2 MiB: three 16 MiB parts of 8 pages each
     pages = per_call * calls * 2
     slots = pages * LLAMA.page_size
@@ -109,7 +111,8 @@ def test_gpu_calls_from_four_threads(tmp_path, backend):
     with Tier(LLAMA, cfg, device="cuda") as tier:
         def worker(t: int) -> list:
             problems = []
-            with torch.cuda.stream(torch.cuda.Stream()):
+            with torch.cuda.stream(torch.cuda.Stream() if callers == "own-streams"
+                                   else torch.cuda.default_stream()):
                 for r in range(2):
                     first = (t * 2 + r) * per_call
                     keys = [f"t{t}r{r}p{i}" for i in range(per_call)]
@@ -126,6 +129,36 @@ def test_gpu_calls_from_four_threads(tmp_path, backend):
         for a, b in zip(pool, out):
             assert torch.equal(a.view(torch.int16)[:, perm_src], b.view(torch.int16)[:, perm_dst])
         assert tier.stats()["corrupt_pages"] == 0
+        # a pool stream per call in flight at most (the warm-up's one among them)
+        assert 1 <= len(tier._streams) <= calls
+
+
+def test_calls_in_flight_never_share_a_stream(tmp_path):
+    """Two calls in flight from the legacy default stream (a synchronous one, and an
+    asynchronous one's turn) each get a stream of the tier's pool, never the same one, and
+    the pool reuses them once they are given back (gdskv.streams.StreamPool)."""
+    lay = KVLayout(num_layers=2, page_size=16, head_dim=64, kv_heads=2, dtype="bf16")
+    cfg = TierConfig(directories=(str(tmp_path),), capacity=f"{8 * lay.slot_bytes}",
+                     staging_size=f"{2 * lay.slot_bytes}")
+    with Tier(lay, cfg, device="cuda") as tier:
+        with torch.cuda.stream(torch.cuda.default_stream()):
+            sync = tier._call_stream(None)
+            sync.enter()
+            other = tier._call_stream(tier._engine_event())
+            other.enter()
+            assert sync.stream != other.stream
+            assert sync.stream in tier._streams and other.stream in tier._streams
+            assert torch.cuda.current_stream() == other.stream
+            other.leave()
+            assert torch.cuda.current_stream() == sync.stream
+            sync.leave()
+            assert torch.cuda.current_stream() == torch.cuda.default_stream()
+            made = len(tier._streams)
+            again = tier._call_stream(None)
+            again.enter()
+            assert again.stream in (sync.stream, other.stream)
+            again.leave()
+            assert len(tier._streams) == made == 2
 
 
 @pytest.mark.parametrize("backend", ["kvikio", "posix"])
@@ -307,8 +340,8 @@ def test_spills_replayed_from_a_graph_round_trip_and_survive_a_restart(tmp_path,
 
 @pytest.mark.parametrize("on", ["side", "default"])
 def test_sync_calls_follow_the_callers_queued_work(tmp_path, on):
-    """A synchronous call runs on the caller's own stream (a side stream) or takes its turn on
-    the tier's after the caller's queued work (the legacy default stream: never used for
+    """A synchronous call runs on the caller's own stream (a side stream) or on a stream of the
+    tier's pool after the caller's queued work (the legacy default stream: never used for
     gdskv's work; gdskv.streams.CallStream). Either way a spill gathers what the caller wrote
     just before it, and a restore's scatter lands after the caller's earlier writes to its
     slots, while the GPU is still busy with work queued before the call."""
@@ -322,7 +355,10 @@ def test_sync_calls_follow_the_callers_queued_work(tmp_path, on):
         with torch.cuda.stream(stream):
             turn = tier._call_stream(None)
             turn.enter()
-            assert turn.stream == (stream if on == "side" else tier._stream)
+            if on == "side":
+                assert turn.stream == stream
+            else:  # a stream of the tier's pool, never the legacy default stream
+                assert turn.stream in tier._streams and turn.stream != stream
             assert torch.cuda.current_stream() == turn.stream
             turn.leave()
             assert torch.cuda.current_stream() == stream

@@ -53,24 +53,24 @@ PHASES = ("gdskv.tier:Tier._pool_copier", "gdskv.tier:Tier._copier_for",
           "gdskv.store:SlabStore.extents", "gdskv.kernels:gather_pages",
           "gdskv.kernels:scatter_pages", "gdskv.checksum:GpuPageChecksummer.compute",
           "gdskv.checksum:PageChecksummer.compute",
-          "gdskv.tier:Tier._finish_write", "gdskv.tier:Tier._finish_read",
-          "gdskv.tier:Tier._verify_sums", "gdskv.journal:Journal.append", "os:fdatasync",
+          "gdskv.spill_call:SpillCall._finish_write", "gdskv.restore_call:RestoreCall._finish_read",
+          "gdskv.data_call:CallContext.verify_sums", "gdskv.journal:Journal.append", "os:fdatasync",
           "concurrent.futures:Future.result", "gdskv.backends.kvikio:KvikioBackend._submit",
           "gdskv.backends.posix:PosixBackend._submit", "gdskv.tier:Tier._run",
-          "gdskv.tier:Tier._take_part", "gdskv.tier:Tier._copies_done",
+          "gdskv.data_call:CallContext.take_part", "gdskv.spill_call:copies_done", "gdskv.restore_call:copies_done",
           "gdskv.staging:StagingParts._ready", "gdskv.tier:Tier._engine_event",
-          "gdskv.tier:Tier._get", "gdskv.tier:Tier._put",
+          "gdskv.restore_call:RestoreCall.run", "gdskv.spill_call:SpillCall.run",
           "gdskv.copiers:PoolCopier.prepare", "gdskv.copiers:PoolCopier.__call__",
-          "gdskv.directory:PageDirectory.algorithms", "gdskv.tier:Tier._scatter_event",
+          "gdskv.directory:PageDirectory.algorithms",
           "gdskv.staging:StagingParts.give_back", "gdskv.kernels:page_checksums",
           "gdskv.stats:TierStats.add", "gdskv.gpu_verdicts:GpuVerdicts.__init__",
           "gdskv.gpu_verdicts:GpuVerdicts.scatter", "gdskv.gpu_verdicts:GpuVerdicts.read_back",
-          "gdskv.tier:Tier._settle", "gdskv.tier:Tier._gpu_verdicts",
+          "gdskv.restore_call:RestoreCall._settle", "gdskv.restore_call:RestoreCall._gpu_verdicts",
           "gdskv.kernels:page_partial_sums", "gdskv.kernels:scatter_pages_verified",
-          "gdskv.tier:Tier._gpu_spill", "gdskv.gpu_spill:GpuSpill.__init__",
+          "gdskv.spill_call:SpillCall._gpu_spill", "gdskv.gpu_spill:GpuSpill.__init__",
           "gdskv.gpu_spill:GpuSpill.gather", "gdskv.gpu_spill:GpuSpill.sums",
           "gdskv.launch_graphs:LaunchGraphs.run", "gdskv.slot_trailer:write_into",
-          "gdskv.tier:Tier._trailers", "gdskv.metrics:TierMetrics.call")
+          "gdskv.spill_call:SpillCall._trailers", "gdskv.metrics:TierMetrics.call")
 
 
 # What ``--timeline`` stamps (when each returns, calling thread only), per op.
@@ -79,22 +79,22 @@ TIMELINE = ("gdskv.tier:Tier._check_open", "gdskv.tier:Tier._refuse_byte_pages",
             "gdskv.call_gate:CallGate.enter_shared", "gdskv.streams:OnStream.__enter__",
             "gdskv.staging:StagingParts.try_take", "gdskv.store:SlabStore.extents",
             "gdskv.copiers:PoolCopier.chunk_slots", "gdskv.launch_graphs:LaunchGraphs.run",
-            "torch.cuda.graphs:CUDAGraph.replay", "gdskv.tier:Tier._gpu_spill",
-            "gdskv.tier:Tier._gpu_verdicts", "gdskv.tier:Tier._trailers",
+            "torch.cuda.graphs:CUDAGraph.replay", "gdskv.spill_call:SpillCall._gpu_spill",
+            "gdskv.restore_call:RestoreCall._gpu_verdicts", "gdskv.spill_call:SpillCall._trailers",
             "gdskv.tier:Tier._engine_event", "gdskv.directory:PageDirectory.pin",
             "gdskv.directory:PageDirectory.reserve",
             "gdskv.gpu_spill:GpuSpill.gather", "gdskv.gpu_spill:GpuSpill.sums",
-            "gdskv.slot_trailer:write_into", "gdskv.tier:Tier._copies_done",
+            "gdskv.slot_trailer:write_into", "gdskv.spill_call:copies_done", "gdskv.restore_call:copies_done",
             "gdskv.backends.kvikio:KvikioBackend._submit",
             "gdskv.backends.posix:PosixBackend._submit",
             "gdskv.copiers:PoolCopier.prepare", "gdskv.backends.kvikio:KvikioBackend._wait",
             "gdskv.gpu_verdicts:GpuVerdicts.scatter", "gdskv.store:SlabStore.sync",
-            "gdskv.persistence:PersistentDirectory.journal_commits", "gdskv.tier:Tier._finish_write",
-            "gdskv.tier:Tier._settle", "gdskv.directory:PageDirectory.unpin",
-            "gdskv.stats:TierStats.add", "gdskv.tier:Tier._get", "gdskv.tier:Tier._put",
+            "gdskv.persistence:PersistentDirectory.journal_commits", "gdskv.spill_call:SpillCall._finish_write",
+            "gdskv.restore_call:RestoreCall._settle", "gdskv.directory:PageDirectory.unpin",
+            "gdskv.stats:TierStats.add", "gdskv.restore_call:RestoreCall.run", "gdskv.spill_call:SpillCall.run",
             "gdskv.tier:Tier._run", "gdskv.streams:CallStream.enter",
             "gdskv.streams:CallStream.leave", "gdskv.backends.base:WaitingFuture.result",
-            "gdskv.tier:Tier._failed_positions", "gdskv.tier:Tier._unpin",
+            "gdskv.data_call:CallContext.failed_positions", "gdskv.restore_call:RestoreCall._unpin",
             "gdskv.metrics:TierMetrics.call", "gdskv.call_gate:CallGate.leave_shared",
             "gdskv.tier:Tier._call_stream", "gdskv.staging:StagingParts.give_back")
 
@@ -277,9 +277,9 @@ def _calls(engine, op: str, batches: int, ppb: int, profile: cProfile.Profile | 
 
 def run(args) -> dict:
     if args.plain_verify:
-        from gdskv.tier import Tier
+        from gdskv.restore_call import RestoreCall
         # Any signature: the patch must outlive changes to the method's arguments.
-        Tier._gpu_verdicts = lambda self, *args, **kwargs: None
+        RestoreCall._gpu_verdicts = lambda self, *args, **kwargs: None
     preset = get_preset(args.model)
     layout = preset.layout(args.page_tokens)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -158,11 +158,13 @@ def main() -> None:
     install("gdskv.admission", ["AdmissionFilter.admit"])
     install("gdskv.ledger", ["CallLedger.record", "CallLedger.settle"])
     install("gdskv.call_gate", ["CallGate.enter_shared", "CallGate.leave_shared"])
-    install("gdskv.tier", ["Tier.put", "Tier._pool_copier", "Tier._copier_for", "Tier._run", "Tier._put",
-                             "Tier._finish_write", "Tier._trailers", "Tier._copies_done", "Tier._call_stream",
-                             "Tier._writing", "Tier._gpu_spill", "Tier._check_keys", "Tier._gpu_checked",
-                             "Tier.get", "Tier._get", "Tier._finish_read", "Tier._unpin",
-                             "Tier._gpu_verdicts", "Tier._settle", "Tier._refuse_byte_pages"])
+    install("gdskv.tier", ["Tier.put", "Tier._pool_copier", "Tier._copier_for", "Tier._run", "Tier._call_stream",
+                           "Tier._check_keys", "Tier.get", "Tier._refuse_byte_pages"])
+    install("gdskv.spill_call", ["SpillCall.run", "SpillCall._finish_write", "SpillCall._trailers",
+                                 "SpillCall._writing", "SpillCall._gpu_spill"])
+    install("gdskv.restore_call", ["RestoreCall.run", "RestoreCall._finish_read", "RestoreCall._unpin",
+                                   "RestoreCall._gpu_verdicts", "RestoreCall._settle"])
+    install("gdskv.data_call", ["CallContext.gpu_checked"])
     from gdskv.tier import Tier
     from gdskv.config import TierConfig
     from gdskv.layout import KVLayout
