@@ -176,6 +176,9 @@ class PrefixCache:
         ``StaticCache``'s own tensors, which then hold that prefix and nothing after it: the
         tokens restored (0 when the first page is not stored)."""
         layers = cache.layers
+        if any(layer.is_sliding for layer in layers):  # a ring of the last tokens, not a prefix
+            raise ValueError("restore_static: sliding-window layers keep the last tokens in a "
+                             "ring, not the prompt's prefix: a full-attention model's cache only")
         if not all(layer.is_initialized for layer in layers):
             raise ValueError("restore_static: the StaticCache has no tensors yet (make it with "
                              "static_cache(), or call its early_initialization())")

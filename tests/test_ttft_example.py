@@ -182,11 +182,16 @@ def test_restore_into_a_static_cache_gives_the_prefills_kv_and_logits(model, pre
     assert same_kv(short, cache, 3 * PAGE)
 
 
-def test_restore_static_refuses_a_cache_without_tensors(model, prefixes):
+def test_restore_static_refuses_a_cache_without_tensors_or_with_sliding_layers(model,
+                                                                            prefixes):
     import transformers
     lazy = transformers.StaticCache(config=model.config, max_cache_len=64)
     with pytest.raises(ValueError, match="no tensors yet .*static_cache"):
         prefixes.restore_static(["k"], lazy)
+    sliding = transformers.MistralConfig(**{**model.config.to_dict(), "sliding_window": 32})
+    ring = transformers.StaticCache(config=sliding, max_cache_len=64)
+    with pytest.raises(ValueError, match="sliding-window layers"):
+        prefixes.restore_static(["k"], ring)
 
 
 class HostReads(TorchDispatchMode):
