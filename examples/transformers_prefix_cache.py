@@ -13,6 +13,8 @@ cache tensors to gdskv, in both directions, with no copy of the KV:
 - ``restore`` allocates the new cache's tensors, has gdskv scatter the pages straight into them
   and gives them to a ``DynamicCache`` as they are. (The first forward on that cache copies it
   once, as every ``DynamicCache`` does when it grows.)
+- ``restore_static`` has gdskv scatter the pages straight into a ``StaticCache`` made by
+  ``static_cache`` (its tensors never move, so a forward over it can run as a CUDA graph).
 
 Runs anywhere: on a GPU with the kvikio backend, on CPU with the POSIX one (a tiny random model,
 nothing downloaded). A real model goes the same way: ``AutoModelForCausalLM.from_pretrained``.
@@ -64,6 +66,16 @@ def cache_from(keys: list[torch.Tensor], values: list[torch.Tensor]) -> transfor
     for layer, (k, v) in enumerate(zip(keys, values)):
         cache.update(k[..., :0, :], v[..., :0, :], layer)  # makes the layer: dtype, device
         cache.layers[layer].keys, cache.layers[layer].values = k, v
+    return cache
+
+
+def static_cache(model, max_tokens: int) -> transformers.StaticCache:
+    """A ``StaticCache`` for one sequence of up to ``max_tokens`` tokens, its tensors allocated
+    now (``[1, kv_heads, max_tokens, head_dim]`` a layer; left alone, transformers would make
+    them at the first forward)."""
+    _, heads, head_dim = kv_geometry(model.config)
+    cache = transformers.StaticCache(config=model.config, max_cache_len=max_tokens)
+    cache.early_initialization(1, heads, head_dim, model.dtype, model.device)
     return cache
 
 
@@ -136,6 +148,13 @@ class PrefixCache:
                                 [layer.values for layer in cache.layers], len(keys))
         return sum(self.tier.put(keys, pool, slots))
 
+    def _get(self, keys: list[str], ks: list[torch.Tensor], vs: list[torch.Tensor]) -> int:
+        """gdskv scatters the pages of ``keys`` into the first pages of these per-layer
+        tensors; the tokens restored (a page lost since ``match_prefix``, evicted or failing its
+        checksum, ends the prefix there)."""
+        hits = self.tier.get(keys, *self.pool(ks, vs, len(keys)))
+        return (hits.index(False) if False in hits else len(keys)) * self.page_size
+
     def restore(self, keys: list[str]):
         """The longest stored prefix of ``keys`` as a new ``DynamicCache``: ``(cache, tokens)``,
         ``(None, 0)`` when the first page is not stored."""
@@ -146,14 +165,29 @@ class PrefixCache:
         ks = [torch.empty(shape, dtype=self.layout.torch_dtype, device=self.tier.device)
               for _ in range(self.num_layers)]
         vs = [torch.empty_like(k) for k in ks]
-        hits = self.tier.get(keys[:pages], *self.pool(ks, vs, pages))
-        # a page lost since match_prefix (evicted, failed its checksum) ends the prefix there
-        pages = hits.index(False) if False in hits else pages
-        if pages == 0:
+        tokens = self._get(keys[:pages], ks, vs)
+        if tokens == 0:
             return None, 0
-        tokens = pages * self.page_size
         cache = cache_from([k[..., :tokens, :] for k in ks], [v[..., :tokens, :] for v in vs])
         return cache, tokens
+
+    def restore_static(self, keys: list[str], cache: transformers.StaticCache) -> int:
+        """The longest stored prefix of ``keys`` (as much as the cache holds) straight into a
+        ``StaticCache``'s own tensors, which then hold that prefix and nothing after it: the
+        tokens restored (0 when the first page is not stored)."""
+        layers = cache.layers
+        if any(layer.is_sliding for layer in layers):  # a ring of the last tokens, not a prefix
+            raise ValueError("restore_static: sliding-window layers keep the last tokens in a "
+                             "ring, not the prompt's prefix: a full-attention model's cache only")
+        if not all(layer.is_initialized for layer in layers):
+            raise ValueError("restore_static: the StaticCache has no tensors yet (make it with "
+                             "static_cache(), or call its early_initialization())")
+        pages = min(self.tier.match_prefix(keys), layers[0].max_cache_len // self.page_size)
+        tokens = self._get(keys[:pages], [layer.keys for layer in layers],
+                           [layer.values for layer in layers]) if pages else 0
+        for layer in layers:  # where the next forward writes (transformers' own counter)
+            layer.cumulative_length.fill_(tokens)
+        return tokens
 
     def close(self) -> None:
         self.tier.close()

@@ -1,7 +1,8 @@
 """The transformers prefix-cache example (examples/transformers_prefix_cache.py) and the TTFT
 bench built on it (bench/experiments/ttft.py), with a 2-layer random Llama on the CPU: a
 restored prefix must give the very KV the prefill made and, prefilling the same suffix, the very
-logits the prefill's own cache gives. One byte off anywhere fails these tests."""
+logits the prefill's own cache gives. One byte off anywhere fails these tests. The CUDA graph of
+the suffix's forward is tested on a GPU only (marked ``gpu``)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,11 @@ import torch
 
 pytest.importorskip("transformers", reason="transformers is not installed (the test extra)")
 
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
 from gdskv import TierConfig  # noqa: E402
+from gdskv.memory import cuda_available  # noqa: E402
+from ttft import SuffixForward  # noqa: E402  (bench/experiments: pytest's pythonpath)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "transformers_prefix_cache.py")
@@ -52,6 +57,16 @@ def cut(cache, tokens: int):
     """The prefill's own cache, its first ``tokens`` tokens (views: nothing copied)."""
     return ex.cache_from([layer.keys[..., :tokens, :] for layer in cache.layers],
                          [layer.values[..., :tokens, :] for layer in cache.layers])
+
+
+def static_copy(model, cache, tokens: int, capacity: int):
+    """A new StaticCache holding the prefill's first ``tokens`` tokens (copied in)."""
+    static = ex.static_cache(model, capacity)
+    for mine, theirs in zip(static.layers, cache.layers):
+        mine.keys[..., :tokens, :].copy_(theirs.keys[..., :tokens, :])
+        mine.values[..., :tokens, :].copy_(theirs.values[..., :tokens, :])
+        mine.cumulative_length.fill_(tokens)
+    return static
 
 
 @pytest.fixture
@@ -121,6 +136,136 @@ def test_nothing_stored_and_a_damaged_page_end_the_prefix(model, prefixes, tmp_p
     assert same_kv(restored, cache, PAGE)
 
 
+@torch.no_grad()
+def test_restore_into_a_static_cache_gives_the_prefills_kv_and_logits(model, prefixes):
+    first = prompt(5 * PAGE + 3, seed=4)
+    _, cache = ex.forward(model, first)
+    keys = prefixes.page_keys(first)
+    static = ex.static_cache(model, 8 * PAGE)
+    assert prefixes.restore_static(keys, static) == 0  # nothing stored yet
+    assert int(static.get_seq_length()) == 0
+    assert prefixes.spill(keys, cache) == 5
+
+    second = torch.cat([first[:, :4 * PAGE + 5], prompt(30, seed=5)], 1)
+    wanted = prefixes.page_keys(second)[:(second.shape[1] - 1) // PAGE]
+    tokens = prefixes.restore_static(wanted, static)
+    assert tokens == 4 * PAGE and int(static.get_seq_length()) == tokens
+    assert same_kv(static, cache, tokens)
+
+    logits, _ = ex.forward(model, second[:, tokens:], static)  # transformers' own forward
+    reference, _ = ex.forward(model, second[:, tokens:],
+                              static_copy(model, cache, tokens, 8 * PAGE))
+    assert torch.equal(logits, reference)
+
+    # the bench's capturable forward (explicit mask, positions from tensors) on the restored
+    # cache against the same on the prefill's own KV
+    suffix = second[:, tokens:]
+    restored = SuffixForward(model, static, suffix.shape[1], ex.cache_argument(type(model)))
+    own = SuffixForward(model, static_copy(model, cache, tokens, 8 * PAGE), suffix.shape[1],
+                        ex.cache_argument(type(model)))
+    assert prefixes.restore_static(wanted, static) == tokens  # the forward above wrote on
+    for f in (restored, own):
+        f.set(suffix, tokens)
+    expected = own.eager().clone()
+    assert torch.equal(restored.eager(), expected)
+
+    # one bit of one restored element: the KV comparison and the logits both see it
+    assert prefixes.restore_static(wanted, static) == tokens
+    static.layers[1].values.view(torch.int32)[0, 1, tokens - 1, 3] ^= 1 << 21
+    assert not same_kv(static, cache, tokens)
+    restored.set(suffix, tokens)
+    assert not torch.equal(restored.eager(), expected)
+
+    # a cache too short for the stored prefix takes the pages that fit
+    short = ex.static_cache(model, 3 * PAGE + 8)
+    assert prefixes.restore_static(wanted, short) == 3 * PAGE
+    assert same_kv(short, cache, 3 * PAGE)
+
+
+def test_restore_static_refuses_a_cache_without_tensors_or_with_sliding_layers(model,
+                                                                            prefixes):
+    import transformers
+    lazy = transformers.StaticCache(config=model.config, max_cache_len=64)
+    with pytest.raises(ValueError, match="no tensors yet .*static_cache"):
+        prefixes.restore_static(["k"], lazy)
+    sliding = transformers.MistralConfig(**{**model.config.to_dict(), "sliding_window": 32})
+    ring = transformers.StaticCache(config=sliding, max_cache_len=64)
+    with pytest.raises(ValueError, match="sliding-window layers"):
+        prefixes.restore_static(["k"], ring)
+
+
+class HostReads(TorchDispatchMode):
+    """Counts the ops that read a tensor's value back to the host (``.item()``, ``bool()``,
+    ``nonzero``): none may happen while a CUDA graph is captured."""
+
+    READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.READS:
+            self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@torch.no_grad()
+def test_the_suffix_forward_reads_nothing_back_and_follows_its_input_tensors(model):
+    ids = prompt(3 * PAGE + 5, seed=6)
+    _, cache = ex.forward(model, ids)
+    static = static_copy(model, cache, 3 * PAGE, 4 * PAGE)
+    forward = SuffixForward(model, static, 5, ex.cache_argument(type(model)))
+    forward.set(ids[:, 3 * PAGE:], 3 * PAGE)
+    with HostReads() as reads:
+        first = forward.eager().clone()
+    assert reads.seen == []
+    with HostReads() as reads:  # what the mode catches: a tensor's value used by Python
+        bool(static.get_seq_length() == 0)
+    assert reads.seen == ["aten._local_scalar_dense.default"]
+
+    # the forward's inputs are the tensors set() fills: other ids, another start, other logits;
+    # the same inputs again, the same logits
+    forward.set(prompt(5, seed=7), 3 * PAGE)
+    assert not torch.equal(forward.eager(), first)
+    forward.set(ids[:, 3 * PAGE:], 3 * PAGE)
+    assert torch.equal(forward.eager(), first)
+    # where the suffix's KV goes comes from start too, not from what the cache counted
+    for layer in static.layers:
+        layer.cumulative_length.fill_(0)
+    assert torch.equal(forward.eager(), first)
+    assert int(static.get_seq_length()) == 3 * PAGE + 5
+    with pytest.raises(ValueError, match=r"ids of shape \(1, 4\)"):
+        forward.set(ids[:, :4], 0)
+    with pytest.raises(ValueError, match="start 60 leaves no room for 5 tokens in 64"):
+        forward.set(ids[:, :5], 60)
+    with pytest.raises(RuntimeError, match="capture"):
+        forward.replay()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda_available(), reason="needs a CUDA device (none here)")
+@torch.no_grad()
+def test_the_suffix_forward_replayed_as_a_cuda_graph_gives_the_eager_logits():
+    model = ex.tiny_llama("cuda", torch.bfloat16)
+    ids = prompt(6 * PAGE, seed=8).cuda()
+    _, cache = ex.forward(model, ids)
+    static = static_copy(model, cache, 5 * PAGE, 6 * PAGE)
+    forward = SuffixForward(model, static, PAGE, ex.cache_argument(type(model)))
+    forward.set(ids[:, 5 * PAGE:], 5 * PAGE)
+    eager = forward.eager().clone()
+    forward.capture()
+    assert torch.equal(forward.replay().clone(), eager)
+
+    # other inputs through the same graph: the replay follows the tensors set() fills
+    other, start = prompt(PAGE, seed=9).cuda(), 2 * PAGE
+    forward.set(other, start)
+    replayed = forward.replay().clone()
+    forward.set(other, start)
+    assert torch.equal(replayed, forward.eager())
+    assert not torch.equal(replayed, eager)
+
+
 def test_cache_layout_refuses_pages_over_gdskvs_rows(model):
     with pytest.raises(ValueError, match=r"page_size 256 x 2 KV heads .* page_size <= 128"):
         ex.cache_layout(model.config, 256, torch.float32)
@@ -149,13 +294,43 @@ def test_ttft_bench_tiny_on_cpu(tmp_path):
     assert r["model"]["layers"] == 2 and r["errors"] == [] and r["not_bit_exact"] == []
     (run,) = r["runs"]
     assert run["backend"]["backend"] == "posix"
-    assert sorted(run["paths"]) == ["hit50", "hit90", "restore", "restore_pool_copy"]
+    assert list(run["paths"]) == ["restore", "restore_graph", "hit90", "hit50",
+                                  "restore_pool_copy"]
     for name, path in run["paths"].items():
         assert path["bit_exact_kv"] and path["bit_exact_logits"], name
         assert path["restored_tokens"] + path["prefilled_tokens"] == 64
     assert run["paths"]["restore"]["restored_tokens"] == 48  # whole pages, a token left
+    for name in ("restore", "restore_graph"):  # gdskv's read is part of the restore
+        assert 0 < run["paths"][name]["restore_io_ms"] <= run["paths"][name]["restore_ms"]
+    # no graph on the CPU: the StaticCache restore and its suffix run eagerly, checked, and
+    # the path reported skipped (no TTFT of its own)
+    graph = run["paths"]["restore_graph"]
+    assert graph["skipped"].startswith("no CUDA device") and "ttft_ms" not in graph
+    assert graph["restored_tokens"] == 48 and graph["max_cache_len"] == 256
     assert run["decode"]["spills_finished"] >= 1
-    assert out.stdout.rstrip().splitlines()[-1].split()[-1] == "ok"  # the table comes last
+    lines = out.stdout.rstrip().splitlines()
+    assert lines[-1].split()[-1] == "ok"  # the table comes last
+    assert lines[-4].split()[2:6] == ["restore_graph", "exact", "ok,", "skipped:"]
+
+
+def test_ttft_bench_runs_the_paths_named(tmp_path):
+    """``--paths``: only the restore paths named (the prefill always), no decode."""
+    bench = os.path.join(ROOT, "bench", "experiments", "ttft.py")
+    result = tmp_path / "ttft.json"
+    base = [sys.executable, bench, "--device", "cpu", "--tiny", "--tokens", "40", "--dirs",
+            str(tmp_path / "store"), "--repeat", "1", "--no-decode", "--json", str(result)]
+    out = subprocess.run(base + ["--paths", "prefill,restore_graph"], capture_output=True,
+                         text=True, timeout=600, cwd="/")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    r = json.loads(result.read_text())
+    assert r["paths"] == ["prefill", "restore_graph"] and r["errors"] == []
+    (run,) = r["runs"]
+    assert list(run["paths"]) == ["restore_graph"] and "decode" not in run
+    assert run["paths"]["restore_graph"]["restored_tokens"] == 32
+    assert "ttft_ms" in r["prefill"]["40"]
+    bad = subprocess.run(base + ["--paths", "restore,graph"], capture_output=True, text=True,
+                         timeout=300, cwd="/")
+    assert bad.returncode == 2 and "--paths: graph: name some of prefill,restore," in bad.stderr
 
 
 def test_ttft_bench_table_and_plot_from_results(tmp_path, capsys):
@@ -164,7 +339,8 @@ def test_ttft_bench_table_and_plot_from_results(tmp_path, capsys):
     run = {"tokens": 4096, "dir": "/mnt/x", "medium": {"fs_type": "ext4"},
            "raw_kvikio": {"gbps": 2.0}, "spill": {"ms": 300.0}, "break_even_gbps": 1.5,
            "decode": {"slowdown": 1.25},
-           "paths": {"restore": {"ttft_ms": 200.0, "speedup": 2.5, "restore_gbps": 1.8,
+           "paths": {"restore": {"ttft_ms": 200.0, "suffix_ms": 40.0, "speedup": 2.5,
+                                 "restore_gbps": 1.8,
                                  "restore_vs_raw": 0.9, "bit_exact_kv": True,
                                  "bit_exact_logits": True},
                      "hit50": {"oom": "OutOfMemoryError()"}}}
@@ -179,10 +355,11 @@ def test_ttft_bench_table_and_plot_from_results(tmp_path, capsys):
     assert ttft.main(["--from-json", ",".join(map(str, paths)), "--plot", str(png)]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert png.stat().st_size > 1000 if "plot written" in lines[0] else "skipped" in lines[0]
-    assert lines[-5].split() == ["N", "medium", "path", "TTFT", "ms", "speedup", "GB/s", "raw",
-                                 "r/raw", "need", "spill", "ms", "decode", "exact"]
-    assert lines[-4].split()[:4] == ["4096", "-", "prefill", "500.0"]
+    assert lines[-5].split() == ["N", "medium", "path", "TTFT", "ms", "io", "ms", "sfx", "ms",
+                                 "speedup", "GB/s", "raw", "r/raw", "need", "spill", "ms",
+                                 "decode", "exact"]
+    assert lines[-4].split()[:7] == ["4096", "-", "prefill", "500.0", "-", "-", "1.00x"]
     assert lines[-3].split() == ["8192", "-", "prefill", "oom:", "OutOfMemoryError()"]
-    assert lines[-2].split() == ["4096", "ext4:x", "restore", "200.0", "2.50x", "1.80", "2.00",
-                                 "0.90", "1.50", "300.0", "1.25x", "ok"]
+    assert lines[-2].split() == ["4096", "ext4:x", "restore", "200.0", "-", "40.0", "2.50x",
+                                 "1.80", "2.00", "0.90", "1.50", "300.0", "1.25x", "ok"]
     assert lines[-1].split() == ["4096", "ext4:x", "hit50", "OutOfMemoryError()"]

@@ -10,10 +10,21 @@ first token's logits (``logits_to_keep=1``) and a device sync:
   restore            the whole pages of the first N-1 tokens restored by
                      examples/transformers_prefix_cache.py (straight into new cache tensors, no
                      copy), the last 1..page_size tokens prefilled;
+  restore_graph      the same pages restored straight into a transformers ``StaticCache``
+                     (``restore_static``: no copy), the last tokens' forward replayed as a CUDA
+                     graph captured for this N before the timing (``SuffixForward``; its
+                     capture is ``graph_capture_ms``). TTFT = the restore,
+                     the copy of the suffix's ids into the graph's inputs and the replay. On the
+                     CPU: no graph; the restore and the same forward run eagerly are checked,
+                     and the path is reported skipped;
   restore_pool_copy  the same pages restored into a token-major pool ([layers, tokens, heads,
                      head_dim], an engine's layout), then copied into the cache: the copy the
-                     other path avoids (not with --quick);
+                     other path avoids (not with --quick unless --paths names it);
   hit90, hit50       90 % / 50 % of the prompt's pages restored, the rest prefilled.
+
+``--paths`` picks the restore paths to run (the prefill always runs). Each restore path reports
+``restore_ms`` (to a usable cache), ``restore_io_ms`` (gdskv's ``get`` alone, device synced
+around it) and ``suffix_ms`` (the forward of the tokens left).
 
 The page cache is dropped before every restore (fadvise on the slab files, and
 /proc/sys/vm/drop_caches when root; the JSON says what worked). Per N and directory also: the
@@ -25,9 +36,10 @@ the tier's workers (``put_async``): the decode slowdown.
 Correctness, every run: the restored KV bit-identical to the prefill's (``torch.equal`` per
 layer), and the suffix's logits on the restored cache bit-identical to the same suffix on the
 prefill's own cache cut to the restored length. The difference to the full prefill's logits is
-reported apart: it runs other kernels, so it may differ in the last bits (issue 49). Exit
-status 1 if a check fails or a run fails other than by running out of GPU memory (recorded, and
-the next N tried).
+reported apart: it runs other kernels, so it may differ in the last bits (issue 49).
+``restore_graph`` is checked against its own reference: the same forward launched eagerly on the
+same ``StaticCache`` holding the prefill's own KV. Exit status 1 if a check fails or a run fails
+other than by running out of GPU memory (recorded, and the next N tried).
 
 Result it produced: ``h100-2026-11-27/ttft/`` (the H100 run of issue 49; docs/ttft.md reads
 it).
@@ -35,6 +47,8 @@ it).
     python bench/experiments/ttft.py --dirs /dev/shm/gdskv,/var/tmp/gdskv \\
         --json ttft.json --plot ttft.png    # minutes: split --tokens over calls if time is short
     python bench/experiments/ttft.py --quick --dirs /dev/shm/gdskv --json quick.json
+    python bench/experiments/ttft.py --paths restore,restore_graph --no-decode \\
+        --tokens 1k,2k,8k,32k --dirs /dev/shm/gdskv --json graph.json   # two paths only
     python bench/experiments/ttft.py --device cpu --tiny --tokens 64,128 --dirs /tmp/ttft
     python bench/experiments/ttft.py --from-json ttft.json --plot ttft.png   # table and plot again
 """
@@ -42,6 +56,7 @@ it).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -64,6 +79,9 @@ FULL_TOKENS = (1024, 2048, 8192, 32768, 65536, 131072)
 QUICK_TOKENS = (2048, 8192)
 #: prompts longer than this are timed once (each sample of a 128k prefill takes seconds)
 REPEAT_UP_TO = 32768
+#: the restore paths, in the order they run (the prefill always runs: every path is checked
+#: against its KV and its TTFT is every speedup's base)
+RESTORE_PATHS = ("restore", "restore_graph", "hit90", "hit50", "restore_pool_copy")
 
 
 def parse_tokens(text: str) -> list[int]:
@@ -175,19 +193,20 @@ class Run:
             (self.logits, self.cache), s = timed(self.device, lambda: ex.forward(model, self.ids))
             samples.append(s * 1e3)
         self.prefill = {"ttft_ms": statistics.median(samples), "samples_ms": samples}
-        whole = (n - 1) // page  # pages restorable with one token left to prefill
+        # pages restorable with one token left to prefill
+        self.whole = whole = (n - 1) // page
         self.hits: dict[str, int] = {}
         self.refs: dict[int, torch.Tensor | dict] = {}
         if whole == 0:
             return  # no whole page before the last token: nothing to restore
-        self.hits["restore"] = whole
-        if not args.quick:
-            self.hits["restore_pool_copy"] = whole
-        for name, frac in (("hit90", 0.9), ("hit50", 0.5)):
-            self.hits[name] = max(1, min(whole, round(frac * len(self.keys))))
+        fractions = {"hit90": 0.9, "hit50": 0.5}
+        for name in (p for p in RESTORE_PATHS if p in args.paths):
+            self.hits[name] = (max(1, min(whole, round(fractions[name] * len(self.keys))))
+                               if name in fractions else whole)
         # the references, before any restore: the suffix's logits on the prefill's own cache
-        # cut to each restored length (one at a time: each costs a cache's worth of memory)
-        for pages in sorted(set(self.hits.values())):
+        # cut to each restored length (one at a time: each costs a cache's worth of memory;
+        # restore_graph makes its own, on its StaticCache)
+        for pages in sorted({p for name, p in self.hits.items() if name != "restore_graph"}):
             self.refs[pages] = guarded(lambda: self._reference(pages))
 
     def _reference(self, pages: int) -> torch.Tensor:
@@ -201,20 +220,131 @@ class Run:
         ref = self.refs[pages]
         return {k: f"reference: {v}" for k, v in ref.items()} if isinstance(ref, dict) else None
 
-    def checks(self, cache, logits: torch.Tensor, pages: int) -> dict:
+    def checks(self, cache, logits: torch.Tensor, pages: int,
+               reference: torch.Tensor | None = None) -> dict:
+        """The cache's first ``pages`` pages against the prefill's KV, and ``logits`` against
+        ``reference`` (default: the suffix on the prefill's own cache cut to those pages)."""
         t = pages * self.args.page_size
         kv = all(torch.equal(a.keys[..., :t, :], b.keys[..., :t, :]) and
                  torch.equal(a.values[..., :t, :], b.values[..., :t, :])
                  for a, b in zip(cache.layers, self.cache.layers))
-        diff = (logits.float() - self.logits.float()).abs().max().item()
-        return {"bit_exact_kv": kv, "bit_exact_logits": torch.equal(logits, self.refs[pages]),
-                "vs_full_prefill": {"max_abs_logit_diff": diff,
-                                    "same_argmax": bool(logits.argmax() == self.logits.argmax())}}
+        reference = self.refs[pages] if reference is None else reference
+        out = {"bit_exact_kv": kv, "bit_exact_logits": torch.equal(logits, reference)}
+        if not out["bit_exact_logits"]:
+            out["max_abs_logit_diff"] = max_diff(logits, reference)
+        diff = max_diff(logits, self.logits)
+        out["vs_full_prefill"] = {"max_abs_logit_diff": diff,
+                                  "same_argmax": bool(logits.argmax() == self.logits.argmax())}
+        return out
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float() - b.float()).abs().max().item()
+
+
+class SuffixForward:
+    """``length`` tokens' forward over ``cache`` (a ``StaticCache`` with its tensors made) to
+    the last token's logits; ``cache_argument``: what the model's ``forward`` calls the cache.
+
+    Everything that changes between CUDA graph replays lives in tensors filled before each
+    (``set``): the suffix's ids, and its start position (the tokens already in the cache), from
+    which the captured forward derives the position ids, each layer's write position
+    (``StaticCache``'s ``cumulative_length``) and the causal mask. The mask is made here, a 4-D
+    boolean tensor (``True``: attend) that transformers passes through: its own mask code
+    compares the cache's length (a device tensor in a ``StaticCache``) with 0 in Python, a read
+    back to the host, and no host read may happen during a capture. ``eager()`` runs the very
+    same calls without a graph: the reference a replay must equal bit for bit."""
+
+    def __init__(self, model, cache, length: int, cache_argument: str) -> None:
+        self.model, self.cache, self.cache_argument = model, cache, cache_argument
+        first = cache.layers[0]
+        if not getattr(first, "is_initialized", False):
+            raise ValueError("SuffixForward: the StaticCache has no tensors yet")
+        device, self.capacity = first.keys.device, first.max_cache_len
+        if not 1 <= length <= self.capacity:
+            raise ValueError(f"SuffixForward: length {length} is not in 1..{self.capacity} "
+                             "(the cache's max_cache_len)")
+        self.length = length
+        self.ids = torch.zeros(1, length, dtype=torch.long, device=device)
+        self.start = torch.zeros((), dtype=torch.long, device=device)
+        self._offsets = torch.arange(length, device=device)
+        self._kv_positions = torch.arange(self.capacity, device=device)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self._logits: torch.Tensor | None = None
+
+    def set(self, ids: torch.Tensor, start: int) -> None:
+        """The next forward's inputs: ``ids`` (``[1, length]``, on the cache's device) at
+        positions ``start ..``. Two kernels, no host-to-device copy."""
+        if ids.shape != self.ids.shape:
+            raise ValueError(f"SuffixForward.set: ids of shape {tuple(ids.shape)}, the graph "
+                             f"takes {tuple(self.ids.shape)}")
+        if not 0 <= start <= self.capacity - self.length:
+            raise ValueError(f"SuffixForward.set: start {start} leaves no room for "
+                             f"{self.length} tokens in {self.capacity}")
+        self.ids.copy_(ids)
+        self.start.fill_(start)
+
+    def _forward(self) -> torch.Tensor:
+        positions = (self._offsets + self.start).unsqueeze(0)
+        for layer in self.cache.layers:  # where each layer's update writes this suffix's KV
+            layer.cumulative_length.copy_(self.start)
+        mask = (self._kv_positions[None, :] <= positions[0, :, None])[None, None]
+        out = self.model(input_ids=self.ids, position_ids=positions, attention_mask=mask,
+                         use_cache=True, logits_to_keep=1, **{self.cache_argument: self.cache})
+        return out.logits[:, -1]
+
+    def eager(self) -> torch.Tensor:
+        """The forward of the current inputs, launched kernel by kernel (no graph)."""
+        return self._forward()
+
+    def capture(self, warmup: int = 2) -> None:
+        """Record the forward as a CUDA graph (after ``warmup`` eager runs on a side stream, as
+        PyTorch asks: lazy initialisations and library handles happen outside the capture).
+        The cache's positions ``start ..`` are written by each run: call after ``set`` with
+        positions the next restore overwrites anyway."""
+        stream = torch.cuda.Stream(self.ids.device)
+        stream.wait_stream(torch.cuda.current_stream(self.ids.device))
+        with torch.cuda.stream(stream):
+            for _ in range(warmup):
+                self._forward()
+        torch.cuda.current_stream(self.ids.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: the tier's worker threads may touch CUDA while this thread captures
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            logits = self._forward()
+        self.graph, self._logits = graph, logits
+
+    def replay(self) -> torch.Tensor:
+        """The captured forward on the current inputs: the logits' tensor (the graph's own, so
+        overwritten by the next replay; not synchronised)."""
+        if self.graph is None:
+            raise RuntimeError("SuffixForward.replay: capture() first")
+        self.graph.replay()
+        return self._logits
 
 
 def drop(paths: list[str], args) -> str:
     """Drop the page cache of the slab files (and the machine's, unless --drop-caches files)."""
     return drop_page_cache(paths, machine_wide=args.drop_caches == "machine")["summary"]
+
+
+@contextlib.contextmanager
+def timing_gets(tier, device):
+    """Time each ``tier.get`` inside the block alone, the device idle before and after (the
+    gdskv read without the lookup, allocation and cache bookkeeping around it): the list of
+    seconds it yields fills as the calls return."""
+    seconds: list[float] = []
+    get = tier.get
+
+    def timed_get(*args, **kwargs):
+        hits, s = timed(device, lambda: get(*args, **kwargs))
+        seconds.append(s)
+        return hits
+    tier.get = timed_get  # this instance only; the class's method is back after the block
+    try:
+        yield seconds
+    finally:
+        del tier.get
 
 
 def restore_path(run: Run, pc, pages: int, store: str) -> dict:
@@ -224,31 +354,100 @@ def restore_path(run: Run, pc, pages: int, store: str) -> dict:
     for _ in range(run.repeats):
         cache = logits = None
         dropped = drop(slab_files(store), run.args)
-        sync(run.device)
-        t0 = time.perf_counter()
-        cache, tokens = pc.restore(run.keys[:pages])
-        sync(run.device)
+        with timing_gets(pc.tier, run.device) as io:
+            sync(run.device)
+            t0 = time.perf_counter()
+            cache, tokens = pc.restore(run.keys[:pages])
+            sync(run.device)
         t1 = time.perf_counter()
         logits, cache = run.ex.forward(run.model, run.ids[:, tokens:], cache)
         sync(run.device)
-        samples.append((t1 - t0, time.perf_counter() - t1))
+        samples.append({"restore": t1 - t0, "io": sum(io),
+                        "suffix": time.perf_counter() - t1})
     if tokens != pages * run.args.page_size:
         return {"error": f"restored {tokens} tokens of {pages * run.args.page_size}"}
     return {**summary(samples, pages, pc.layout.slot_bytes, run), "page_cache": dropped,
             **run.checks(cache, logits, pages)}
 
 
-def summary(samples, pages: int, slot_bytes: int, run: Run) -> dict:
-    restore_s = statistics.median(s[0] for s in samples)
-    ttft = [sum(s) * 1e3 for s in samples]
+def restore_graph_path(run: Run, pc, store: str) -> dict:
+    """TTFT through the example's PrefixCache.restore_static (gdskv scatters into a
+    StaticCache's own tensors) and the suffix's forward replayed as a CUDA graph; on the CPU the
+    same restore and forward run eagerly, checked but reported skipped."""
+    dev, pages = run.device, run.whole
+    t = pages * run.args.page_size
+    capacity = -(-run.n // 256) * 256  # N rounded up: the graph's mask spans the whole cache
+    cache = run.ex.static_cache(run.model, capacity)
+    forward = SuffixForward(run.model, cache, run.n - t, run.ex.cache_argument(type(run.model)))
+    suffix = run.ids[:, t:]
+    # the reference: the prefill's own KV in this very cache, the same forward run eagerly
+    for mine, theirs in zip(cache.layers, run.cache.layers):
+        mine.keys[..., :t, :].copy_(theirs.keys[..., :t, :])
+        mine.values[..., :t, :].copy_(theirs.values[..., :t, :])
+    forward.set(suffix, t)
+    reference = forward.eager().clone()
+    out: dict = {"max_cache_len": capacity}
+    pc.restore_static(run.keys[:1], cache)  # warm: this pool shape's first call
+    if dev.type == "cuda":
+        forward.set(suffix, t)
+        try:
+            _, s = timed(dev, forward.capture)
+        except Exception as exc:  # noqa: BLE001 - recorded; the other paths go on
+            return {**out, "error": f"CUDA graph capture failed: {exc!r}"[:500],
+                    "traceback": traceback.format_exc()[-2000:]}
+        out["graph_capture_ms"] = s * 1e3  # its 2 eager warm-up runs included
+        replayed = forward.replay().clone()  # still the prefill's KV: must equal the eager run
+        out["graph_vs_eager"] = {"bit_exact": torch.equal(replayed, reference),
+                                 "max_abs_logit_diff": max_diff(replayed, reference)}
+    else:
+        out["skipped"] = "no CUDA device (restore + eager suffix checked)"
+    run_suffix = forward.replay if forward.graph is not None else forward.eager
+    samples, logits, tokens = [], None, 0
+    for _ in range(run.repeats):
+        for layer in cache.layers:  # untimed: the restore alone must put the prefix back
+            layer.keys.zero_()
+            layer.values.zero_()
+        dropped = drop(slab_files(store), run.args)
+        with timing_gets(pc.tier, dev) as io:
+            sync(dev)
+            t0 = time.perf_counter()
+            tokens = pc.restore_static(run.keys[:pages], cache)
+            sync(dev)
+        t1 = time.perf_counter()
+        forward.set(suffix, t)
+        sync(dev)
+        t2 = time.perf_counter()
+        logits = run_suffix()
+        sync(dev)
+        samples.append({"restore": t1 - t0, "io": sum(io), "copy_in": t2 - t1,
+                        "suffix": time.perf_counter() - t2})
+    if tokens != t:
+        return {**out, "error": f"restored {tokens} tokens of {t}"}
+    times = summary(samples, pages, pc.layout.slot_bytes, run)
+    if "skipped" in out:  # eager timings on the CPU: not this path's, kept apart
+        times["eager_ttft_ms"] = times.pop("ttft_ms")
+        del times["speedup"]
+    return {**times, "page_cache": dropped, **out, **run.checks(cache, logits, pages, reference)}
+
+
+def summary(samples: list[dict], pages: int, slot_bytes: int, run: Run) -> dict:
+    """Medians of the samples' parts (seconds: ``restore`` to a usable cache, of which ``io``
+    is gdskv's read; ``copy_in`` of a graph's inputs; ``suffix``, the rest's forward)."""
+    def median_ms(part: str) -> float:
+        return statistics.median(s[part] for s in samples) * 1e3
+    restore_s = median_ms("restore") / 1e3
+    ttft = [(s["restore"] + s.get("copy_in", 0.0) + s["suffix"]) * 1e3 for s in samples]
     nbytes = pages * slot_bytes
-    return {"pages": pages, "restored_tokens": pages * run.args.page_size,
-            "prefilled_tokens": run.n - pages * run.args.page_size,
-            "ttft_ms": statistics.median(ttft), "samples_ms": ttft,
-            "restore_ms": restore_s * 1e3,
-            "suffix_ms": statistics.median(s[1] for s in samples) * 1e3,
-            "speedup": run.prefill["ttft_ms"] / statistics.median(ttft),
-            "bytes": nbytes, "restore_gbps": nbytes / restore_s / 1e9}
+    out = {"pages": pages, "restored_tokens": pages * run.args.page_size,
+           "prefilled_tokens": run.n - pages * run.args.page_size,
+           "ttft_ms": statistics.median(ttft), "samples_ms": ttft,
+           "restore_ms": restore_s * 1e3, "suffix_ms": median_ms("suffix"),
+           "speedup": run.prefill["ttft_ms"] / statistics.median(ttft),
+           "bytes": nbytes, "restore_gbps": nbytes / restore_s / 1e9}
+    for part in ("io", "copy_in"):
+        if all(part in s for s in samples):
+            out[f"{'restore_io' if part == 'io' else part}_ms"] = median_ms(part)
+    return out
 
 
 def spill(run: Run, pc) -> dict:
@@ -396,7 +595,7 @@ def restore_pool_copy(run: Run, args, store: str) -> dict:
             t1 = time.perf_counter()
             logits, cache = run.ex.forward(run.model, run.ids[:, t:], cache)
             sync(dev)
-            samples.append((t1 - t0, time.perf_counter() - t1))
+            samples.append({"restore": t1 - t0, "suffix": time.perf_counter() - t1})
             if not all(hits):
                 return {"error": f"restored {sum(hits)} of {pages} pages"}
     return {**summary(samples, pages, layout.slot_bytes, run), "page_cache": dropped,
@@ -419,10 +618,13 @@ def run_medium(run: Run, args, base: str, decoder: Decoder | None) -> dict:
             out["spill"] = spill(run, pc)
             pc.restore(run.keys[:1])  # warm: this pool shape's first call
             for name, pages in run.hits.items():
-                if name != "restore_pool_copy":
+                if name == "restore_graph":
+                    out["paths"][name] = guarded(lambda: restore_graph_path(run, pc, store))
+                    free_memory()  # the StaticCache and the graph's own memory pool
+                elif name != "restore_pool_copy":
                     out["paths"][name] = run.unchecked(pages) or guarded(
                         lambda: restore_path(run, pc, pages, store))
-            whole = run.keys[:run.hits["restore"]]
+            whole = run.keys[:run.whole]
             out["raw_kvikio"] = guarded(lambda: raw_kvikio(pc.tier, whole, args))
             if decoder is not None:
                 out["decode"] = guarded(lambda: decode_slowdown(run, pc, decoder))
@@ -443,6 +645,10 @@ def run_medium(run: Run, args, base: str, decoder: Decoder | None) -> dict:
         # equal the prefill's: docs/ttft.md
         headroom_s = (run.prefill["ttft_ms"] - b["suffix_ms"]) / 1e3
         out["break_even_gbps"] = b["bytes"] / headroom_s / 1e9
+    g = out["paths"].get("restore_graph", {})
+    if "ttft_ms" in g and run.prefill["ttft_ms"] > g["suffix_ms"] + g["copy_in_ms"]:
+        headroom_s = (run.prefill["ttft_ms"] - g["suffix_ms"] - g["copy_in_ms"]) / 1e3
+        g["break_even_gbps"] = g["bytes"] / headroom_s / 1e9
     return out
 
 
@@ -459,16 +665,22 @@ def guarded(fn):
     return record
 
 
+def exact(path: dict) -> str:
+    return "ok" if path["bit_exact_kv"] and path["bit_exact_logits"] else "FAIL"
+
+
 def _num(value, spec: str, suffix: str = "") -> str:
     return "-" if value is None else format(value, spec) + suffix
 
 
 def table(result: dict) -> str:
-    """The short table: a row per N x directory x path ("need": the restore GB/s at which TTFT
-    equals the prefill's, docs/ttft.md)."""
-    cols = ("N", "medium", "path", "TTFT ms", "speedup", "GB/s", "raw", "r/raw", "need",
-            "spill ms", "decode", "exact")
-    rows = [[n, "-", "prefill", _num(p["ttft_ms"], ".1f"), "1.00x"] + ["-"] * 6 + ["ref"]
+    """The short table: a row per N x directory x path ("io ms": gdskv's read alone; "sfx ms":
+    the forward of the tokens left; "need": the restore GB/s at which TTFT equals the
+    prefill's, docs/ttft.md)."""
+    cols = ("N", "medium", "path", "TTFT ms", "io ms", "sfx ms", "speedup", "GB/s", "raw",
+            "r/raw", "need", "spill ms", "decode", "exact")
+    rows = [[n, "-", "prefill", _num(p["ttft_ms"], ".1f"), "-", "-", "1.00x"] + ["-"] * 6
+            + ["ref"]
             if "ttft_ms" in p else [n, "-", "prefill", "; ".join(f"{k}: {v}" for k, v in
                                                                 p.items())[:70]]
             for n, p in result["prefill"].items()]
@@ -478,16 +690,20 @@ def table(result: dict) -> str:
             rows.append(where + ["-", (m.get("oom") or m.get("error"))[:70]])
         for name, p in m.get("paths", {}).items():
             if "ttft_ms" not in p:
-                rows.append(where + [name, (p.get("oom") or p.get("error") or "?")[:70]])
+                why = p.get("oom") or p.get("error") or p.get("skipped") or "?"
+                if "skipped" in p and "bit_exact_kv" in p:
+                    why = f"exact {exact(p)}, skipped: {why}"
+                rows.append(where + [name, why[:70]])
                 continue
             rows.append(where + [
-                name, _num(p["ttft_ms"], ".1f"), _num(p["speedup"], ".2f", "x"),
+                name, _num(p["ttft_ms"], ".1f"), _num(p.get("restore_io_ms"), ".1f"),
+                _num(p.get("suffix_ms"), ".1f"), _num(p["speedup"], ".2f", "x"),
                 _num(p["restore_gbps"], ".2f"), _num(m.get("raw_kvikio", {}).get("gbps"), ".2f"),
                 _num(p.get("restore_vs_raw"), ".2f"),
-                _num(m.get("break_even_gbps") if name == "restore" else None, ".2f"),
+                _num(m.get("break_even_gbps") if name == "restore" else
+                     p.get("break_even_gbps"), ".2f"),
                 _num(p.get("spill_ms", m.get("spill", {}).get("ms")), ".1f"),
-                _num(m.get("decode", {}).get("slowdown"), ".2f", "x"),
-                "ok" if p["bit_exact_kv"] and p["bit_exact_logits"] else "FAIL"])
+                _num(m.get("decode", {}).get("slowdown"), ".2f", "x"), exact(p)])
     full = [cols] + [r for r in rows if len(r) == len(cols)]
     widths = [max(len(str(r[i])) for r in full) for i in range(len(cols))]
 
@@ -564,7 +780,8 @@ def parse_args(argv):
                     help="prompt lengths, comma separated, 'k' = 1024 (default "
                          "1k,2k,8k,32k,64k,128k; --quick: 2k,8k; --tiny: 64,128)")
     ap.add_argument("--quick", action="store_true",
-                    help="2k and 8k tokens, one sample, 16 decode steps, no restore_pool_copy")
+                    help="2k and 8k tokens, one sample, 16 decode steps, no restore_pool_copy "
+                         "(unless --paths names it)")
     ap.add_argument("--device", default=None, help="cuda (default where there is one) or cpu")
     ap.add_argument("--tiny", action="store_true",
                     help="the example's 2-layer model (for the CPU) instead of Llama-3-8B's shape")
@@ -576,6 +793,10 @@ def parse_args(argv):
     ap.add_argument("--decode-steps", type=int, default=None,
                     help="decode steps timed (default 64; --quick 16)")
     ap.add_argument("--no-decode", action="store_true", help="skip the decode-slowdown runs")
+    ap.add_argument("--paths", default=None,
+                    help="restore paths to run, comma separated, of " + ",".join(RESTORE_PATHS)
+                         + " (default all; --quick: all but restore_pool_copy). The prefill "
+                           "always runs ('prefill' may be named)")
     ap.add_argument("--drop-caches", choices=("machine", "files"), default=None,
                     help="before each read: 'files' = fadvise(DONTNEED) on the slab files; "
                          "'machine' = that and 1 into /proc/sys/vm/drop_caches (root; the "
@@ -606,6 +827,14 @@ def parse_args(argv):
         ap.error("--dirs: no directory given")
     if args.tokens is None:
         args.tokens = [64, 128] if args.tiny else list(QUICK_TOKENS if args.quick else FULL_TOKENS)
+    if args.paths is None:
+        args.paths = [p for p in RESTORE_PATHS if not (args.quick and p == "restore_pool_copy")]
+    else:
+        args.paths = [p for p in (p.strip() for p in args.paths.split(",")) if p]
+        unknown = sorted(set(args.paths) - set(RESTORE_PATHS) - {"prefill"})
+        if unknown or not args.paths:
+            ap.error(f"--paths: {', '.join(unknown) or 'none given'}: name some of prefill,"
+                     + ",".join(RESTORE_PATHS))
     if args.quick:
         args.repeat = 1
     args.drop_caches = args.drop_caches or ("files" if args.tiny else "machine")
@@ -662,7 +891,7 @@ def main(argv=None) -> int:
               "page_size": args.page_size, "backend_asked": args.backend,
               "drop_caches": args.drop_caches,
               "backend_because": why, "media": media, "repeat": args.repeat,
-              "quick": args.quick, "prefill": {}, "runs": []}
+              "quick": args.quick, "paths": args.paths, "prefill": {}, "runs": []}
     # one-time costs out of the timings: kernels of a prefill, a cached prefill, a decode step
     _, warm = ex.forward(model, torch.zeros(1, 256, dtype=torch.long, device=args.device))
     ex.forward(model, torch.zeros(1, 16, dtype=torch.long, device=args.device), warm)
@@ -696,7 +925,8 @@ def main(argv=None) -> int:
             entry.setdefault("dir", d)
             result["runs"].append({**entry, "medium": m})
             print(f"N={n} {d}: " + ", ".join(
-                f"{k} {p['ttft_ms']:.1f} ms" if "ttft_ms" in p else f"{k} failed"
+                f"{k} {p['ttft_ms']:.1f} ms" if "ttft_ms" in p else
+                f"{k} {'skipped' if 'skipped' in p else 'failed'}"
                 for k, p in entry.get("paths", {}).items()), flush=True)
         if args.device.type == "cuda":
             result["prefill"][key]["peak_gpu_gib"] = round(
@@ -713,7 +943,8 @@ def main(argv=None) -> int:
     print(f"\n{result['device']['name']}, {name}, transformers {transformers.__version__}, "
           f"backend {'/'.join(sorted(backends)) or args.backend} (kvikio compat mode: "
           f"{'/'.join(sorted(compat)) or '-'}), {args.page_size}-token pages; page cache: "
-          + "; ".join(f"{m['dir']}: {m.get('paths', {}).get('restore', {}).get('page_cache', '?')}"
+          + "; ".join(f"{m['dir']}: " + next((p["page_cache"] for p in m.get("paths", {}).values()
+                                               if "page_cache" in p), "?")
                       for m in result["runs"][:len(args.dirs)]))
     print(table(result))
     for label, bad in (("NOT BIT-EXACT", result["not_bit_exact"]), ("ERRORS", result["errors"])):
@@ -727,7 +958,7 @@ def settle(result: dict, path: str | None, *, complete: bool) -> None:
     result["not_bit_exact"] = [
         f"N={m['tokens']} {m['dir']} {name}" for m in result["runs"]
         for name, p in m.get("paths", {}).items()
-        if "ttft_ms" in p and not (p["bit_exact_kv"] and p["bit_exact_logits"])]
+        if "bit_exact_kv" in p and exact(p) != "ok"]
     result["errors"] = [f"prefill N={n}" for n, p in result["prefill"].items() if "error" in p]
     for m in result["runs"]:
         parts = [("", m)] + list(m.get("paths", {}).items()) + [
