@@ -139,7 +139,7 @@ def test_calls_in_flight_never_share_a_stream(tmp_path):
     the pool reuses them once they are given back (gdskv.streams.StreamPool)."""
     lay = KVLayout(num_layers=2, page_size=16, head_dim=64, kv_heads=2, dtype="bf16")
     cfg = TierConfig(directories=(str(tmp_path),), capacity=f"{8 * lay.slot_bytes}",
-                     staging_size=f"{2 * lay.slot_bytes}")
+                     staging_size=f"{2 * lay.slot_bytes}", pipeline_depth=2)
     with Tier(lay, cfg, device="cuda") as tier:
         with torch.cuda.stream(torch.cuda.default_stream()):
             sync = tier._call_stream(None)

@@ -25,6 +25,8 @@ several trees, their processes alternate per group, the order reversed every oth
 machine that drifts weighs on each tree alike. Writes one JSON (cells only, no per-call
 samples; each process's own JSON and stderr under ``--log-dir``) and prints a markdown table a
 tree, a few kilobytes in all.
+
+Results it produced: ``h100-2026-11-27/concurrency/`` (issue 47, before/after in each call).
 """
 
 from __future__ import annotations

@@ -15,6 +15,9 @@ The first stderr line, ``tree_bench: {...}`` (JSON), names the files imported an
 engine's state, so a caller can check which tree ran. ``--no-hicachefile`` keeps ``--compare``
 to gdskv and raw where sglang is installed (a ``None`` in ``sys.modules`` makes its import fail,
 which gdskv-bench reports as "hicachefile skipped").
+
+Results it produced: through ``concurrency_matrix.py --tree``, the before/after tables of
+``h100-2026-11-27/concurrency/``.
 """
 
 from __future__ import annotations
@@ -71,9 +74,12 @@ def main(argv: list[str]) -> int:
     no_hicachefile = bool(argv) and argv[0] == "--no-hicachefile"
     if no_hicachefile:
         argv = argv[1:]
+    usage = "usage: tree_bench.py [--no-hicachefile] TREE [gdskv-bench options...]"
+    if argv and argv[0] in ("-h", "--help"):
+        print(usage + "\n\n" + __doc__.split("\n\n", 2)[2].strip())
+        return 0
     if not argv:
-        print("usage: tree_bench.py [--no-hicachefile] TREE [gdskv-bench options...]",
-              file=sys.stderr)
+        print(usage, file=sys.stderr)
         return 2
     tree, bench_args = os.path.realpath(argv[0]), argv[1:]
     missing = [sub for sub in PACKAGE_DIRS.values()
