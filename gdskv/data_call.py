@@ -17,7 +17,6 @@ import errno
 import logging
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future
 
 import numpy as np
 import torch
@@ -28,7 +27,6 @@ from .backends.base import Extent, IOOutcome, ShortIOError
 from .copiers import PageCopier, PoolCopier, RegionCopier
 from .gpu_verdicts import VerdictBuffers
 from .host_pages import InPlacePages
-from .host_turn import HostTurn
 from . import slot_trailer
 
 log = logging.getLogger("gdskv.tier")
@@ -103,8 +101,6 @@ class CallContext:
         self.sync_data = False  # set by the tier (its sync policy)
         self.io_on_caller = bool(config.io_on_caller)
         self.lost = ""
-        #: held by a data call while it runs Python; let go around its waits (:mod:`.host_turn`)
-        self.turn = HostTurn()
         # per thread: its VerdictBuffers ("buffers") and pinned slot-trailer buffer ("trailers")
         self.per_thread = threading.local()
         self._gpu_checks: tuple = (None, False)  # (checksummer, gpu_checked's answer)
@@ -129,37 +125,8 @@ class CallContext:
             if i is not None:
                 return i
             if not pending:
-                with self.turn.waiting():
-                    return self.staging.take(pages)
+                return self.staging.take(pages)
             finish_oldest()
-
-    # -- waits, outside the host turn -----------------------------------------------------------
-    def start_io(self, op: str, buffer: torch.Tensor | None, extents: list[Extent],
-                 on_caller: bool) -> Future:
-        """``backend.start``: I/O moved on this thread (``on_caller``) runs outside the turn."""
-        if not on_caller:
-            return self.backend.start(op, buffer, extents, False)
-        with self.turn.waiting():
-            return self.backend.start(op, buffer, extents, True)
-
-    def outcome(self, fut: Future) -> IOOutcome:
-        """``fut.result()``, waited for outside the turn."""
-        if fut.done():
-            return fut.result()
-        with self.turn.waiting():
-            return fut.result()
-
-    def ended(self, fut: Future) -> None:
-        """Wait for ``fut`` to end (its outcome is someone else's to read), outside the turn."""
-        if not fut.done():
-            with self.turn.waiting():
-                fut.exception()
-
-    def gpu_done(self, gpu: torch.cuda.Stream | None) -> None:
-        """:func:`copies_done`, outside the turn."""
-        if gpu is not None:
-            with self.turn.waiting():
-                gpu.synchronize()
 
     # -- failures -------------------------------------------------------------------------------
     def failed_positions(self, outcome: IOOutcome, extents: list[Extent], op: str,
@@ -200,8 +167,9 @@ class CallContext:
                     extents[i].buffer_offset // sb,
                     -(-(extents[i].buffer_offset + extents[i].length) // sb))}))
             # (without the ``moved`` hints: a piece read twice would count its bytes twice)
-            retry = self.outcome(self.start_io("read", buffer, [
-                dataclasses.replace(extents[i], moved=None) for i in again], True))
+            retry = self.backend.start("read", buffer, [dataclasses.replace(extents[i],
+                                                                            moved=None)
+                                                        for i in again], True).result()
             for j, i in enumerate(again):
                 del outcome.errors[i]
                 outcome.failed.pop(i, None)

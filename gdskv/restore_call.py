@@ -28,7 +28,7 @@ import torch
 from . import checksum
 from .backends.base import Extent, IOOutcome
 from .copiers import DeferredCopier, PageCopier
-from .data_call import CallContext, count_region_pages
+from .data_call import CallContext, copies_done, count_region_pages
 from .gpu_verdicts import GpuVerdicts
 from .host_pages import InPlacePages
 from .streams import CallStream
@@ -94,15 +94,16 @@ class RestoreCall:
                         hash_as_read=ctx.verify)
                     t0 = time.perf_counter()
                     pending.append(ReadChunk(chunk, first, None, extents,
-                                             ctx.start_io("read", None, extents, on_caller),
-                                             t0))
+                                             ctx.backend.start("read", None, extents,
+                                                               on_caller), t0))
                     continue
                 held = ctx.take_part(len(chunk), pending, self._finish_oldest)
                 extents = ctx.store.extents([s for _, s, _ in chunk])
                 part = ctx.staging[held]
                 t0 = time.perf_counter()
                 pending.append(ReadChunk(chunk, first, held, extents,
-                                         ctx.start_io("read", part, extents, on_caller), t0))
+                                         ctx.backend.start("read", part, extents, on_caller),
+                                         t0))
                 held = None
                 if k == 0:
                     # The first read is under way (or, moved on this thread, has ended): the
@@ -135,7 +136,7 @@ class RestoreCall:
             ctx.drop_unreadable(self.unreadable)  # (while pinned: the slots are still theirs)
             pinned = False
             self._unpin(todo)
-            ctx.gpu_done(self.gpu)
+            copies_done(self.gpu)
             while self.synced_parts:  # nothing reads them now: no event for their next user
                 ctx.staging.give_back(self.synced_parts.pop())
             if self.verdicts is not None:
@@ -147,7 +148,7 @@ class RestoreCall:
             for i in self.synced_parts:  # an exception before the sync: the GPU may read it
                 ctx.staging.give_back(i, self.gpu)
             for item in pending:  # not drained: its part is free once its read has ended
-                ctx.ended(item.fut)
+                item.fut.exception()
                 if item.part is not None:
                     ctx.staging.give_back(item.part)
             if pinned:
@@ -251,7 +252,7 @@ class RestoreCall:
         failed: set[int] = set()
         after_sync = False
         try:
-            outcome: IOOutcome = ctx.outcome(r.fut)
+            outcome: IOOutcome = r.fut.result()
             if outcome.errors:
                 outcome, failed = self._read_failures(r, outcome, part)
             if verdicts is not None and not failed:
@@ -289,7 +290,7 @@ class RestoreCall:
         """Complete an in-place read: the pages it did not move whole, or whose bytes (in the
         caller's regions) fail their checksum, are misses."""
         ctx, chunk, pages = self.ctx, r.pages, self.drain
-        outcome: IOOutcome = ctx.outcome(r.fut)
+        outcome: IOOutcome = r.fut.result()
         failed: set[int] = set()
         if outcome.errors:
             outcome, failed = self._read_failures(r, outcome, None, lambda positions: (

@@ -25,7 +25,7 @@ import torch
 
 from .backends.base import Extent, IOOutcome
 from .copiers import PageCopier
-from .data_call import CallContext, count_region_pages
+from .data_call import CallContext, copies_done, count_region_pages
 from .directory import PageState
 from .gpu_spill import GpuSpill
 from .host_pages import InPlacePages
@@ -161,9 +161,9 @@ class SpillCall:
                 extents = ctx.store.extents([s for _, s in chunk])  # (while the GPU works)
                 # (while the GPU works too: a write moved on this thread has no wait to hide it)
                 lost = ctx.lost_files()
-                ctx.gpu_done(gpu)
+                copies_done(gpu)
                 t0 = time.perf_counter()
-                fut = ctx.start_io("write", part, extents, on_caller)
+                fut = ctx.backend.start("write", part, extents, on_caller)
                 # the part is free once its bytes are written: fdatasync and journal need not it
                 part_held = _HeldPart(held)
                 fut.add_done_callback(lambda _f, p=part_held: p.give_back(ctx.staging))
@@ -180,9 +180,7 @@ class SpillCall:
             while pending:
                 self._finish_oldest()
             if waiting:  # (only now: this call writes nothing any more, so no cycle of waits)
-                with ctx.turn.waiting():
-                    written = ctx.directory.wait_written([keys[i] for i in waiting])
-                for i, ok in zip(waiting, written):
+                for i, ok in zip(waiting, ctx.directory.wait_written([keys[i] for i in waiting])):
                     results[i] = ok
         except BaseException:
             if held is not None:
@@ -190,10 +188,10 @@ class SpillCall:
             # let in-flight I/O end before giving its slots back, and its parts too (a write
             # whose entry was not made yet among them)
             for fut, part_held in parts_out:
-                ctx.ended(fut)
+                fut.exception()
                 part_held.give_back(ctx.staging)
             for item in pending:
-                ctx.ended(item.fut)
+                item.fut.exception()
             ctx.directory.abort([s for c in chunks[self.finished:] for _, s in c])
             ctx.stats.add(**tally)
             raise
@@ -227,10 +225,9 @@ class SpillCall:
             while parts_out and not parts_out[0][1].out:
                 parts_out.popleft()
             if not parts_out:  # all of this call's parts are back: another call holds them
-                with self.ctx.turn.waiting():
-                    return staging.take(pages), True
+                return staging.take(pages), True
             fut, held = parts_out.popleft()
-            self.ctx.ended(fut)  # its write ends (the outcome is the commit's to read)
+            fut.exception()  # its write ends (the outcome is the commit's to read)
             held.give_back(staging)  # unless its done-callback already has
             waited = True
 
@@ -253,7 +250,7 @@ class SpillCall:
         extents = pages.write_extents(ctx.store.extents([s for _, s in chunk]), idx, trailers)
         t0 = time.perf_counter()
         return self._writing(chunk, sums, seqs, extents,
-                             ctx.start_io("write", None, extents, on_caller), t0)
+                             ctx.backend.start("write", None, extents, on_caller), t0)
 
     def _writing(self, chunk, sums, seqs, extents: list[Extent], fut: Future, t0: float,
                  lost: bool | None = None) -> WriteChunk:
@@ -288,7 +285,7 @@ class SpillCall:
         """Commit a chunk once its write has ended: its pages durable, journaled and READY,
         or given back."""
         ctx, chunk, tally = self.ctx, w.pages, self.tally
-        outcome: IOOutcome = ctx.outcome(w.fut)
+        outcome: IOOutcome = w.fut.result()
         # (the usual case, nothing failed, takes no per-position steps: each costs a host
         # that has just woken from the write's wait a few µs)
         failed = ctx.failed_positions(outcome, w.extents, "write") if outcome.errors else set()
@@ -299,11 +296,10 @@ class SpillCall:
             ok = []
         if ok:
             try:
-                commits = self._commits(chunk, w.sums, w.seqs, ok) if failed else w.commits
-                with ctx.turn.waiting():  # fdatasync, the journal's append (and its sync)
-                    if ctx.sync_data:
-                        ctx.store.sync({e.file for e in w.extents})
-                    ctx.persist.journal_commits(commits)
+                if ctx.sync_data:
+                    ctx.store.sync({e.file for e in w.extents})
+                ctx.persist.journal_commits(
+                    self._commits(chunk, w.sums, w.seqs, ok) if failed else w.commits)
             except OSError as exc:
                 ctx.log_once(f"commit:{exc.errno}", "commit of %d pages failed: %s", len(ok),
                              exc)

@@ -676,8 +676,6 @@ class Tier:
                     self._follow()
         t0 = time.perf_counter()
         self._gate.enter_shared()
-        turn = self._calls.turn
-        turn.enter()  # (gdskv.host_turn: the call's Python steps, one call at a time)
         stream = None
         try:
             self._check_open()
@@ -686,7 +684,6 @@ class Tier:
         finally:
             if stream is not None:
                 stream.leave()
-            turn.leave()
             self._gate.leave_shared()
         self._ledger.record(None, (op, len(keys), time.perf_counter() - t0))
         return results
