@@ -115,17 +115,15 @@ class CallContext:
         n = self.chunk_pages
         return [todo[k:k + n] for k in range(0, len(todo), n)]
 
-    def take_part(self, pages: int, pending: collections.deque,
-                  finish_oldest: Callable[[], None]) -> int:
-        """A free staging part for a chunk of ``pages`` (a small part for a few). With none
-        free, a call finishes its own oldest chunk (which frees a part) before it waits for
-        other calls' parts: no cycle of waiting calls."""
+    def take_part(self, pending: collections.deque, finish_oldest: Callable[[], None]) -> int:
+        """A free staging part. With none free, a call finishes its own oldest chunk (which
+        frees a part) before it waits for other calls' parts: no cycle of waiting calls."""
         while True:
-            i = self.staging.try_take(pages)
+            i = self.staging.try_take()
             if i is not None:
                 return i
             if not pending:
-                return self.staging.take(pages)
+                return self.staging.take()
             finish_oldest()
 
     # -- failures -------------------------------------------------------------------------------

@@ -97,7 +97,7 @@ class RestoreCall:
                                              ctx.backend.start("read", None, extents,
                                                                on_caller), t0))
                     continue
-                held = ctx.take_part(len(chunk), pending, self._finish_oldest)
+                held = ctx.take_part(pending, self._finish_oldest)
                 extents = ctx.store.extents([s for _, s, _ in chunk])
                 part = ctx.staging[held]
                 t0 = time.perf_counter()

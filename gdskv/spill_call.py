@@ -147,7 +147,7 @@ class SpillCall:
                     continue
                 if spill is not None:  # trailers sealed on the GPU: encoded before the wait
                     seqs, trailers = self._trailers(chunk, itertools.repeat(0))
-                held, waited = self._take_write_part(len(chunk))
+                held, waited = self._take_write_part()
                 part = ctx.staging[held]
                 if spill is not None:  # one sync, then the write
                     spill.gather(part, [i for i, _ in chunk], trailers)
@@ -209,9 +209,8 @@ class SpillCall:
         return GpuSpill(self.fill, order, ctx.thread_buffers(), ctx.layout.page_bytes,
                         ctx.layout.slot_bytes, gpu)
 
-    def _take_write_part(self, pages: int) -> tuple[int, bool]:
-        """A free staging part for the next chunk (of ``pages``; a small part for a few), and
-        whether the call had to wait for one.
+    def _take_write_part(self) -> tuple[int, bool]:
+        """A free staging part for the next chunk, and whether the call had to wait for one.
         With none free, the call waits for its own writes that still hold parts, oldest first,
         giving each part back as its write ends, before it waits for other calls' parts: no
         cycle of waiting calls. Their commits (fdatasync, journal, directory) wait until the
@@ -219,13 +218,13 @@ class SpillCall:
         staging, parts_out = self.ctx.staging, self.parts_out
         waited = False
         while True:
-            i = staging.try_take(pages)
+            i = staging.try_take()
             if i is not None:
                 return i, waited
             while parts_out and not parts_out[0][1].out:
                 parts_out.popleft()
             if not parts_out:  # all of this call's parts are back: another call holds them
-                return staging.take(pages), True
+                return staging.take(), True
             fut, held = parts_out.popleft()
             fut.exception()  # its write ends (the outcome is the commit's to read)
             held.give_back(staging)  # unless its done-callback already has

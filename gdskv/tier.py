@@ -177,7 +177,7 @@ class Tier:
             self._followed_at = time.monotonic()
             self.backend = create_backend(self.config, self.device)
             self.backend.attach(self.store.files)
-            self._staging = StagingParts(part_bytes, depth, self.device, layout.slot_bytes)
+            self._staging = StagingParts(part_bytes, depth, self.device)
             # what every data call works with (SpillCall, RestoreCall)
             self._calls = CallContext(
                 layout=layout, config=self.config, store=self.store, backend=self.backend,

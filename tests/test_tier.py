@@ -100,7 +100,7 @@ def test_an_exception_inside_a_call_reaches_the_caller_and_leaks_nothing(make_co
             m.setattr(tier.backend, "read", refusing(tier.backend.read))
             with pytest.raises(Refused):
                 tier.get(keys, dst_pool, slots)
-        assert tier._staging.all_free()
+        assert tier._staging._free.qsize() == len(tier._staging)
         assert tier.get(keys, dst_pool, slots) == [True] * pages
         assert_same_rows(src_pool, slots, dst_pool, slots)
 
@@ -405,7 +405,7 @@ def test_a_spill_failing_after_a_write_was_submitted_gives_every_part_back(make_
         tier._persist.encode_commits = failing
         with pytest.raises(RuntimeError, match="encoding failed"):
             tier.put(keys, pool, slots)
-        assert tier._staging.all_free()
+        assert tier._staging._free.qsize() == len(tier._staging)
         assert tier.stats()["pages_stored"] == 0
         tier._persist.encode_commits = encode
         assert tier.put(keys, pool, slots) == [True] * 3

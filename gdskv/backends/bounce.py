@@ -2,10 +2,8 @@
 
 A backend that cannot read or write GPU memory (POSIX, NIXL's POSIX plugin) stages a GPU buffer
 through a pinned host buffer of the same size: D2H before a write, H2D after a read. One mirror
-per GPU allocation (keyed by its storage's address and size): a buffer's mirror is the same
-range of its allocation's mirror, so the staging parts, and the small parts split off them
-(:mod:`gdskv.staging`), use disjoint ranges of one pinned buffer and can be in flight at once.
-Mirrors live as long as the backend.
+per GPU buffer (keyed by address and size), so the two halves of the tier's staging buffer can
+be in flight at once; mirrors live as long as the backend.
 """
 
 from __future__ import annotations
@@ -26,14 +24,12 @@ class HostMirrors:
         """The pinned host mirror of ``buffer`` (itself if it is already in host memory)."""
         if buffer.device.type == "cpu":
             return buffer
-        storage = buffer.untyped_storage()
-        key = (storage.data_ptr(), storage.nbytes())
+        key = (buffer.data_ptr(), buffer.numel())
         with self._lock:
             mirror = self._mirrors.get(key)
             if mirror is None:
-                mirror = self._mirrors[key] = alloc_host(storage.nbytes(), pin=True)
-        start = buffer.data_ptr() - storage.data_ptr()
-        return mirror[start:start + buffer.numel()]
+                mirror = self._mirrors[key] = alloc_host(buffer.numel(), pin=True)
+        return mirror[:buffer.numel()]
 
     @staticmethod
     def _span(extents) -> int:

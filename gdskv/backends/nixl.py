@@ -313,11 +313,11 @@ class NixlBackend(Backend):
                     and entry[3] == self._plugin:
                 self._mem_regs.append(self._mem_regs.pop(i))
                 return
-        # Register the whole allocation: views of it (the tier's staging parts and the small
-        # parts split off them, gdskv.staging) then share one registration, and no range is
-        # registered twice (host registration is bookkeeping only for POSIX).
-        storage = tensor.untyped_storage()
-        start, end = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
+        if mem == "DRAM":
+            # Register the whole host allocation: views of it (the tier's two staging halves)
+            # then share one registration. Host registration is bookkeeping only for POSIX.
+            storage = tensor.untyped_storage()
+            start, end = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
         reg = self._agent.register_memory([(start, end - start, devid, "")], mem,
                                           backends=[self._plugin])
         # The tensor is kept so its memory cannot be freed and reused under a live registration.
