@@ -70,6 +70,7 @@ def count_region_pages(mover, n: int, direction: str, tally: dict) -> None:
         tally[f"region_pages_{direction}_staged"] = n
 
 
+@dataclasses.dataclass(eq=False)
 class CallContext:
     """One tier's shared state for its data calls (thread-safe as the parts it holds are).
 
@@ -77,29 +78,28 @@ class CallContext:
     the writer (:meth:`lost_files`).
     """
 
-    def __init__(self, *, layout, config, store, backend, staging, persist, checksums,
-                 stats, log_once, admission, chunk_pages: int, device: torch.device,
-                 has_stream: bool, ledger=None, metrics=None) -> None:
-        self.layout = layout
-        self.config = config
-        self.store = store
-        self.backend = backend
-        self.staging = staging
-        self.persist = persist
-        self.checksums = checksums
+    layout: object
+    config: object
+    store: object
+    backend: object
+    staging: object
+    persist: object
+    checksums: object
+    stats: object
+    log_once: object
+    admission: object
+    chunk_pages: int
+    device: torch.device
+    has_stream: bool
+    ledger: object = None
+    metrics: object = None
+    sync_data: bool = False
+
+    def __post_init__(self) -> None:
         #: pages are verified with the algorithm that made their checksum (see checksum.py)
-        self.verifiers = {checksums.algorithm: checksums}
-        self.stats = stats
-        self.ledger = ledger
-        self.log_once = log_once
-        self.metrics = metrics
-        self.admission = admission
-        self.chunk_pages = chunk_pages
-        self.device = device
-        self.has_stream = has_stream
-        self.verify = bool(config.verify)
-        self.sync_data = False  # set by the tier (its sync policy)
-        self.io_on_caller = bool(config.io_on_caller)
+        self.verifiers = {self.checksums.algorithm: self.checksums}
+        self.verify = bool(self.config.verify)
+        self.io_on_caller = bool(self.config.io_on_caller)
         self.lost = ""
         # per thread: its VerdictBuffers ("buffers") and pinned slot-trailer buffer ("trailers")
         self.per_thread = threading.local()

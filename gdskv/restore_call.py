@@ -18,6 +18,7 @@ failure lasts (a checksum mismatch, a slab that ends early, a file gone), after
 from __future__ import annotations
 
 import collections
+import dataclasses
 import time
 from collections.abc import Hashable
 from concurrent.futures import Future
@@ -34,21 +35,18 @@ from .host_pages import InPlacePages
 from .streams import CallStream
 
 
+@dataclasses.dataclass(slots=True)
 class ReadChunk:
     """A chunk whose read was started (at ``t0``): its pages ``(position in the call, slot,
     stored checksum)``, its first position in the call's read order, the staging part it reads
     into (None: in place) and its extents."""
 
-    __slots__ = ("pages", "first", "part", "extents", "fut", "t0")
-
-    def __init__(self, pages: list, first: int, part: int | None, extents: list[Extent],
-                 fut: Future, t0: float) -> None:
-        self.pages = pages
-        self.first = first
-        self.part = part
-        self.extents = extents
-        self.fut = fut
-        self.t0 = t0
+    pages: list
+    first: int
+    part: int | None
+    extents: list[Extent]
+    fut: Future
+    t0: float
 
 
 class RestoreCall:

@@ -15,6 +15,7 @@ never wait for each other in a cycle.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import time
 from collections.abc import Hashable
@@ -62,23 +63,21 @@ class _HeldPart:
         staging.give_back(i)
 
 
+@dataclasses.dataclass(slots=True)
 class WriteChunk:
-    """A chunk whose write was started (at ``t0``) and is yet to be committed. The host work
-    its commit needs that does not wait for the write was done when it started: its COMMIT
-    records (``commits``), and whether a store file was removed (``lost``)."""
+    """A chunk whose write was started (at ``t0``) and is yet to be committed: its pages
+    ``(position in the call, slot)``. The host work its commit needs that does not wait for the
+    write was done when it started: its COMMIT records (``commits``), and whether a store file
+    was removed (``lost``)."""
 
-    __slots__ = ("pages", "sums", "seqs", "extents", "fut", "t0", "commits", "lost")
-
-    def __init__(self, pages: list, sums: np.ndarray, seqs: list[int], extents: list[Extent],
-                 fut: Future, t0: float, commits: Encoded, lost: bool) -> None:
-        self.pages = pages  # (position in the call, slot)
-        self.sums = sums
-        self.seqs = seqs
-        self.extents = extents
-        self.fut = fut
-        self.t0 = t0
-        self.commits = commits
-        self.lost = lost
+    pages: list
+    sums: np.ndarray
+    seqs: list[int]
+    extents: list[Extent]
+    fut: Future
+    t0: float
+    commits: Encoded
+    lost: bool
 
 
 class SpillCall:

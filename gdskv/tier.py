@@ -186,8 +186,8 @@ class Tier:
                 stats=self._stats, log_once=self._log_once, chunk_pages=self._chunk_pages,
                 device=self.device, has_stream=self.device.type == "cuda",
                 admission=AdmissionFilter(self.config.admit_after, self._stored,
-                                          max_tracked=4 * self.store.num_slots))
-            self._calls.sync_data = self.config.sync == SyncPolicy.DATA
+                                          max_tracked=4 * self.store.num_slots),
+                sync_data=self.config.sync == SyncPolicy.DATA)
             # per thread: its VerdictBuffers ("buffers"), engine event for synchronous calls
             # ("engine") and pinned slot-trailer buffer ("trailers")
             self._per_thread = self._calls.per_thread
