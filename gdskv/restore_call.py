@@ -77,7 +77,7 @@ class RestoreCall:
         todo = [(i, p[0], p[1]) for i, p in enumerate(pins) if p is not None]
         if len(todo) > 1:
             todo.sort(key=lambda t: t[1])  # adjacent slots coalesce into one I/O
-        chunks = ctx.chunked(todo)
+        chunks = [todo] if len(todo) <= ctx.chunk_pages else ctx.chunked(todo)
         held = None
         settled = False
         pinned = True
@@ -108,7 +108,8 @@ class RestoreCall:
                     # call takes its stream, its arguments are checked and its slot indices
                     # and stored checksums are made ready meanwhile (host work that would
                     # otherwise come first).
-                    self._enter_stream()
+                    if self.stream is not None:
+                        self._enter_stream()
                     if isinstance(self.drain, DeferredCopier):
                         self.drain = self.drain.make()
                     verdicts = self.verdicts = self._gpu_verdicts(todo)
@@ -124,7 +125,8 @@ class RestoreCall:
                                        last=k == len(chunks) - 1)
             while pending:
                 self._finish_oldest()
-            self._enter_stream()  # (nothing read: the argument checks below may use the GPU)
+            if self.stream is not None:  # (nothing read: the argument checks may use the GPU)
+                self._enter_stream()
             if isinstance(self.drain, DeferredCopier):  # nothing read: the arguments count
                 self.drain = self.drain.make()
             if self.verdicts is not None:
@@ -161,9 +163,8 @@ class RestoreCall:
         return self.results
 
     def _enter_stream(self) -> None:
-        if self.stream is not None:
-            self.stream.enter()  # (a second time does nothing)
-            self.gpu = self.stream.stream
+        self.stream.enter()  # (a second time does nothing)
+        self.gpu = self.stream.stream
 
     def _unpin(self, todo: list) -> None:
         """Unpin the call's slots (its reads have ended); journal the evictions that waited."""
@@ -211,11 +212,9 @@ class RestoreCall:
                 if pos not in failed and int(sums[pos]) != want]
 
     def _drop(self, chunk: list, positions: list[int], *, corrupt: bool) -> None:
-        """The chunk's pages at ``positions`` are misses and dropped (after the reads, by
-        :meth:`CallContext.drop_unreadable`): their checksum did not match (``corrupt``), or
-        their read failed for good."""
-        if not positions:
-            return
+        """The chunk's pages at ``positions`` (not empty) are misses and dropped (after the
+        reads, by :meth:`CallContext.drop_unreadable`): their checksum did not match
+        (``corrupt``), or their read failed for good."""
         ctx, keys = self.ctx, self.keys
         self.unreadable.extend((keys[chunk[pos][0]], chunk[pos][1]) for pos in positions)
         first = keys[chunk[positions[0]][0]]
@@ -263,8 +262,9 @@ class RestoreCall:
             if ctx.verify:
                 sums = ctx.verify_sums(part, [s for _, s, _ in chunk])
                 bad = self._mismatched(chunk, sums, failed)
-                self._drop(chunk, bad, corrupt=True)
-                failed.update(bad)
+                if bad:
+                    self._drop(chunk, bad, corrupt=True)
+                    failed.update(bad)
             good = [pos for pos in range(len(chunk)) if pos not in failed]
             if good and verdicts is not None:  # a plain scatter reads the uploaded indices
                 verdicts.slots_uploaded()
@@ -300,8 +300,9 @@ class RestoreCall:
             else:
                 sums = self._mixed_read_sums(chunk, ctx.directory.algorithms(slots))
             bad = self._mismatched(chunk, sums, failed)
-            self._drop(chunk, bad, corrupt=True)
-            failed.update(bad)
+            if bad:
+                self._drop(chunk, bad, corrupt=True)
+                failed.update(bad)
         good = [pos for pos in range(len(chunk)) if pos not in failed] if failed \
             else range(len(chunk))
         pages.complete([chunk[pos][0] for pos in good])
@@ -326,6 +327,7 @@ class RestoreCall:
         for k, matched in settled:
             if matched:
                 self.results[todo[k][0]] = True
-        self._drop(todo, bad, corrupt=True)
+        if bad:
+            self._drop(todo, bad, corrupt=True)
         self.tally["bytes_read"] += (len(settled) - len(bad)) * self.ctx.layout.page_bytes
         self.tally["read_failed"] += len(bad)
