@@ -267,7 +267,7 @@ class Tier:
         writes); a key being evicted while a reader holds it is False.
         """
         self._check_open()
-        if self.read_only or self._lost:
+        if self.read_only or self._calls.lost:
             return self._refuse_put(keys)
         keys, fill = self._pool_copier(keys, kv_pool, token_slots, kd.gather_pages)
         return self._run(self._put, keys, fill, op="put")
@@ -285,7 +285,7 @@ class Tier:
 
     def put_async(self, keys, kv_pool, token_slots) -> Future:
         self._check_open()
-        if self.read_only or self._lost:
+        if self.read_only or self._calls.lost:
             fut: Future = Future()
             fut.set_result(self._refuse_put(keys))
             return fut
@@ -308,7 +308,7 @@ class Tier:
         On a tier staging in host memory, host regions are written in place where they allow
         it (4 KiB aligned under O_DIRECT: see :mod:`gdskv.host_pages`), else through staging."""
         self._check_open()
-        if self.read_only or self._lost:
+        if self.read_only or self._calls.lost:
             return self._refuse_put(keys)
         keys, parts = self._region_calls(keys, pages, to_staging=True)
         return self._run_parts(self._put, keys, parts)
@@ -327,7 +327,7 @@ class Tier:
         """:meth:`put_pages` on the tier's workers; the regions are checked here, now (a bad
         one raises in the caller), and must stay untouched until the future is done."""
         self._check_open()
-        if self.read_only or self._lost:
+        if self.read_only or self._calls.lost:
             fut: Future = Future()
             fut.set_result(self._refuse_put(keys))
             return fut
