@@ -77,7 +77,7 @@ class RestoreCall:
         todo = [(i, p[0], p[1]) for i, p in enumerate(pins) if p is not None]
         if len(todo) > 1:
             todo.sort(key=lambda t: t[1])  # adjacent slots coalesce into one I/O
-        chunks = [todo] if len(todo) <= ctx.chunk_pages else ctx.chunked(todo)
+        chunks = [todo] if 0 < len(todo) <= ctx.chunk_pages else ctx.chunked(todo)
         held = None
         settled = False
         pinned = True

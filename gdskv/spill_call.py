@@ -123,7 +123,7 @@ class SpillCall:
                          "stored", no_room)
         if len(todo) > 1:
             todo.sort(key=lambda t: t[1])  # adjacent slots coalesce into one I/O
-        chunks = [todo] if len(todo) <= ctx.chunk_pages else ctx.chunked(todo)
+        chunks = [todo] if 0 < len(todo) <= ctx.chunk_pages else ctx.chunked(todo)
         fill, pending, parts_out = self.fill, self.pending, self.parts_out
         held = None  # a part taken for the current chunk, not yet handed to the backend
         in_place = isinstance(fill, InPlacePages)

@@ -139,6 +139,23 @@ def test_reput_is_noop(make_config, device):
         assert_same_rows(pool, slots, out, slots)  # the first version stays
 
 
+def test_calls_with_nothing_to_move_start_no_io(make_config, device):
+    """A restore of keys none of which is stored, and a spill of keys all stored already,
+    start no read or write (not even an empty one) and take no staging part."""
+    layout = LAYOUTS["mla-bf16-p64"]
+    pool = random_pool(layout, 512, device=device)
+    slots = scattered(4, layout, 512, seed=1)
+    with Tier(layout, make_config(), device=device) as tier:
+        assert tier.put(["a", "b", "c", "d"], pool, slots) == [True] * 4
+        started, start = [], tier.backend.start
+        tier.backend.start = lambda op, *args: started.append(op) or start(op, *args)
+        taken, take = [], tier._staging.try_take
+        tier._staging.try_take = lambda: taken.append(1) or take()
+        assert tier.get(["w", "x", "y", "z"], empty_like_pool(pool), slots) == [False] * 4
+        assert tier.put(["a", "b", "c", "d"], pool, slots) == [True] * 4
+        assert started == [] and taken == []
+
+
 def test_lru_eviction_at_capacity(make_config, device):
     layout = LAYOUTS["mha-fp16-p1"]  # slot = 4 KiB
     pool = random_pool(layout, 64, device=device)
