@@ -121,6 +121,8 @@ class CallStream:
     Args:
         pool: the tier's streams.
         event: what the call's stream waits for.
+        after: events recorded on other callers' streams (a combined call's other callers):
+            the call's stream waits for them too.
         record: a synchronous call (the caller's thread is this one, blocked in the call, so
             nothing it queues is missed): run on the caller's stream where it can, else record
             ``event`` (the thread's one, reused) on the caller's stream at :meth:`enter`. False:
@@ -128,10 +130,13 @@ class CallStream:
             caller recorded when it submitted.
     """
 
-    __slots__ = ("_pool", "_on", "_event", "_record", "_switched", "entered", "stream")
+    __slots__ = ("_pool", "_on", "_event", "_record", "_switched", "_after", "entered",
+                 "stream")
 
-    def __init__(self, pool: StreamPool, event: torch.cuda.Event, record: bool) -> None:
+    def __init__(self, pool: StreamPool, event: torch.cuda.Event, record: bool,
+                 after: tuple = ()) -> None:
         self._pool = pool
+        self._after = after
         self._on: OnStream | None = None  # made only to switch streams
         self._event = event
         self._record = record
@@ -151,6 +156,7 @@ class CallStream:
                 caller = current_stream(index)
                 if caller.cuda_stream != 0:  # 0: the legacy default stream
                     self.stream = caller
+                    self._wait_after()
                     return
         on = self._on = OnStream(self._pool.take())
         on.__enter__()
@@ -159,6 +165,13 @@ class CallStream:
         if self._record:
             self._event.record(on.caller)
         on.stream.wait_event(self._event)
+        self._wait_after()
+
+    def _wait_after(self) -> None:
+        """A combined call (:mod:`.call_combiner`): wait for what its other callers queued."""
+        for event in self._after:
+            if event is not self._event:
+                self.stream.wait_event(event)
 
     def leave(self) -> None:
         """Restore the caller's current streams and give the pool's stream back, if one was

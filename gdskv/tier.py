@@ -58,6 +58,7 @@ from . import kernels as kd
 from . import slot_trailer
 from .admission import AdmissionFilter
 from .backends import backend_class, create_backend
+from .call_combiner import CallCombiner, CallRequest
 from .call_gate import CallGate
 from .config import ConfigError, SyncPolicy, TierConfig
 from .copiers import DeferredCopier, PageCopier, PoolCopier, RegionCopier
@@ -206,6 +207,9 @@ class Tier:
             self._gate = CallGate()
             self._worker = ThreadPoolExecutor(depth, thread_name_prefix="gdskv-tier")
             self._pools = PoolCache(layout)
+            # pool calls arriving while one runs are combined into one call (:mod:`.call_combiner`)
+            self._combiner = CallCombiner(self._run_batch) if self.config.combine_calls \
+                else None
         except BaseException:
             self._release()
             raise
@@ -270,7 +274,10 @@ class Tier:
         if self.read_only or self._calls.lost:
             return self._refuse_put(keys)
         keys, fill = self._pool_copier(keys, kv_pool, token_slots, kd.gather_pages)
-        return self._run(self._put, keys, fill, op="put")
+        if self._combiner is None:
+            return self._run(self._put, keys, fill, op="put")
+        return self._combiner.call(lambda: self._run(self._put, keys, fill, op="put"),
+                                   lambda: self._request("put", keys, fill))
 
     def get(self, keys: Sequence[Hashable], kv_pool, token_slots) -> list[bool]:
         """Restore pages into ``kv_pool`` at ``token_slots``; per-page hit (True) or miss."""
@@ -281,7 +288,12 @@ class Tier:
         # the read hides); a bad argument still raises before anything reaches the pool.
         drain = DeferredCopier(lambda: self._copier_for(keys, kv_pool, token_slots,
                                                         kd.scatter_pages))
-        return self._run(self._get, keys, drain, op="get")
+        if self._combiner is None:
+            return self._run(self._get, keys, drain, op="get")
+        # Alone, the checks overlap the first read (DeferredCopier); combined, they run here,
+        # before the call waits, so a bad argument raises in its own caller only.
+        return self._combiner.call(lambda: self._run(self._get, keys, drain, op="get"),
+                                   lambda: self._request("get", keys, drain.make()))
 
     def put_async(self, keys, kv_pool, token_slots) -> Future:
         self._check_open()
@@ -425,6 +437,10 @@ class Tier:
                  in_place=self._host_pages.describe(),
                  page_engine=self._engine.path, page_engine_detail=self._engine.describe(),
                  read_only=self.read_only, state=self._state())
+        c = self._combiner
+        # calls combined into one (:mod:`.call_combiner`): the combined calls run, and the
+        # callers' calls they served
+        s.update(combined_calls=c.batches if c else 0, calls_combined=c.batched_calls if c else 0)
         return s
 
     def close(self) -> None:
@@ -650,7 +666,7 @@ class Tier:
         ev.record(torch.cuda.current_stream(self.device))
         return ev
 
-    def _call_stream(self, engine_event) -> CallStream | None:
+    def _call_stream(self, engine_event, after: tuple = ()) -> CallStream | None:
         """The call's stream, chosen when it first needs one (:class:`CallStream`; None for a
         tier without a stream). ``engine_event``: an asynchronous call's
         (:meth:`_engine_event`); None: a synchronous call, which runs on the caller's own stream
@@ -659,16 +675,18 @@ class Tier:
         if self._streams is None:
             return None
         if engine_event is not None:
-            return CallStream(self._streams, engine_event, record=False)
+            return CallStream(self._streams, engine_event, record=False, after=after)
         ev = getattr(self._per_thread, "engine", None)
         if ev is None:
             ev = self._per_thread.engine = torch.cuda.Event()
-        return CallStream(self._streams, ev, record=True)
+        return CallStream(self._streams, ev, record=True, after=after)
 
-    def _run(self, fn, keys, copier, engine_event=None, *, op: str) -> list[bool]:
-        """Run a data call (``op``: "put" or "get", for the metrics): ``fn(keys, copier,
-        stream)``, where ``stream`` is the call's :class:`CallStream`, which ``fn`` enters
-        before its first GPU work and this leaves."""
+    def _run(self, fn, keys, copier, engine_event=None, *, op: str | None,
+             after: tuple = ()) -> list[bool]:
+        """Run a data call (``op``: "put" or "get", for the metrics; None: its callers record
+        themselves): ``fn(keys, copier, stream)``, where ``stream`` is the call's
+        :class:`CallStream`, which ``fn`` enters before its first GPU work and this leaves.
+        ``after``: events of other callers' streams the call's GPU work waits for."""
         self._check_open()
         if self.read_only and self._follow_due():
             with self._gate.alone():
@@ -679,14 +697,55 @@ class Tier:
         stream = None
         try:
             self._check_open()
-            stream = self._call_stream(engine_event)
+            stream = self._call_stream(engine_event, after)
             results = fn(keys, copier, stream)
         finally:
             if stream is not None:
                 stream.leave()
             self._gate.leave_shared()
-        self._ledger.record(None, (op, len(keys), time.perf_counter() - t0))
+        if op is not None:
+            self._ledger.record(None, (op, len(keys), time.perf_counter() - t0))
         return results
+
+    def _request(self, op: str, keys: list, copier: PoolCopier) -> CallRequest:
+        """A pool call to be combined with others (:mod:`.call_combiner`): its group is the
+        operation on one pool with slot indices of one kind (they are concatenated), and it
+        carries an event after its caller's queued GPU work, which the combined call's
+        stream waits for (the caller is blocked meanwhile: its thread's event is free)."""
+        slots = copier.flat_slots
+        event = None
+        if self._streams is not None:
+            event = getattr(self._per_thread, "engine", None)
+            if event is None:
+                event = self._per_thread.engine = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+        return CallRequest((op, id(copier.pool), slots.device, slots.dtype), keys,
+                           (copier, event))
+
+    def _run_batch(self, batch: list[CallRequest]) -> None:
+        """Run combined pool calls of one group (disjoint keys) as one data call; each request
+        gets its own pages' results and is recorded as its own call in the metrics."""
+        op = batch[0].group[0]
+        first = batch[0].payload[0]
+        if len(batch) == 1:
+            keys, copier = batch[0].keys, first
+        else:
+            keys = [k for r in batch for k in r.keys]
+            # (each request's slots were checked against the pool; a restore's are distinct
+            # within each call -- two calls in flight restoring into one slot race with or
+            # without combining)
+            copier = PoolCopier(first.pool, self.layout,
+                                torch.cat([r.payload[0].flat_slots for r in batch]),
+                                first.kernel)
+        events = tuple(r.payload[1] for r in batch if r.payload[1] is not None)
+        results = self._run(self._put if op == "put" else self._get, keys, copier,
+                            op=None, after=events)
+        at = 0
+        now = time.perf_counter()
+        for r in batch:
+            r.result = results[at:at + len(r.keys)]
+            at += len(r.keys)
+            self._ledger.record(None, (op, len(r.keys), now - r.t0))
 
     def _put(self, keys: list, fill: PageCopier, stream: CallStream | None = None) -> list[bool]:
         return SpillCall(self._calls, keys, fill, stream).run()

@@ -1,0 +1,167 @@
+"""Calls in flight from several threads, combined: one data call serves the pages of many.
+
+Engines issue many small calls at once (a transfer thread per request, several prefetch and
+backup threads). Each gdskv call has a fixed host cost -- directory lookups, a dozen CUDA calls
+on a GPU pool, a hundred-odd Python calls under one interpreter lock -- and on the H100 VMs four
+threads of 1-page restores ran *slower together* than one alone (0.27 ms a call alone, 0.45 ms
+with four in flight; ``bench/results/h100-2026-11-27/concurrency/``): the threads contend for
+the lock and the CUDA driver, so their fixed costs add up instead of overlapping.
+
+So, as a database's group commit does: a call that finds no other call running runs alone, as
+it always did (a single thread pays nothing but one lock). A call that arrives while one runs
+queues its (checked) arguments and waits. When the running call ends it hands the queue to the
+first waiter, which runs every queued call of its group as *one* data call (keys and slots
+concatenated) and wakes the others with their own results. The fixed cost is then paid once
+per batch, and one thread makes the batch's CUDA calls. One batch runs at a time; its I/O is
+spread over the backend's threads as any multi-page call's is.
+
+Requests combine only within a *group* (the same operation on the same KV pool) and only with
+disjoint keys (a call refuses a repeated key); the rest wait for the next hand-off, in order.
+"""
+
+from __future__ import annotations
+
+import _thread
+import dataclasses
+import threading
+import time
+from collections.abc import Callable, Hashable
+from typing import Any
+
+#: the most pages one combined call takes (more wait for the next): a batch is one call's
+#: latency for every caller in it
+MAX_BATCH_PAGES = 256
+
+
+@dataclasses.dataclass(eq=False)
+class CallRequest:
+    """One caller's call, waiting to be combined: its ``group``, ``keys`` and whatever the
+    batch runner needs to move its pages (``payload``); ``t0``: when it was asked for."""
+
+    group: Hashable
+    keys: list
+    payload: Any
+    t0: float = dataclasses.field(default_factory=time.perf_counter)
+    result: list | None = None
+    error: BaseException | None = None
+    #: set for the request whose thread runs the batch (its first request)
+    batch: list | None = None
+    #: released to wake the waiting caller (a bare lock: cheaper than an Event)
+    wake: Any = dataclasses.field(default_factory=_thread.allocate_lock)
+
+    def __post_init__(self) -> None:
+        self.wake.acquire()
+
+    def outcome(self) -> list:
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+class CallCombiner:
+    """Combines calls in flight (see the module's docstring).
+
+    Args:
+        run_batch: runs a batch of requests of one group with disjoint keys as one call, and
+            sets each request's ``result`` (its per-page results, in its keys' order) or
+            ``error``; it must not raise.
+    """
+
+    def __init__(self, run_batch: Callable[[list[CallRequest]], None],
+                 max_batch_pages: int = MAX_BATCH_PAGES) -> None:
+        self._run_batch = run_batch
+        self._max_pages = max_batch_pages
+        self._lock = threading.Lock()
+        self._busy = False
+        self._queue: list[CallRequest] = []
+        #: batches of more than one call run, and the calls they served
+        self.batches = 0
+        self.batched_calls = 0
+
+    def call(self, alone: Callable[[], list], prepare: Callable[[], CallRequest]) -> list:
+        """The call's per-page results. ``alone()`` runs it by itself (no other call is
+        running); ``prepare()`` checks its arguments and makes its request, to be combined
+        (another call is running: this one waits). What either raises, the caller gets."""
+        with self._lock:
+            lead = not self._busy
+            self._busy = True
+        if lead:
+            try:
+                return alone()
+            finally:
+                self._pass_on()
+        request = prepare()
+        with self._lock:
+            queued = self._busy
+            if queued:
+                self._queue.append(request)
+            else:  # the running call ended while this one prepared: run it now
+                self._busy = True
+                request.batch = [request]
+        if queued:
+            self._wait(request)
+        if request.batch is not None:
+            try:
+                self._serve(request.batch)
+            finally:
+                self._pass_on()
+        return request.outcome()
+
+    def _wait(self, request: CallRequest) -> None:
+        try:
+            request.wake.acquire()
+        except BaseException:
+            # Interrupted (a signal in the main thread). Still queued: leave. Already taken into
+            # a batch: the batch, and every waiter behind it, need this thread to go on.
+            with self._lock:
+                if request in self._queue:
+                    self._queue.remove(request)
+                    raise
+            request.wake.acquire()
+            if request.batch is not None:
+                try:
+                    self._serve(request.batch)
+                finally:
+                    self._pass_on()
+            raise
+
+    def _serve(self, batch: list[CallRequest]) -> None:
+        try:
+            self._run_batch(batch)
+        except BaseException as exc:  # noqa: BLE001 - every caller of the batch gets it
+            for r in batch:
+                if r.result is None and r.error is None:
+                    r.error = exc
+        if len(batch) > 1:
+            self.batches += 1
+            self.batched_calls += len(batch)
+        for r in batch[1:]:
+            r.wake.release()
+
+    def _pass_on(self) -> None:
+        """The running call has ended: the next batch's first request runs it, or nobody is
+        busy now."""
+        with self._lock:
+            if not self._queue:
+                self._busy = False
+                return
+            batch = self._take()
+        batch[0].batch = batch
+        batch[0].wake.release()
+
+    def _take(self) -> list[CallRequest]:
+        """The next batch, from the queue's order (under the lock): the first request and the
+        later ones of its group whose keys none of the batch has, up to the page limit."""
+        first = self._queue[0]
+        batch, keys, rest = [first], set(first.keys), []
+        pages = len(first.keys)
+        for r in self._queue[1:]:
+            if r.group == first.group and pages + len(r.keys) <= self._max_pages and \
+                    keys.isdisjoint(r.keys):
+                batch.append(r)
+                keys.update(r.keys)
+                pages += len(r.keys)
+            else:
+                rest.append(r)
+        self._queue = rest
+        return batch
