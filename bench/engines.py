@@ -162,23 +162,25 @@ class GdskvEngine(Engine):
         from gdskv.tier import Tier
 
         s, lay = self.spec, self.spec.layout
-        slots = s.pages * lay.page_size
+        # One KV pool that every thread's calls use, each thread its own pages of it, as an
+        # engine's transfer threads share the engine's one pool (calls in flight on one pool
+        # can be combined: gdskv.call_combiner).
+        slots = s.pages * lay.page_size * s.threads
         shape = (lay.num_layers, slots, lay.kv_heads, lay.head_dim)
-        self.src, self.dst = [], []
-        for t in range(s.threads):
-            parts = [torch.empty(shape, dtype=lay.torch_dtype, device=s.device)
-                     for _ in range(lay.kv_count)]
-            for i, p in enumerate(parts):
-                _random_bytes(p, (s.seed + t) * 2 + i)
-            self.src.append(parts)
-            self.dst.append([torch.zeros_like(p) for p in parts] if s.verify else parts)
+        parts = [torch.empty(shape, dtype=lay.torch_dtype, device=s.device)
+                 for _ in range(lay.kv_count)]
+        for i, p in enumerate(parts):
+            _random_bytes(p, s.seed * 2 + i)
+        self.src = [parts] * s.threads
+        self.dst = [[torch.zeros_like(p) for p in parts] if s.verify else parts] * s.threads
         self.tier = Tier(lay, s.config, device=s.device)
         self._local = threading.local()
         # Token slots of every page, made once: an engine hands the tier indices it already
-        # has, so building them is not part of a timed call.
+        # has, so building them is not part of a timed call. Thread t's pages are rows
+        # t * pages ... of the shared pool.
         offsets = torch.arange(lay.page_size, dtype=torch.int64)
-        self.slot_table = [torch.as_tensor(loc, dtype=torch.int64)[:, None] * lay.page_size
-                           + offsets[None, :] for loc in self.loc]
+        self.slot_table = [(torch.as_tensor(loc, dtype=torch.int64)[:, None] + t * s.pages)
+                           * lay.page_size + offsets[None, :] for t, loc in enumerate(self.loc)]
         _settle(s.device)  # the pools were filled on the default stream; calls use their own
         self._warm_up()
 

@@ -14,7 +14,7 @@ from gdskv.layout import KVLayout
 from gdskv.memory import cuda_available
 from gdskv.store import JOURNAL
 from gdskv.tier import Tier
-from reliability_helpers import run_in_threads, slot_location
+from reliability_helpers import run_in_threads, slot_location, wait_for
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not cuda_available(), reason="needs a CUDA device (none here)")]
@@ -391,3 +391,70 @@ def test_on_stream_is_torch_stream_context():
         assert torch.cuda.current_stream() == outer
     assert torch.cuda.current_stream() == base
     assert torch.cuda.current_device() == outer.device_index
+
+
+@pytest.mark.parametrize("backend", ["kvikio", "posix"])
+def test_combined_calls_wait_for_each_callers_stream(tmp_path, backend):
+    """Calls from six threads, each on its own CUDA stream, queue behind a held first call and
+    run as one combined call (gdskv.call_combiner). Each thread writes its pages on its own
+    stream just before its put, behind a long GPU sleep: the combined spill must wait for every
+    caller's stream (else it would store the old bytes), and each caller's restored pages must
+    be in its pool when its get returns."""
+    threads = 6
+    lay = KVLayout(num_layers=4, page_size=16, head_dim=128, kv_heads=8, dtype="bf16")
+    pool = _gpu_pool(lay, (threads + 1) * 16, seed=7)
+    want = _gpu_pool(lay, (threads + 1) * 16, seed=8)
+    out = tuple(torch.zeros_like(p) for p in pool)
+    rows = [torch.arange(t * 16, (t + 1) * 16) for t in range(threads + 1)]
+    cfg = TierConfig(directories=(str(tmp_path),), capacity="64MiB", backend=backend,
+                     staging_size="8MiB")
+    torch.cuda.synchronize()
+    with Tier(lay, cfg, device="cuda") as tier:
+        def hold_first():
+            started, go = threading.Event(), threading.Event()
+            start = tier.backend.start
+
+            def held(*args):
+                if not started.is_set():
+                    started.set()
+                    go.wait(30)
+                return start(*args)
+            tier.backend.start = held
+            return started, go
+
+        def in_flight(call) -> dict:
+            results: dict = {}
+            started, go = hold_first()
+            first = threading.Thread(target=lambda: results.__setitem__(0, call(0)))
+            first.start()
+            assert started.wait(30)
+            rest = [threading.Thread(target=lambda t=t: results.__setitem__(t, call(t)))
+                    for t in range(1, threads + 1)]
+            for i, th in enumerate(rest):
+                th.start()
+                wait_for(lambda: len(tier._combiner._queue) > i, 30, f"call {i + 1} to queue")
+            go.set()
+            for th in [first] + rest:
+                th.join(60)
+            return results
+
+        def put(t: int):
+            with torch.cuda.stream(torch.cuda.Stream()):
+                torch.cuda._sleep(50_000_000)  # ~ tens of ms: the copy below is still queued
+                for p, w in zip(pool, want):
+                    p[:, rows[t]] = w[:, rows[t]]
+                return tier.put([f"k{t}"], pool, rows[t])
+
+        def get(t: int):
+            with torch.cuda.stream(torch.cuda.Stream()):
+                ok = tier.get([f"k{t}"], out, rows[t])
+                # the pages are there when the call returns: compare on this thread now
+                same = all(torch.equal(o[:, rows[t]], w[:, rows[t]]) for o, w in zip(out, want))
+                return ok, same
+
+        assert in_flight(put) == {t: [True] for t in range(threads + 1)}
+        got = in_flight(get)
+        assert got == {t: ([True], True) for t in range(threads + 1)}, got
+        stats = tier.stats()
+        assert stats["combined_calls"] == 2 and stats["calls_combined"] == 2 * threads
+        assert stats["corrupt_pages"] == 0
