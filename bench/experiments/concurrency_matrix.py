@@ -109,6 +109,19 @@ def labelled(kind: str):
     return parse
 
 
+def tree_env(settings: list[str], label: str) -> dict[str, str]:
+    """The ``--tree-env LABEL:NAME=VALUE`` settings of the tree ``label``."""
+    env = {}
+    for text in settings:
+        tree, sep, assignment = text.partition(":")
+        name, eq, value = assignment.partition("=")
+        if not sep or not eq or not name:
+            raise SystemExit(f"--tree-env {text!r}: expected LABEL:NAME=VALUE")
+        if tree == label:
+            env[name] = value
+    return env
+
+
 def positive(kind):
     def parse(text: str):
         try:
@@ -152,6 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="LABEL=DIR",
                    help="source tree to run gdskv-bench from; repeat for before/after "
                         "(default: this checkout, labelled 'this')")
+    p.add_argument("--tree-env", action="append", default=[], metavar="LABEL:NAME=VALUE",
+                   help="an environment variable for one tree's processes, e.g. "
+                        "off:GDSKV_COMBINE_CALLS=false (the same tree twice, one setting apart)")
     p.add_argument("--with-hicachefile", action="store_true",
                    help="let --compare run SGLang's HiCacheFile too where sglang imports "
                         "(default: gdskv and raw only)")
@@ -292,7 +308,8 @@ def run_group(args, tree_label: str, tree: str, medium: str, directory: str, pag
              "stderr": err_path, "rc": None, "wall_s": None, "error": None}
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout,
-                              env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                              env=dict(os.environ, PYTHONUNBUFFERED="1",
+                                       **tree_env(args.tree_env, tree_label)))
         rc, stderr = proc.returncode, proc.stderr + proc.stdout
     except subprocess.TimeoutExpired as exc:  # killed; what it wrote so far comes as bytes
         rc, stderr = None, (exc.stderr or b"").decode(errors="replace")
