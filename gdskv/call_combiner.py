@@ -68,9 +68,11 @@ class CallCombiner:
     """
 
     def __init__(self, run_batch: Callable[[list[CallRequest]], None],
-                 max_batch_pages: int = MAX_BATCH_PAGES) -> None:
+                 max_batch_pages: int = MAX_BATCH_PAGES, rounds: int = 0) -> None:
         self._run_batch = run_batch
         self._max_pages = max_batch_pages
+        #: batches the thread that ends a call runs itself before it hands the next one over
+        self.rounds = rounds
         self._lock = threading.Lock()
         self._busy = False
         self._queue: list[CallRequest] = []
@@ -80,8 +82,9 @@ class CallCombiner:
 
     def call(self, alone: Callable[[], list], prepare: Callable[[], CallRequest]) -> list:
         """The call's per-page results. ``alone()`` runs it by itself (no other call is
-        running); ``prepare()`` checks its arguments and makes its request, to be combined
-        (another call is running: this one waits). What either raises, the caller gets."""
+        running); ``prepare()`` makes its request, to be combined (another call is running:
+        this one waits). What either raises, the caller gets; so does what the batch runner
+        sets as the request's error."""
         with self._lock:
             lead = not self._busy
             self._busy = True
@@ -89,7 +92,7 @@ class CallCombiner:
             try:
                 return alone()
             finally:
-                self._pass_on()
+                self._drain()
         request = prepare()
         with self._lock:
             queued = self._busy
@@ -102,9 +105,9 @@ class CallCombiner:
             self._wait(request)
         if request.batch is not None:
             try:
-                self._serve(request.batch)
+                self._serve(request.batch, request)
             finally:
-                self._pass_on()
+                self._drain()
         return request.outcome()
 
     def _wait(self, request: CallRequest) -> None:
@@ -120,12 +123,13 @@ class CallCombiner:
             request.wake.acquire()
             if request.batch is not None:
                 try:
-                    self._serve(request.batch)
+                    self._serve(request.batch, request)
                 finally:
-                    self._pass_on()
+                    self._drain()
             raise
 
-    def _serve(self, batch: list[CallRequest]) -> None:
+    def _serve(self, batch: list[CallRequest], mine: CallRequest | None) -> None:
+        """Run ``batch`` and wake its callers (all but ``mine``, this thread's own)."""
         try:
             self._run_batch(batch)
         except BaseException as exc:  # noqa: BLE001 - every caller of the batch gets it
@@ -135,19 +139,30 @@ class CallCombiner:
         if len(batch) > 1:
             self.batches += 1
             self.batched_calls += len(batch)
-        for r in batch[1:]:
-            r.wake.release()
+        for r in batch:
+            if r is not mine:
+                r.wake.release()
 
-    def _pass_on(self) -> None:
-        """The running call has ended: the next batch's first request runs it, or nobody is
-        busy now."""
-        with self._lock:
-            if not self._queue:
-                self._busy = False
+    def _drain(self) -> None:
+        """The running call has ended: run the queue's next batches here (up to ``rounds``),
+        then hand the next one to its first request, whose thread runs it; or nobody is busy
+        now. Running a batch here saves the hand-over (a thread to wake, the interpreter lock
+        to win back) at the cost of this thread's caller waiting for it."""
+        done = 0
+        while True:
+            with self._lock:
+                if not self._queue:
+                    self._busy = False
+                    return
+                batch = self._take()
+                here = done < self.rounds
+                if not here:
+                    batch[0].batch = batch
+            if not here:
+                batch[0].wake.release()
                 return
-            batch = self._take()
-        batch[0].batch = batch
-        batch[0].wake.release()
+            done += 1
+            self._serve(batch, None)
 
     def _take(self) -> list[CallRequest]:
         """The next batch, from the queue's order (under the lock): the first request and the

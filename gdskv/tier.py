@@ -76,7 +76,7 @@ from .pool import KVPool, PoolCache
 from .restore_call import RestoreCall
 from .spill_call import SpillCall
 from .staging import StagingParts, staging_part_pages
-from .streams import CallStream, StreamPool
+from .streams import CallStream, StreamPool, current_stream
 from .stats import TierStats
 from .store import SlabStore, StoreError
 
@@ -273,11 +273,15 @@ class Tier:
         self._check_open()
         if self.read_only or self._calls.lost:
             return self._refuse_put(keys)
-        keys, fill = self._pool_copier(keys, kv_pool, token_slots, kd.gather_pages)
         if self._combiner is None:
+            keys, fill = self._pool_copier(keys, kv_pool, token_slots, kd.gather_pages)
             return self._run(self._put, keys, fill, op="put")
-        return self._combiner.call(lambda: self._run(self._put, keys, fill, op="put"),
-                                   lambda: self._request("put", keys, fill))
+        self._refuse_byte_pages()
+        keys = self._check_keys(keys)
+        return self._combiner.call(
+            lambda: self._run(self._put, keys, self._copier_for(
+                keys, kv_pool, token_slots, kd.gather_pages), op="put"),
+            lambda: self._request("put", keys, kv_pool, token_slots))
 
     def get(self, keys: Sequence[Hashable], kv_pool, token_slots) -> list[bool]:
         """Restore pages into ``kv_pool`` at ``token_slots``; per-page hit (True) or miss."""
@@ -290,10 +294,8 @@ class Tier:
                                                         kd.scatter_pages))
         if self._combiner is None:
             return self._run(self._get, keys, drain, op="get")
-        # Alone, the checks overlap the first read (DeferredCopier); combined, they run here,
-        # before the call waits, so a bad argument raises in its own caller only.
         return self._combiner.call(lambda: self._run(self._get, keys, drain, op="get"),
-                                   lambda: self._request("get", keys, drain.make()))
+                                   lambda: self._request("get", keys, kv_pool, token_slots))
 
     def put_async(self, keys, kv_pool, token_slots) -> Future:
         self._check_open()
@@ -707,42 +709,64 @@ class Tier:
             self._ledger.record(None, (op, len(keys), time.perf_counter() - t0))
         return results
 
-    def _request(self, op: str, keys: list, copier: PoolCopier) -> CallRequest:
-        """A pool call to be combined with others (:mod:`.call_combiner`): its group is the
-        operation on one pool with slot indices of one kind (they are concatenated), and it
-        carries an event after its caller's queued GPU work, which the combined call's
-        stream waits for (the caller is blocked meanwhile: its thread's event is free)."""
-        slots = copier.flat_slots
+    def _request(self, op: str, keys: list, kv_pool, token_slots) -> CallRequest:
+        """A pool call to be combined with others (:mod:`.call_combiner`), made in its caller's
+        thread with as little host work as can be: its arguments are checked by the thread
+        that runs the batch (a bad one fails this call only), so waiting callers do not take
+        the interpreter lock from it. Its group: the operation on one pool's tensors. It
+        carries an event after its caller's queued GPU work, which the combined call's stream
+        waits for (the caller is blocked meanwhile: its thread's event is free)."""
         event = None
         if self._streams is not None:
             event = getattr(self._per_thread, "engine", None)
             if event is None:
                 event = self._per_thread.engine = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(self.device))
-        return CallRequest((op, id(copier.pool), slots.device, slots.dtype), keys,
-                           (copier, event))
+            event.record(current_stream(self.device.index))
+        pool_id = tuple(map(id, kv_pool)) if type(kv_pool) in (tuple, list) else id(kv_pool)
+        return CallRequest((op, pool_id), keys, (kv_pool, token_slots, event))
 
     def _run_batch(self, batch: list[CallRequest]) -> None:
         """Run combined pool calls of one group (disjoint keys) as one data call; each request
-        gets its own pages' results and is recorded as its own call in the metrics."""
+        gets its own pages' results (or the error its arguments raise) and is recorded as its
+        own call in the metrics. Requests whose pool view or slot indices' device differ from
+        the first's (an engine passing one pool's tensors in other shapes) run on their own."""
         op = batch[0].group[0]
-        first = batch[0].payload[0]
-        if len(batch) == 1:
-            keys, copier = batch[0].keys, first
+        kernel = kd.gather_pages if op == "put" else kd.scatter_pages
+        made = []
+        for r in batch:
+            kv_pool, token_slots, event = r.payload
+            try:
+                made.append((r, self._copier_for(r.keys, kv_pool, token_slots, kernel), event))
+            except Exception as exc:  # noqa: BLE001 - that caller's own bad argument
+                r.error = exc
+        if not made:
+            return
+        first = made[0][1]
+        together = [m for m in made if m[1].pool is first.pool and
+                    m[1].flat_slots.device == first.flat_slots.device]
+        self._run_combined(op, together)
+        for m in made:
+            if m not in together:
+                self._run_combined(op, [m])
+
+    def _run_combined(self, op: str, made: list) -> None:
+        """``made``: (request, its copier, its event) of one pool: one data call for all."""
+        if len(made) == 1:
+            keys, copier = made[0][0].keys, made[0][1]
         else:
-            keys = [k for r in batch for k in r.keys]
+            keys = [k for r, _, _ in made for k in r.keys]
             # (each request's slots were checked against the pool; a restore's are distinct
             # within each call -- two calls in flight restoring into one slot race with or
             # without combining)
+            first = made[0][1]
             copier = PoolCopier(first.pool, self.layout,
-                                torch.cat([r.payload[0].flat_slots for r in batch]),
-                                first.kernel)
-        events = tuple(r.payload[1] for r in batch if r.payload[1] is not None)
+                                torch.cat([c.flat_slots for _, c, _ in made]), first.kernel)
+        events = tuple(e for _, _, e in made if e is not None)
         results = self._run(self._put if op == "put" else self._get, keys, copier,
                             op=None, after=events)
         at = 0
         now = time.perf_counter()
-        for r in batch:
+        for r, _, _ in made:
             r.result = results[at:at + len(r.keys)]
             at += len(r.keys)
             self._ledger.record(None, (op, len(r.keys), now - r.t0))

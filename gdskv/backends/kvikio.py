@@ -21,8 +21,8 @@ O_DIRECT has one owner, the store (it probes the file system); this backend asks
 same, and :meth:`KvikioBackend.direct_io` reports what kvikio does (its file handles and the
 settings in force), which is what the tier's ``o_direct`` stat shows.
 
-Small calls: one extent of GPU memory within a task moves by ``raw_write``/``raw_read`` on the
-calling thread when the tier asks (:meth:`KvikioBackend.move_on_caller`), with the device's
+Small calls: extents of GPU memory within a task together move by ``raw_write``/``raw_read`` on
+the calling thread when the tier asks (:meth:`KvikioBackend.move_on_caller`), with the device's
 primary CUDA context made current there first.
 
 The module imports without a CUDA driver (kvikio opens files and reads its settings on CPU);
@@ -234,31 +234,37 @@ class KvikioBackend(Backend):
 
     def move_on_caller(self, op: str, buffer: torch.Tensor | None,
                        extents: Sequence[Extent]) -> CompletedIO | None:
-        """One extent of GPU memory no larger than a task (which kvikio's pool would run on
-        one thread) moves by ``raw_write``/``raw_read`` on this thread: cuFile's synchronous
-        call with GPUDirect Storage, kvikio's bounce-buffer copy and POSIX call in compat
-        mode; the GIL is released meanwhile. Host memory (those calls take none) and larger
-        calls go through the pool."""
-        if self._closed or len(extents) != 1 or buffer is None:
+        """Extents of GPU memory no larger than a task together (which kvikio's pool would run
+        on one or a few threads, after a hand-off to each) move by ``raw_write``/``raw_read``
+        on this thread, one after the other: cuFile's synchronous call with GPUDirect
+        Storage, kvikio's bounce-buffer copy and POSIX call in compat mode; the GIL is
+        released meanwhile. Host memory (those calls take none) and larger calls go through
+        the pool. (Several extents: a few pages of a combined call, :mod:`gdskv.call_combiner`.)"""
+        if self._closed or buffer is None or not extents:
             return None
-        e = extents[0]
-        if e.memory or e.length > self._task:
+        total = 0
+        for e in extents:
+            if e.memory:
+                return None
+            total += e.length
+        if total > self._task:
             return None
         # (the target, not a torch query, says whether it is GPU memory: each query costs
         # host time on every small call)
         target = self._target(buffer)
         if not isinstance(target, DeviceBytes) or not self._caller_context():
             return None
-        handle = self._files[e.file]
         outcome = IOOutcome()
-        try:
-            n = (handle.raw_write if op == "write" else handle.raw_read)(
-                target, e.length, e.file_offset, e.buffer_offset)
-            if n != e.length:
-                raise ShortIOError(op, self._paths[e.file], e.file_offset, e.length, n)
-            outcome.nbytes = n
-        except Exception as exc:  # noqa: BLE001 - recorded against the extent, as a pool I/O
-            outcome.fail(0, exc, e)
+        for i, e in enumerate(extents):
+            handle = self._files[e.file]
+            try:
+                n = (handle.raw_write if op == "write" else handle.raw_read)(
+                    target, e.length, e.file_offset, e.buffer_offset)
+                if n != e.length:
+                    raise ShortIOError(op, self._paths[e.file], e.file_offset, e.length, n)
+                outcome.nbytes += n
+            except Exception as exc:  # noqa: BLE001 - recorded against the extent, as a pool I/O
+                outcome.fail(i, exc, e)
         return CompletedIO(outcome)
 
     def _caller_context(self) -> bool:

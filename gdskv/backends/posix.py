@@ -80,30 +80,41 @@ class PosixBackend(Backend):
 
     def move_on_caller(self, op: str, buffer: torch.Tensor | None,
                        extents: Sequence[Extent]) -> CompletedIO | None:
-        """A call the pool would move as one piece (one thread) moves on this thread: the same
-        ``pwritev``/``preadv`` (the GIL released), through the GPU buffer's host mirror."""
+        """A call of at most one piece's bytes (:data:`MIN_PIECE_BYTES`; the pool would move
+        it as one piece, or a few small ones after a hand-off to each) moves on this thread:
+        the same ``pwritev``/``preadv`` per piece (the GIL released), through the GPU
+        buffer's host mirror. (Several pieces: a few pages of a combined call,
+        :mod:`gdskv.call_combiner`, whose extents are not adjacent.)"""
         if self._pool is None:
             return None
         pieces = self._pieces(op, extents)
-        if len(pieces) != 1:
+        if len(pieces) != 1 and sum(p.length for _, p in pieces) > MIN_PIECE_BYTES:
             return None
-        idx, piece = pieces[0]
         outcome = IOOutcome()
         host = None
         try:
             if buffer is not None:
                 host = self._mirrors.to_host(buffer, extents) if op == "write" \
                     else self._mirrors.host_buffer(buffer)
-            iov = piece.memory or (host_numpy(host)[piece.buffer_offset:
-                                                    piece.buffer_offset + piece.length],)
-            outcome.nbytes = _move_piece(self._engine, op, self._files[piece.file], iov, piece)
-        except Exception as exc:  # noqa: BLE001 - recorded against the extent, as a pool I/O
-            outcome.fail(idx, exc, piece)
+        except Exception as exc:  # noqa: BLE001 - every extent failed, as combine() says
+            for idx, piece in pieces:
+                outcome.fail(idx, exc, piece)
+            return CompletedIO(outcome)
+        view = None if host is None else host_numpy(host)
+        for idx, piece in pieces:
+            try:
+                iov = piece.memory or (view[piece.buffer_offset:
+                                            piece.buffer_offset + piece.length],)
+                outcome.nbytes += _move_piece(self._engine, op, self._files[piece.file], iov,
+                                              piece)
+            except Exception as exc:  # noqa: BLE001 - recorded against the extent, as a pool I/O
+                outcome.fail(idx, exc, piece)
         if op == "read" and host is not None and host is not buffer:
             try:  # what moved reaches the GPU buffer, as after a pool read
                 self._mirrors.from_host(host, buffer, extents)
             except Exception as exc:  # noqa: BLE001 - every extent failed, as combine() says
-                outcome.fail(idx, exc, piece)
+                for idx, piece in pieces:
+                    outcome.fail(idx, exc, piece)
         return CompletedIO(outcome)
 
     def _submit(self, op: str, host: torch.Tensor | None, extents: Sequence[Extent],
