@@ -68,13 +68,16 @@ class CallCombiner:
     """
 
     def __init__(self, run_batch: Callable[[list[CallRequest]], None],
-                 max_batch_pages: int = MAX_BATCH_PAGES, rounds: int = 0) -> None:
+                 max_batch_pages: int = MAX_BATCH_PAGES, rounds: int = 0,
+                 running: int = 1) -> None:
         self._run_batch = run_batch
         self._max_pages = max_batch_pages
+        #: calls or batches that run at once (their I/O overlaps); more wait and combine
+        self.running = running
         #: batches the thread that ends a call runs itself before it hands the next one over
         self.rounds = rounds
         self._lock = threading.Lock()
-        self._busy = False
+        self._active = 0  # calls or batches running now
         self._queue: list[CallRequest] = []
         #: batches of more than one call run, and the calls they served
         self.batches = 0
@@ -86,8 +89,9 @@ class CallCombiner:
         this one waits). What either raises, the caller gets; so does what the batch runner
         sets as the request's error."""
         with self._lock:
-            lead = not self._busy
-            self._busy = True
+            lead = self._active < self.running
+            if lead:
+                self._active += 1
         if lead:
             try:
                 return alone()
@@ -95,11 +99,11 @@ class CallCombiner:
                 self._drain()
         request = prepare()
         with self._lock:
-            queued = self._busy
+            queued = self._active >= self.running
             if queued:
                 self._queue.append(request)
-            else:  # the running call ended while this one prepared: run it now
-                self._busy = True
+            else:  # a running call ended while this one prepared: run it now
+                self._active += 1
                 request.batch = [request]
         if queued:
             self._wait(request)
@@ -146,13 +150,13 @@ class CallCombiner:
     def _drain(self) -> None:
         """The running call has ended: run the queue's next batches here (up to ``rounds``),
         then hand the next one to its first request, whose thread runs it; or nobody is busy
-        now. Running a batch here saves the hand-over (a thread to wake, the interpreter lock
+        now (one call fewer running). Running a batch here saves the hand-over (a thread to wake, the interpreter lock
         to win back) at the cost of this thread's caller waiting for it."""
         done = 0
         while True:
             with self._lock:
                 if not self._queue:
-                    self._busy = False
+                    self._active -= 1
                     return
                 batch = self._take()
                 here = done < self.rounds

@@ -38,7 +38,7 @@ class _Held:
         t = threading.Thread(target=lambda: self.results.__setitem__(
             "first", self.combiner.call(alone, None)))
         t.start()
-        wait_for(lambda: self.combiner._busy, 5, "the first call to start")
+        wait_for(lambda: self.combiner._active == 1, 5, "the first call to start")
         return t
 
     def queue(self, name: str, group, keys: list) -> threading.Thread:
@@ -59,7 +59,7 @@ def test_a_call_alone_runs_by_itself():
     c = CallCombiner(lambda batch: pytest.fail("no batch without a call in flight"))
     assert c.call(lambda: [True], lambda: pytest.fail("nothing to prepare")) == [True]
     assert c.call(lambda: [False], None) == [False]
-    assert (c.batches, c.batched_calls, c._busy) == (0, 0, False)
+    assert (c.batches, c.batched_calls, c._active) == (0, 0, 0)
 
 
 def test_calls_in_flight_run_as_one_batch_each_with_its_own_results():
@@ -73,7 +73,7 @@ def test_calls_in_flight_run_as_one_batch_each_with_its_own_results():
     assert h.results == {"first": ["alone"], "a": ["a:k1", "a:k2"], "b": ["b:k3"],
                          "c": ["c:k4"]}
     assert h.batches == [["a", "b", "c"]]
-    assert (h.combiner.batches, h.combiner.batched_calls, h.combiner._busy) == (1, 3, False)
+    assert (h.combiner.batches, h.combiner.batched_calls, h.combiner._active) == (1, 3, 0)
 
 
 def test_batches_keep_groups_apart_and_keys_disjoint_and_the_page_limit():
@@ -101,7 +101,7 @@ def test_an_exception_in_a_batch_reaches_every_caller_in_it_and_no_other():
         t.join(10)
     assert isinstance(h.results["ok1"], ValueError) and isinstance(h.results["bad"], ValueError)
     assert h.results["ok2"] == ["ok2:k3"]
-    assert not h.combiner._busy
+    assert h.combiner._active == 0
 
 
 # -- a CPU tier's pool calls ----------------------------------------------------------------------
@@ -239,3 +239,43 @@ def test_many_threads_of_one_page_calls_on_one_pool(tmp_path, combine):
         if not combine:  # (with it on, how many combine depends on timing; see the test above)
             assert stats["combined_calls"] == stats["calls_combined"] == 0
     assert all(torch.equal(a, b) for a, b in zip(src, dst))
+
+
+def test_running_calls_up_to_the_limit_run_alone_and_the_rest_combine():
+    """``running=2``: two calls run alone at once; the next ones wait and run as one batch."""
+    both = threading.Barrier(2, timeout=10)
+    release = threading.Event()
+    ran: list = []
+
+    def alone(name):
+        def run():
+            ran.append(name)
+            both.wait()  # the two run at the same time (else this times out)
+            release.wait(10)
+            return [name]
+        return run
+
+    batches: list = []
+
+    def run_batch(batch):
+        batches.append([r.payload for r in batch])
+        for r in batch:
+            r.result = [r.payload]
+
+    c = CallCombiner(run_batch, running=2)
+    results: dict = {}
+    first = [threading.Thread(target=lambda n=n: results.__setitem__(n, c.call(alone(n), None)))
+             for n in ("x", "y")]
+    for t in first:
+        t.start()
+    wait_for(lambda: len(ran) == 2, 10, "both calls to run")
+    later = [threading.Thread(target=lambda n=n: results.__setitem__(n, c.call(
+        alone(n), lambda n=n: CallRequest("g", [n], n)))) for n in ("a", "b")]
+    for i, t in enumerate(later):
+        t.start()
+        wait_for(lambda: len(c._queue) > i, 10, "the call to queue")
+    release.set()
+    for t in first + later:
+        t.join(10)
+    assert results == {"x": ["x"], "y": ["y"], "a": ["a"], "b": ["b"]}
+    assert batches == [["a", "b"]] and sorted(ran) == ["x", "y"] and c._active == 0

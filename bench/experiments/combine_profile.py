@@ -5,7 +5,7 @@ call combiner on, its batches timed from the inside.
     . bench/device/device_check.sh
     python3 bench/experiments/combine_profile.py --dir /dev/shm/gdskv-cp --out $OUT/cp.json
 
-Thread counts run for each ``--rounds`` (batches a thread that ends a call runs itself
+Thread counts run for each ``--running`` (calls or batches at once) and ``--rounds`` (batches a thread that ends a call runs itself
 before handing the next over). Per k: mean and p50 µs of one k-page restore alone (200 calls after 20 untimed). Per N: calls/s,
 the batches' mean size, the mean µs inside a batch's data call (``Tier._run_batch``), and the
 mean µs from a batch being handed over (``CallCombiner._pass_on`` releasing its first waiter)
@@ -41,6 +41,8 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=1.5)
     p.add_argument("--rounds", type=int, nargs="+", default=[0],
                    help="CallCombiner.rounds to run each thread count with")
+    p.add_argument("--running", type=int, nargs="+", default=[1],
+                   help="CallCombiner.running (calls or batches at once) to run each with")
     p.add_argument("--device", default="cuda", help="cuda (kvikio) or cpu (posix, a check)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
@@ -98,8 +100,10 @@ def main() -> None:
             return batch
         combiner._take = timed_take
 
-        for rounds, n in [(r, n) for r in args.rounds for n in args.threads]:
-            combiner.rounds = rounds
+        for running, rounds, n in [(m, r, n) for m in args.running for r in args.rounds
+                                   for n in args.threads]:
+            combiner.rounds, combiner.running = rounds, running
+            label = f"{n}/rounds={rounds}/running={running}"
             inside.clear()
             handover.clear()
             counts = [0] * n
@@ -124,7 +128,7 @@ def main() -> None:
             for th in ths:
                 th.join()
             sizes = [s for s, _ in inside]
-            result["threads"][f"{n}/rounds={rounds}"] = {
+            result["threads"][label] = {
                 "calls_per_s": round(sum(counts) / args.seconds),
                 "batches": len(inside), "mean_batch": round(statistics.mean(sizes), 2)
                 if sizes else 0,
@@ -132,8 +136,7 @@ def main() -> None:
                 if inside else 0,
                 "mean_handover_us": round(statistics.mean(handover) * 1e6, 1)
                 if handover else 0}
-            print("threads", n, "rounds", rounds, result["threads"][f"{n}/rounds={rounds}"],
-                  flush=True)
+            print("threads", label, result["threads"][label], flush=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
 
