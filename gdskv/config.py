@@ -186,6 +186,10 @@ class TierConfig:
     #: several threads pay a call's fixed host and CUDA cost once; a call alone runs at once.
     #: Off: every call runs on its own
     combine_calls: bool = True
+    #: with ``combine_calls``: pool calls that run at once, each on its own; a call that finds
+    #: this many running waits, and is combined with the others that wait. 1 combines the
+    #: most (the least host work a page); more overlap the calls' I/O (large pages, a disk)
+    calls_at_once: int = 1
     direct_io: DirectIO = DirectIO.AUTO
     eviction: Eviction = Eviction.LRU
     sync: SyncPolicy = SyncPolicy.DATA
@@ -255,6 +259,9 @@ class TierConfig:
         # JSON (an engine's extra config) or the environment (text).
         for f in dataclasses.fields(self):
             object.__setattr__(self, f.name, _coerce(f, getattr(self, f.name)))
+        if not 1 <= self.calls_at_once <= 64:
+            raise ConfigError(f"calls_at_once: must be an integer in 1..64, got "
+                              f"{self.calls_at_once!r}")
         if not 2 <= self.pipeline_depth <= 64:
             raise ConfigError(f"pipeline_depth: must be an integer in 2..64, got "
                               f"{self.pipeline_depth!r}")
@@ -388,6 +395,7 @@ FIELD_DOCS: dict[str, str] = {
     "io_poll_us": "poll an I/O's completion up to this many µs before sleeping on it (0: off)",
     "io_on_caller": "a one-chunk call whose I/O is one pool task moves it on the calling thread",
     "combine_calls": "pool calls arriving while another runs wait and run as one call",
+    "calls_at_once": "pool calls that run at once before more wait to be combined (1..64)",
     "direct_io": "auto (O_DIRECT where accepted, else buffered and said so), on or off",
     "eviction": "lru, or none (a put that does not fit fails those pages)",
     "sync": "data (fdatasync before a page is READY) or none",

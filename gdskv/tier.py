@@ -208,8 +208,9 @@ class Tier:
             self._worker = ThreadPoolExecutor(depth, thread_name_prefix="gdskv-tier")
             self._pools = PoolCache(layout)
             # pool calls arriving while one runs are combined into one call (:mod:`.call_combiner`)
-            self._combiner = CallCombiner(self._run_batch) if self.config.combine_calls \
-                else None
+            self._combiner = CallCombiner(self._run_batch,
+                                          running=self.config.calls_at_once) \
+                if self.config.combine_calls else None
         except BaseException:
             self._release()
             raise
