@@ -11,6 +11,9 @@ the batches' mean size, the mean µs inside a batch's data call (``Tier._run_bat
 mean µs from a batch being handed over (``CallCombiner._pass_on`` releasing its first waiter)
 to that waiter running it. Everything is wrapped around the library from here; nothing in
 gdskv changes for it.
+
+Results it produced: ``h100-2026-11-27/combine/`` (calls 2, 3 and 5: ``call*-profile-*.json``,
+``call5-*.json``).
 """
 
 from __future__ import annotations

@@ -26,7 +26,9 @@ machine that drifts weighs on each tree alike. Writes one JSON (cells only, no p
 samples; each process's own JSON and stderr under ``--log-dir``) and prints a markdown table a
 tree, a few kilobytes in all.
 
-Results it produced: ``h100-2026-11-27/concurrency/`` (issue 47, before/after in each call).
+Results it produced: ``h100-2026-11-27/concurrency/`` (issue 47, before/after in each call);
+``h100-2026-11-27/combine/`` (combining on and off, and ``calls_at_once`` 1/2/4, by
+``--tree-env``).
 """
 
 from __future__ import annotations
