@@ -7,13 +7,17 @@ threads of 1-page restores ran *slower together* than one alone (0.27 ms a call 
 with four in flight; ``bench/results/h100-2026-11-27/concurrency/``): the threads contend for
 the lock and the CUDA driver, so their fixed costs add up instead of overlapping.
 
-So, as a database's group commit does: a call that finds no other call running runs alone, as
-it always did (a single thread pays nothing but one lock). A call that arrives while one runs
-queues its (checked) arguments and waits. When the running call ends it hands the queue to the
-first waiter, which runs every queued call of its group as *one* data call (keys and slots
-concatenated) and wakes the others with their own results. The fixed cost is then paid once
-per batch, and one thread makes the batch's CUDA calls. One batch runs at a time; its I/O is
-spread over the backend's threads as any multi-page call's is.
+So, as a database's group commit does: a call that finds fewer than ``running`` calls running
+runs alone, as it always did (a single thread pays nothing but one lock). A call that arrives
+while ``running`` run queues its arguments and waits (the batch's thread checks them: a waiting
+caller takes the interpreter lock as little as it can). When a running call ends it hands the
+queue to the first waiter, which runs every queued call of its group as *one* data call (keys
+and slots concatenated) and wakes the others with their own results or errors. The fixed cost
+is then paid once per batch, and one thread makes the batch's CUDA calls; the batch's I/O is
+spread over the backend's threads as any multi-page call's is. With ``running`` = 1 (the
+tier's default, ``calls_at_once``) one call or batch runs at a time: the most combining, at
+the cost of the overlap of calls' I/O, which large pages on a few threads feel
+(``bench/results/h100-2026-11-27/combine/``).
 
 Requests combine only within a *group* (the same operation on the same KV pool) and only with
 disjoint keys (a call refuses a repeated key); the rest wait for the next hand-off, in order.
