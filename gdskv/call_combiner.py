@@ -19,7 +19,9 @@ tier's default, ``calls_at_once``) one call or batch runs at a time: the most co
 the cost of the overlap of calls' I/O, which large pages on a few threads feel
 (``bench/results/h100-2026-11-27/combine/``).
 
-Requests combine only within a *group* (the same operation on the same KV pool) and only with
+Calls of different *groups* never wait for each other: a spill and a restore (SGLang backs up
+and prefetches from two threads), or calls on two pools, run side by side as before. Within a
+group (the same operation on the same KV pool, or on host regions) calls combine only with
 disjoint keys (a call refuses a repeated key); the rest wait for the next hand-off, in order.
 """
 
@@ -62,6 +64,16 @@ class CallRequest:
         return self.result
 
 
+class _Group:
+    """One group's calls: how many run now, and those waiting (in arrival order)."""
+
+    __slots__ = ("active", "queue")
+
+    def __init__(self) -> None:
+        self.active = 0
+        self.queue: list[CallRequest] = []
+
+
 class CallCombiner:
     """Combines calls in flight (see the module's docstring).
 
@@ -69,6 +81,11 @@ class CallCombiner:
         run_batch: runs a batch of requests of one group with disjoint keys as one call, and
             sets each request's ``result`` (its per-page results, in its keys' order) or
             ``error``; it must not raise.
+        max_batch_pages: the most pages one batch takes.
+        rounds: batches the thread that ends a call runs itself before it hands the next one
+            over (0: it hands over at once).
+        running: calls or batches of one group that run at once (their I/O overlaps); more
+            wait and combine.
     """
 
     def __init__(self, run_batch: Callable[[list[CallRequest]], None],
@@ -76,64 +93,76 @@ class CallCombiner:
                  running: int = 1) -> None:
         self._run_batch = run_batch
         self._max_pages = max_batch_pages
-        #: calls or batches that run at once (their I/O overlaps); more wait and combine
         self.running = running
-        #: batches the thread that ends a call runs itself before it hands the next one over
         self.rounds = rounds
         self._lock = threading.Lock()
-        self._active = 0  # calls or batches running now
-        self._queue: list[CallRequest] = []
+        self._groups: dict[Hashable, _Group] = {}  # groups with calls running or waiting
         #: batches of more than one call run, and the calls they served
         self.batches = 0
         self.batched_calls = 0
 
-    def call(self, alone: Callable[[], list], prepare: Callable[[], CallRequest]) -> list:
-        """The call's per-page results. ``alone()`` runs it by itself (no other call is
-        running); ``prepare()`` makes its request, to be combined (another call is running:
-        this one waits). What either raises, the caller gets; so does what the batch runner
-        sets as the request's error."""
+    def call(self, group: Hashable, alone: Callable[[], list],
+             prepare: Callable[[], CallRequest]) -> list:
+        """The call's per-page results. ``alone()`` runs it by itself (fewer than ``running``
+        calls of its ``group`` run); ``prepare()`` makes its request of that group, to be
+        combined (this one waits). What either raises, the caller gets; so does what the batch
+        runner sets as the request's error."""
         with self._lock:
-            lead = self._active < self.running
+            g = self._groups.get(group)
+            if g is None:
+                g = self._groups[group] = _Group()
+            lead = g.active < self.running
             if lead:
-                self._active += 1
+                g.active += 1
         if lead:
             try:
                 return alone()
             finally:
-                self._drain()
+                self._drain(group)
         request = prepare()
         with self._lock:
-            queued = self._active >= self.running
+            g = self._groups.get(group)
+            if g is None:
+                g = self._groups[group] = _Group()
+            queued = g.active >= self.running
             if queued:
-                self._queue.append(request)
+                g.queue.append(request)
             else:  # a running call ended while this one prepared: run it now
-                self._active += 1
+                g.active += 1
                 request.batch = [request]
         if queued:
-            self._wait(request)
+            self._wait(group, request)
         if request.batch is not None:
             try:
                 self._serve(request.batch, request)
             finally:
-                self._drain()
+                self._drain(group)
         return request.outcome()
 
-    def _wait(self, request: CallRequest) -> None:
+    def waiting(self, group: Hashable | None = None) -> int:
+        """Calls waiting now (in ``group``, or in all)."""
+        with self._lock:
+            groups = self._groups.values() if group is None else \
+                [self._groups[group]] if group in self._groups else []
+            return sum(len(g.queue) for g in groups)
+
+    def _wait(self, group: Hashable, request: CallRequest) -> None:
         try:
             request.wake.acquire()
         except BaseException:
             # Interrupted (a signal in the main thread). Still queued: leave. Already taken into
             # a batch: the batch, and every waiter behind it, need this thread to go on.
             with self._lock:
-                if request in self._queue:
-                    self._queue.remove(request)
+                g = self._groups.get(group)
+                if g is not None and request in g.queue:
+                    g.queue.remove(request)
                     raise
             request.wake.acquire()
             if request.batch is not None:
                 try:
                     self._serve(request.batch, request)
                 finally:
-                    self._drain()
+                    self._drain(group)
             raise
 
     def _serve(self, batch: list[CallRequest], mine: CallRequest | None) -> None:
@@ -151,18 +180,21 @@ class CallCombiner:
             if r is not mine:
                 r.wake.release()
 
-    def _drain(self) -> None:
-        """The running call has ended: run the queue's next batches here (up to ``rounds``),
-        then hand the next one to its first request, whose thread runs it; or nobody is busy
-        now (one call fewer running). Running a batch here saves the hand-over (a thread to wake, the interpreter lock
-        to win back) at the cost of this thread's caller waiting for it."""
+    def _drain(self, group: Hashable) -> None:
+        """A running call of ``group`` has ended: run the group's next batches here (up to
+        ``rounds``), then hand the next one to its first request, whose thread runs it; or
+        one call fewer runs now. Running a batch here saves the hand-over (a thread to wake,
+        the interpreter lock to win back) at the cost of this thread's caller waiting."""
         done = 0
         while True:
             with self._lock:
-                if not self._queue:
-                    self._active -= 1
+                g = self._groups[group]
+                if not g.queue:
+                    g.active -= 1
+                    if not g.active:
+                        del self._groups[group]
                     return
-                batch = self._take()
+                batch = self._take(g)
                 here = done < self.rounds
                 if not here:
                     batch[0].batch = batch
@@ -172,19 +204,18 @@ class CallCombiner:
             done += 1
             self._serve(batch, None)
 
-    def _take(self) -> list[CallRequest]:
-        """The next batch, from the queue's order (under the lock): the first request and the
-        later ones of its group whose keys none of the batch has, up to the page limit."""
-        first = self._queue[0]
+    def _take(self, g: _Group) -> list[CallRequest]:
+        """The group's next batch, in arrival order (under the lock): the first request and
+        the later ones whose keys none of the batch has, up to the page limit."""
+        first = g.queue[0]
         batch, keys, rest = [first], set(first.keys), []
         pages = len(first.keys)
-        for r in self._queue[1:]:
-            if r.group == first.group and pages + len(r.keys) <= self._max_pages and \
-                    keys.isdisjoint(r.keys):
+        for r in g.queue[1:]:
+            if pages + len(r.keys) <= self._max_pages and keys.isdisjoint(r.keys):
                 batch.append(r)
                 keys.update(r.keys)
                 pages += len(r.keys)
             else:
                 rest.append(r)
-        self._queue = rest
+        g.queue = rest
         return batch

@@ -104,6 +104,12 @@ def _refuse_shared_regions(starts: list[int], sizes: list[int], pages) -> None:
                      "page's bytes would land in another's")
 
 
+def _pool_id(kv_pool) -> tuple | int:
+    """Which tensors a pool call moves between (calls combine only on the same ones): the
+    engine's (K, V) tensors, as it passes them, or the object it passes."""
+    return tuple(map(id, kv_pool)) if type(kv_pool) in (tuple, list) else id(kv_pool)
+
+
 class TierClosedError(RuntimeError):
     """A call on a tier after :meth:`Tier.close`."""
 
@@ -274,15 +280,13 @@ class Tier:
         self._check_open()
         if self.read_only or self._calls.lost:
             return self._refuse_put(keys)
-        if self._combiner is None:
-            keys, fill = self._pool_copier(keys, kv_pool, token_slots, kd.gather_pages)
-            return self._run(self._put, keys, fill, op="put")
         self._refuse_byte_pages()
         keys = self._check_keys(keys)
-        return self._combiner.call(
-            lambda: self._run(self._put, keys, self._copier_for(
-                keys, kv_pool, token_slots, kd.gather_pages), op="put"),
-            lambda: self._request("put", keys, kv_pool, token_slots))
+
+        def fill() -> PoolCopier:
+            return self._copier_for(keys, kv_pool, token_slots, kd.gather_pages)
+        return self._combined(("put", _pool_id(kv_pool)), keys, fill,
+                              lambda: self._run(self._put, keys, fill(), op="put"))
 
     def get(self, keys: Sequence[Hashable], kv_pool, token_slots) -> list[bool]:
         """Restore pages into ``kv_pool`` at ``token_slots``; per-page hit (True) or miss."""
@@ -293,10 +297,8 @@ class Tier:
         # the read hides); a bad argument still raises before anything reaches the pool.
         drain = DeferredCopier(lambda: self._copier_for(keys, kv_pool, token_slots,
                                                         kd.scatter_pages))
-        if self._combiner is None:
-            return self._run(self._get, keys, drain, op="get")
-        return self._combiner.call(lambda: self._run(self._get, keys, drain, op="get"),
-                                   lambda: self._request("get", keys, kv_pool, token_slots))
+        return self._combined(("get", _pool_id(kv_pool)), keys, drain.make,
+                              lambda: self._run(self._get, keys, drain, op="get"))
 
     def put_async(self, keys, kv_pool, token_slots) -> Future:
         self._check_open()
@@ -305,14 +307,18 @@ class Tier:
             fut.set_result(self._refuse_put(keys))
             return fut
         keys, fill = self._pool_copier(keys, kv_pool, token_slots, kd.gather_pages)
-        return self._worker.submit(self._run, self._put, keys, fill, self._engine_event(),
-                                   op="put")
+        event = self._engine_event()
+        return self._worker.submit(self._combined, ("put", _pool_id(kv_pool)), keys,
+                                   lambda: fill, lambda: self._run(self._put, keys, fill, event,
+                                                                   op="put"), event)
 
     def get_async(self, keys, kv_pool, token_slots) -> Future:
         self._check_open()
         keys, drain = self._pool_copier(keys, kv_pool, token_slots, kd.scatter_pages)
-        return self._worker.submit(self._run, self._get, keys, drain, self._engine_event(),
-                                   op="get")
+        event = self._engine_event()
+        return self._worker.submit(self._combined, ("get", _pool_id(kv_pool)), keys,
+                                   lambda: drain, lambda: self._run(self._get, keys, drain,
+                                                                    event, op="get"), event)
 
     def put_pages(self, keys: Sequence[Hashable], pages: Sequence[Sequence[torch.Tensor]]
                   ) -> list[bool]:
@@ -325,8 +331,7 @@ class Tier:
         self._check_open()
         if self.read_only or self._calls.lost:
             return self._refuse_put(keys)
-        keys, parts = self._region_calls(keys, pages, to_staging=True)
-        return self._run_parts(self._put, keys, parts)
+        return self._pages_call("put", keys, pages)
 
     def get_pages(self, keys: Sequence[Hashable], pages: Sequence[Sequence[torch.Tensor]]
                   ) -> list[bool]:
@@ -334,8 +339,7 @@ class Tier:
         hit (True) or a miss. The regions of a missed page hold undefined bytes afterwards
         (a read in place may have landed part of the page there): never use them."""
         self._check_open()
-        keys, parts = self._region_calls(keys, pages, to_staging=False)
-        return self._run_parts(self._get, keys, parts)
+        return self._pages_call("get", keys, pages)
 
     def put_pages_async(self, keys: Sequence[Hashable],
                         pages: Sequence[Sequence[torch.Tensor]]) -> Future:
@@ -347,14 +351,18 @@ class Tier:
             fut.set_result(self._refuse_put(keys))
             return fut
         keys, parts = self._region_calls(keys, pages, to_staging=True)
-        return self._worker.submit(self._run_parts, self._put, keys, parts, self._engine_event())
+        event = self._engine_event()
+        return self._worker.submit(self._combined, ("put_pages",), keys, lambda: pages,
+                                   lambda: self._run_parts(self._put, keys, parts, event), event)
 
     def get_pages_async(self, keys: Sequence[Hashable],
                         pages: Sequence[Sequence[torch.Tensor]]) -> Future:
         """:meth:`get_pages` on the tier's workers (see :meth:`put_pages_async`)."""
         self._check_open()
         keys, parts = self._region_calls(keys, pages, to_staging=False)
-        return self._worker.submit(self._run_parts, self._get, keys, parts, self._engine_event())
+        event = self._engine_event()
+        return self._worker.submit(self._combined, ("get_pages",), keys, lambda: pages,
+                                   lambda: self._run_parts(self._get, keys, parts, event), event)
 
     def pin(self, keys: Sequence[Hashable]) -> list[int | None]:
         """Hold stored pages for a later read: per key a handle (its slot) or None (not
@@ -532,10 +540,14 @@ class Tier:
             token_slots, len(keys), distinct=copy_fn is kd.scatter_pages), copy_fn)
 
     def _region_calls(self, keys, pages, *, to_staging: bool) -> tuple[list, list]:
-        """Check a put_pages/get_pages call; returns its keys and its parts: (positions in the
-        call, the pages' mover), one part for the pages moved in place and one for those going
-        through staging (either may be absent)."""
+        """Check a put_pages/get_pages call; returns its keys and its parts (see
+        :meth:`_region_parts`)."""
         keys = self._check_keys(keys)
+        self._check_regions(keys, pages, to_staging=to_staging)
+        return keys, self._region_parts(pages, to_staging=to_staging)
+
+    def _check_regions(self, keys: list, pages, *, to_staging: bool) -> None:
+        """A put_pages/get_pages call's regions, checked (``keys`` already are)."""
         if len(pages) != len(keys):
             raise ValueError(f"got {len(pages)} page buffers for {len(keys)} keys")
         # a restore's regions' addresses and sizes, to refuse shared memory
@@ -563,6 +575,11 @@ class Tier:
                                  f"{self.layout.page_bytes} B")
         if starts is not None and len(starts) > 1:
             _refuse_shared_regions(starts, sizes, pages)
+
+    def _region_parts(self, pages, *, to_staging: bool) -> list:
+        """A checked region call's parts: (positions in the call, the pages' mover), one part
+        for the pages moved in place and one for those going through staging (either may be
+        absent)."""
         direct = [i for i, regions in enumerate(pages) if self._host_pages.in_place(regions)]
         staged = [] if len(direct) == len(pages) else sorted(set(range(len(pages))) - set(direct))
         parts = []
@@ -571,11 +588,13 @@ class Tier:
         if staged or not direct:  # an empty call is one (empty) staged part
             parts.append((staged, RegionCopier([pages[i] for i in staged], self.layout.slot_bytes,
                                                to_staging=to_staging)))
-        return keys, parts
+        return parts
 
-    def _run_parts(self, fn, keys: list, parts: list, engine_event=None) -> list[bool]:
+    def _run_parts(self, fn, keys: list, parts: list, engine_event=None, *,
+                   op: str | None = "", after: tuple = ()) -> list[bool]:
         """Run a put_pages/get_pages call (:meth:`_region_calls`) as one tier call, its parts
-        one after the other; the per-page results in call order."""
+        one after the other; the per-page results in call order. ``op``: as :meth:`_run`'s
+        ("": from ``fn``)."""
         def run(keys: list, parts: list, stream: CallStream | None) -> list[bool]:
             if len(parts) == 1:  # (every page in one part, in call order: its results are)
                 return fn(keys, parts[0][1], stream)
@@ -585,7 +604,24 @@ class Tier:
                     results[pos] = ok
             return results
 
-        return self._run(run, keys, parts, engine_event, op="put" if fn == self._put else "get")
+        if op == "":
+            op = "put" if fn == self._put else "get"
+        return self._run(run, keys, parts, engine_event, op=op, after=after)
+
+    def _pages_call(self, op: str, keys, pages) -> list[bool]:
+        """A synchronous put_pages/get_pages call (``op``: "put"/"get"), combined with others
+        in flight where it waits (:mod:`.call_combiner`)."""
+        fn, to_staging = (self._put, True) if op == "put" else (self._get, False)
+        if self._combiner is None:
+            keys, parts = self._region_calls(keys, pages, to_staging=to_staging)
+            return self._run_parts(fn, keys, parts)
+        keys = self._check_keys(keys)
+
+        def checked():
+            self._check_regions(keys, pages, to_staging=to_staging)
+            return pages
+        return self._combined((op + "_pages",), keys, checked, lambda: self._run_parts(
+            fn, keys, self._region_parts(checked(), to_staging=to_staging)))
 
     def _in_place_why_not(self) -> str:
         """Why host regions cannot move in place on this tier ("" when they can)."""
@@ -710,37 +746,49 @@ class Tier:
             self._ledger.record(None, (op, len(keys), time.perf_counter() - t0))
         return results
 
-    def _request(self, op: str, keys: list, kv_pool, token_slots) -> CallRequest:
-        """A pool call to be combined with others (:mod:`.call_combiner`), made in its caller's
-        thread with as little host work as can be: its arguments are checked by the thread
-        that runs the batch (a bad one fails this call only), so waiting callers do not take
-        the interpreter lock from it. Its group: the operation on one pool's tensors. It
-        carries an event after its caller's queued GPU work, which the combined call's stream
-        waits for (the caller is blocked meanwhile: its thread's event is free)."""
-        event = None
-        if self._streams is not None:
+    def _combined(self, group: tuple, keys: list, make, alone, event=None) -> list[bool]:
+        """A data call through the combiner (:mod:`.call_combiner`), or ``alone()`` where there
+        is none. ``group``: (operation, what it moves between: a pool's tensors) -- calls
+        combine only within one; ``make()``: the call's checked mover ingredient (a
+        :class:`PoolCopier`, or a region call's pages), run by the thread that runs the batch
+        (a bad argument fails this call only); ``event``: after the caller's queued GPU work
+        (an asynchronous call's, recorded when it was submitted; None: a synchronous call,
+        whose thread's event is recorded when it waits)."""
+        if self._combiner is None:
+            return alone()
+        return self._combiner.call(group, alone,
+                                   lambda: self._request(group, keys, make, event))
+
+    def _request(self, group: tuple, keys: list, make, event) -> CallRequest:
+        """A call to be combined with others, made in its caller's thread with as little host
+        work as can be: its arguments are checked by the thread that runs the batch, so
+        waiting callers do not take the interpreter lock from it. It carries an event after
+        its caller's queued GPU work, which the combined call's stream waits for (a
+        synchronous caller is blocked meanwhile: its thread's event is free)."""
+        if event is None and self._streams is not None:
             event = getattr(self._per_thread, "engine", None)
             if event is None:
                 event = self._per_thread.engine = torch.cuda.Event()
             event.record(current_stream(self.device.index))
-        pool_id = tuple(map(id, kv_pool)) if type(kv_pool) in (tuple, list) else id(kv_pool)
-        return CallRequest((op, pool_id), keys, (kv_pool, token_slots, event))
+        return CallRequest(group, keys, (make, event))
 
     def _run_batch(self, batch: list[CallRequest]) -> None:
-        """Run combined pool calls of one group (disjoint keys) as one data call; each request
-        gets its own pages' results (or the error its arguments raise) and is recorded as its
-        own call in the metrics. Requests whose pool view or slot indices' device differ from
+        """Run combined calls of one group (disjoint keys) as one data call; each request gets
+        its own pages' results (or the error its arguments raise) and is recorded as its own
+        call in the metrics. Pool requests whose pool view or slot indices' device differ from
         the first's (an engine passing one pool's tensors in other shapes) run on their own."""
         op = batch[0].group[0]
-        kernel = kd.gather_pages if op == "put" else kd.scatter_pages
         made = []
         for r in batch:
-            kv_pool, token_slots, event = r.payload
+            make, event = r.payload
             try:
-                made.append((r, self._copier_for(r.keys, kv_pool, token_slots, kernel), event))
+                made.append((r, make(), event))
             except Exception as exc:  # noqa: BLE001 - that caller's own bad argument
                 r.error = exc
         if not made:
+            return
+        if op.endswith("_pages"):
+            self._run_combined(op[:-6], made)
             return
         first = made[0][1]
         together = [m for m in made if m[1].pool is first.pool and
@@ -751,20 +799,25 @@ class Tier:
                 self._run_combined(op, [m])
 
     def _run_combined(self, op: str, made: list) -> None:
-        """``made``: (request, its copier, its event) of one pool: one data call for all."""
-        if len(made) == 1:
-            keys, copier = made[0][0].keys, made[0][1]
-        else:
-            keys = [k for r, _, _ in made for k in r.keys]
-            # (each request's slots were checked against the pool; a restore's are distinct
-            # within each call -- two calls in flight restoring into one slot race with or
-            # without combining)
-            first = made[0][1]
-            copier = PoolCopier(first.pool, self.layout,
-                                torch.cat([c.flat_slots for _, c, _ in made]), first.kernel)
+        """``made``: (request, its mover ingredient, its event) of one group: one data call for
+        all. ``op``: "put"/"get"; ingredients: PoolCopiers of one pool, or pages lists."""
+        keys = made[0][0].keys if len(made) == 1 else [k for r, _, _ in made for k in r.keys]
+        fn = self._put if op == "put" else self._get
         events = tuple(e for _, _, e in made if e is not None)
-        results = self._run(self._put if op == "put" else self._get, keys, copier,
-                            op=None, after=events)
+        first = made[0][1]
+        if isinstance(first, PageCopier):
+            copier = first
+            if len(made) > 1:
+                # (each request's slots were checked against the pool; a restore's are distinct
+                # within each call -- two calls in flight restoring into one slot race with or
+                # without combining)
+                copier = PoolCopier(first.pool, self.layout,
+                                    torch.cat([c.flat_slots for _, c, _ in made]), first.kernel)
+            results = self._run(fn, keys, copier, op=None, after=events)
+        else:
+            pages = first if len(made) == 1 else [p for _, ps, _ in made for p in ps]
+            results = self._run_parts(fn, keys, self._region_parts(pages, to_staging=op == "put"),
+                                      op=None, after=events)
         at = 0
         now = time.perf_counter()
         for r, _, _ in made:

@@ -43,6 +43,22 @@ def wait_for(predicate, seconds: float, what: str) -> None:
         time.sleep(0.02)
 
 
+def hold_first_io(tier) -> tuple[threading.Event, threading.Event]:
+    """The tier's next data call's I/O waits for ``go`` (set it); ``started`` is set when it
+    does. Calls that arrive meanwhile find that call running (e.g. to be combined with it)."""
+    started, go = threading.Event(), threading.Event()
+    start = tier.backend.start
+
+    def held(*args):
+        if not started.is_set():
+            started.set()
+            go.wait(30)
+        return start(*args)
+
+    tier.backend.start = held
+    return started, go
+
+
 def key_seed(key) -> int:
     raw = key.encode("utf-8", "surrogatepass") if isinstance(key, str) else bytes(key)
     return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little")

@@ -11,12 +11,13 @@ import torch
 
 from gdskv.call_combiner import CallCombiner, CallRequest
 from gdskv.tier import Tier
-from reliability_helpers import LAYOUT, SLOT, run_in_threads, small_config, wait_for
+from reliability_helpers import (LAYOUT, SLOT, hold_first_io, run_in_threads, small_config,
+                                 wait_for)
 
 
 class _Held:
-    """A combiner whose first call (run alone) blocks until released, so that the calls the
-    test starts meanwhile queue up behind it; batches are recorded as run."""
+    """A combiner whose first call (run alone, in group "g") blocks until released, so that
+    the calls the test starts meanwhile queue up behind it; batches are recorded as run."""
 
     def __init__(self, max_batch_pages: int = 256) -> None:
         self.batches: list[list[str]] = []
@@ -31,77 +32,77 @@ class _Held:
         for r in batch:
             r.result = [f"{r.payload}:{k}" for k in r.keys]
 
-    def hold(self) -> threading.Thread:
+    def hold(self, group="g") -> threading.Thread:
         def alone():
             self.release.wait(10)
             return ["alone"]
         t = threading.Thread(target=lambda: self.results.__setitem__(
-            "first", self.combiner.call(alone, None)))
+            "first", self.combiner.call(group, alone, None)))
         t.start()
-        wait_for(lambda: self.combiner._active == 1, 5, "the first call to start")
+        wait_for(lambda: group in self.combiner._groups, 5, "the first call to start")
         return t
 
-    def queue(self, name: str, group, keys: list) -> threading.Thread:
+    def queue(self, name: str, keys: list, group="g") -> threading.Thread:
         def run():
             try:
                 self.results[name] = self.combiner.call(
-                    lambda: ["ran alone"], lambda: CallRequest(group, keys, name))
+                    group, lambda: ["ran alone"], lambda: CallRequest(group, keys, name))
             except ValueError as exc:
                 self.results[name] = exc
-        before = len(self.combiner._queue)
+        before = self.combiner.waiting(group)
         t = threading.Thread(target=run)
         t.start()
-        wait_for(lambda: len(self.combiner._queue) > before, 5, f"{name} to queue")
+        wait_for(lambda: self.combiner.waiting(group) > before, 5, f"{name} to queue")
         return t
 
 
 def test_a_call_alone_runs_by_itself():
     c = CallCombiner(lambda batch: pytest.fail("no batch without a call in flight"))
-    assert c.call(lambda: [True], lambda: pytest.fail("nothing to prepare")) == [True]
-    assert c.call(lambda: [False], None) == [False]
-    assert (c.batches, c.batched_calls, c._active) == (0, 0, 0)
+    assert c.call("g", lambda: [True], lambda: pytest.fail("nothing to prepare")) == [True]
+    assert c.call("g", lambda: [False], None) == [False]
+    assert (c.batches, c.batched_calls, c._groups) == (0, 0, {})
 
 
 def test_calls_in_flight_run_as_one_batch_each_with_its_own_results():
     h = _Held()
     first = h.hold()
-    waiting = [h.queue("a", "g", ["k1", "k2"]), h.queue("b", "g", ["k3"]),
-               h.queue("c", "g", ["k4"])]
+    waiting = [h.queue("a", ["k1", "k2"]), h.queue("b", ["k3"]), h.queue("c", ["k4"])]
     h.release.set()
     for t in [first] + waiting:
         t.join(10)
     assert h.results == {"first": ["alone"], "a": ["a:k1", "a:k2"], "b": ["b:k3"],
                          "c": ["c:k4"]}
     assert h.batches == [["a", "b", "c"]]
-    assert (h.combiner.batches, h.combiner.batched_calls, h.combiner._active) == (1, 3, 0)
+    assert (h.combiner.batches, h.combiner.batched_calls, h.combiner._groups) == (1, 3, {})
 
 
-def test_batches_keep_groups_apart_and_keys_disjoint_and_the_page_limit():
+def test_other_groups_never_wait_and_batches_keep_keys_disjoint_within_the_page_limit():
     h = _Held(max_batch_pages=3)
     first = h.hold()
-    waiting = [h.queue("a", "get", ["k1"]),
-               h.queue("b", "put", ["k2"]),        # another group: a later batch
-               h.queue("c", "get", ["k1", "k5"]),  # a key of a's: a later batch
-               h.queue("d", "get", ["k6", "k7"]),  # fits with a (3 pages)
-               h.queue("e", "get", ["k8"])]        # over the page limit with a and d
+    # another group (a spill while restores run, as SGLang's backup and prefetch threads do)
+    # runs at once, alone, while the first call is still held
+    assert h.combiner.call("other", lambda: ["at once"], None) == ["at once"]
+    waiting = [h.queue("a", ["k1"]),
+               h.queue("c", ["k1", "k5"]),  # a key of a's: a later batch
+               h.queue("d", ["k6", "k7"]),  # fits with a (3 pages)
+               h.queue("e", ["k8"])]        # over the page limit with a and d
     h.release.set()
     for t in [first] + waiting:
         t.join(10)
-    assert h.batches == [["a", "d"], ["b"], ["c", "e"]]  # (c and e: 3 pages)
+    assert h.batches == [["a", "d"], ["c", "e"]]  # (c and e: 3 pages)
     assert h.results["c"] == ["c:k1", "c:k5"] and h.results["e"] == ["e:k8"]
 
 
 def test_an_exception_in_a_batch_reaches_every_caller_in_it_and_no_other():
-    h = _Held()
+    h = _Held(max_batch_pages=2)
     first = h.hold()
-    waiting = [h.queue("ok1", "g", ["k1"]), h.queue("bad", "g", ["k2"]),
-               h.queue("ok2", "other", ["k3"])]
+    waiting = [h.queue("ok1", ["k1"]), h.queue("bad", ["k2"]), h.queue("ok2", ["k3"])]
     h.release.set()
     for t in [first] + waiting:
         t.join(10)
     assert isinstance(h.results["ok1"], ValueError) and isinstance(h.results["bad"], ValueError)
-    assert h.results["ok2"] == ["ok2:k3"]
-    assert h.combiner._active == 0
+    assert h.results["ok2"] == ["ok2:k3"]  # a batch of its own (the page limit)
+    assert h.combiner._groups == {}
 
 
 # -- a CPU tier's pool calls ----------------------------------------------------------------------
@@ -116,23 +117,8 @@ def _slots(page: int) -> torch.Tensor:
     return torch.arange(page * LAYOUT.page_size, (page + 1) * LAYOUT.page_size)
 
 
-def _hold_first_call(tier: Tier) -> tuple[threading.Event, threading.Event]:
-    """The next data call's I/O waits for ``go``; ``started`` is set when it does."""
-    started, go = threading.Event(), threading.Event()
-    start = tier.backend.start
-
-    def held(*args):
-        if not started.is_set():
-            started.set()
-            go.wait(10)
-        return start(*args)
-
-    tier.backend.start = held
-    return started, go
-
-
 def _queued(tier: Tier, n: int) -> None:
-    wait_for(lambda: len(tier._combiner._queue) >= n, 10, f"{n} calls to queue")
+    wait_for(lambda: tier._combiner.waiting() >= n, 10, f"{n} calls to queue")
 
 
 @pytest.mark.parametrize("io_on_caller", [True, False])
@@ -148,7 +134,7 @@ def test_pool_calls_in_flight_are_combined_and_bit_exact(tmp_path, io_on_caller)
         results: dict = {}
 
         def in_flight(first_call, calls) -> None:
-            started, go = _hold_first_call(tier)
+            started, go = hold_first_io(tier)
             first = threading.Thread(target=lambda: results.__setitem__("first", first_call()))
             first.start()
             assert started.wait(10)
@@ -187,7 +173,7 @@ def test_a_bad_argument_raises_in_its_own_caller_only(tmp_path):
     src, dst = _pool(3, 3), _pool(3, 4)
     with Tier(LAYOUT, small_config(tmp_path), device="cpu") as tier:
         assert tier.put(["a", "b"], src, torch.cat([_slots(0), _slots(1)])) == [True, True]
-        started, go = _hold_first_call(tier)
+        started, go = hold_first_io(tier)
         results: dict = {}
 
         def run(name, call):
@@ -264,18 +250,19 @@ def test_running_calls_up_to_the_limit_run_alone_and_the_rest_combine():
 
     c = CallCombiner(run_batch, running=2)
     results: dict = {}
-    first = [threading.Thread(target=lambda n=n: results.__setitem__(n, c.call(alone(n), None)))
+    first = [threading.Thread(target=lambda n=n: results.__setitem__(n, c.call("g", alone(n),
+                                                                                None)))
              for n in ("x", "y")]
     for t in first:
         t.start()
     wait_for(lambda: len(ran) == 2, 10, "both calls to run")
     later = [threading.Thread(target=lambda n=n: results.__setitem__(n, c.call(
-        alone(n), lambda n=n: CallRequest("g", [n], n)))) for n in ("a", "b")]
+        "g", alone(n), lambda n=n: CallRequest("g", [n], n)))) for n in ("a", "b")]
     for i, t in enumerate(later):
         t.start()
-        wait_for(lambda: len(c._queue) > i, 10, "the call to queue")
+        wait_for(lambda: c.waiting() > i, 10, "the call to queue")
     release.set()
     for t in first + later:
         t.join(10)
     assert results == {"x": ["x"], "y": ["y"], "a": ["a"], "b": ["b"]}
-    assert batches == [["a", "b"]] and sorted(ran) == ["x", "y"] and c._active == 0
+    assert batches == [["a", "b"]] and sorted(ran) == ["x", "y"] and c._groups == {}

@@ -146,9 +146,11 @@ def _hold_until_both_in_flight(tier, barrier: threading.Barrier) -> None:
 
 @pytest.mark.parametrize("second", ["put", "get"])
 def test_calls_from_two_threads_overlap(tmp_path, second):
-    """A put and a second put (or a get: SGLang backs up and prefetches from two threads)
-    have their I/O in flight at the same time."""
-    cfg = small_config(tmp_path)
+    """A put and a get (SGLang backs up and prefetches from two threads) have their I/O in
+    flight at the same time: calls of different operations never wait for each other, even
+    with calls combined. Two puts do too, with combining off (on, the second waits and is
+    combined with others: test_call_combiner.py)."""
+    cfg = small_config(tmp_path, combine_calls=second == "get")
     with Tier(LAYOUT, cfg, device="cpu") as tier:
         old = [f"old{i}" for i in range(2)]
         assert all(put(tier, old))
@@ -206,9 +208,12 @@ def test_many_threads_share_two_staging_parts(tmp_path):
         assert tier.stats()["put_stored"] == 6 * 6 * 7
 
 
-def test_async_calls_run_concurrently(tmp_path):
-    """put_async/get_async calls are not queued behind each other, and move exact bytes."""
-    cfg = small_config(tmp_path)
+@pytest.mark.parametrize("combine", [False, True])
+def test_async_calls_run_concurrently(tmp_path, combine):
+    """put_async/get_async calls are not queued behind each other (with combining off; on,
+    a second call of the same operation waits for the first and may be combined with
+    others), and move exact bytes."""
+    cfg = small_config(tmp_path, combine_calls=combine)
     shape = (LAYOUT.num_layers, 4 * LAYOUT.page_size, LAYOUT.kv_heads, LAYOUT.head_dim)
     gen = torch.Generator().manual_seed(7)
     src = tuple(torch.randn(shape, generator=gen).to(LAYOUT.torch_dtype) for _ in range(2))
@@ -217,7 +222,8 @@ def test_async_calls_run_concurrently(tmp_path):
     half = 2 * LAYOUT.page_size
     with Tier(LAYOUT, cfg, device="cpu") as tier:
         barrier = threading.Barrier(2, timeout=5)
-        _hold_until_both_in_flight(tier, barrier)
+        if not combine:
+            _hold_until_both_in_flight(tier, barrier)
         a = tier.put_async(["a0", "a1"], src, slots[:half])
         b = tier.put_async(["b0", "b1"], src, slots[half:])
         assert a.result(30) == [True, True] and b.result(30) == [True, True]

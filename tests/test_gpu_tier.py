@@ -14,7 +14,7 @@ from gdskv.layout import KVLayout
 from gdskv.memory import cuda_available
 from gdskv.store import JOURNAL
 from gdskv.tier import Tier
-from reliability_helpers import run_in_threads, slot_location, wait_for
+from reliability_helpers import hold_first_io, run_in_threads, slot_location, wait_for
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not cuda_available(), reason="needs a CUDA device (none here)")]
@@ -410,21 +410,9 @@ def test_combined_calls_wait_for_each_callers_stream(tmp_path, backend):
                      staging_size="8MiB")
     torch.cuda.synchronize()
     with Tier(lay, cfg, device="cuda") as tier:
-        def hold_first():
-            started, go = threading.Event(), threading.Event()
-            start = tier.backend.start
-
-            def held(*args):
-                if not started.is_set():
-                    started.set()
-                    go.wait(30)
-                return start(*args)
-            tier.backend.start = held
-            return started, go
-
         def in_flight(call) -> dict:
             results: dict = {}
-            started, go = hold_first()
+            started, go = hold_first_io(tier)
             first = threading.Thread(target=lambda: results.__setitem__(0, call(0)))
             first.start()
             assert started.wait(30)
@@ -432,7 +420,7 @@ def test_combined_calls_wait_for_each_callers_stream(tmp_path, backend):
                     for t in range(1, threads + 1)]
             for i, th in enumerate(rest):
                 th.start()
-                wait_for(lambda: len(tier._combiner._queue) > i, 30, f"call {i + 1} to queue")
+                wait_for(lambda: tier._combiner.waiting() > i, 30, f"call {i + 1} to queue")
             go.set()
             for th in [first] + rest:
                 th.join(60)
