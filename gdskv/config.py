@@ -181,14 +181,16 @@ class TierConfig:
     #: (kvikio: one extent of GPU memory within a task; posix: one piece) moves its bytes on
     #: the calling thread, with no hand-off to the pool and back; off: always through the pool
     io_on_caller: bool = True
-    #: pool calls (``put``/``get``) that arrive while another runs wait and are then run as
-    #: one call, keys and slots concatenated (as a group commit), so calls in flight from
-    #: several threads pay a call's fixed host and CUDA cost once; a call alone runs at once.
-    #: Off: every call runs on its own
+    #: data calls (``put``/``get``, ``put_pages``/``get_pages``, sync or async) that arrive
+    #: while another of their kind (operation, pool) runs wait and are then run as one call,
+    #: keys and slots or regions concatenated (as a group commit), so calls in flight from
+    #: several threads pay a call's fixed host and CUDA cost once; a call alone runs at once,
+    #: and calls of another kind never wait. Off: every call runs on its own
     combine_calls: bool = True
-    #: with ``combine_calls``: pool calls that run at once, each on its own; a call that finds
-    #: this many running waits, and is combined with the others that wait. 1 combines the
-    #: most (the least host work a page); more overlap the calls' I/O (large pages, a disk)
+    #: with ``combine_calls``: calls of one kind that run at once, each on its own; a call
+    #: that finds this many running waits, and is combined with the others that wait. 1
+    #: combines the most (the least host work a page); more overlap the calls' I/O (large
+    #: pages, a disk)
     calls_at_once: int = 1
     direct_io: DirectIO = DirectIO.AUTO
     eviction: Eviction = Eviction.LRU
@@ -394,8 +396,8 @@ FIELD_DOCS: dict[str, str] = {
     "io_chunk_size": "stripe unit and largest I/O, a multiple of 4096",
     "io_poll_us": "poll an I/O's completion up to this many µs before sleeping on it (0: off)",
     "io_on_caller": "a one-chunk call whose I/O is one pool task moves it on the calling thread",
-    "combine_calls": "pool calls arriving while another runs wait and run as one call",
-    "calls_at_once": "pool calls that run at once before more wait to be combined (1..64)",
+    "combine_calls": "data calls arriving while another of their kind runs wait, run as one",
+    "calls_at_once": "calls of one kind that run at once before more wait to be combined",
     "direct_io": "auto (O_DIRECT where accepted, else buffered and said so), on or off",
     "eviction": "lru, or none (a put that does not fit fails those pages)",
     "sync": "data (fdatasync before a page is READY) or none",
