@@ -763,13 +763,15 @@ class Tier:
         """A call to be combined with others, made in its caller's thread with as little host
         work as can be: its arguments are checked by the thread that runs the batch, so
         waiting callers do not take the interpreter lock from it. It carries an event after
-        its caller's queued GPU work, which the combined call's stream waits for (a
-        synchronous caller is blocked meanwhile: its thread's event is free)."""
+        its caller's queued GPU work, which the combined call's stream waits for. A
+        synchronous caller's is its thread's event and its current stream, recorded by the
+        batch's thread (:meth:`_run_combined`): the caller is blocked meanwhile, so nothing
+        more reaches its stream, and its thread makes no CUDA call while the batch runs."""
         if event is None and self._streams is not None:
             event = getattr(self._per_thread, "engine", None)
             if event is None:
                 event = self._per_thread.engine = torch.cuda.Event()
-            event.record(current_stream(self.device.index))
+            event = (event, current_stream(self.device.index))
         return CallRequest(group, keys, (make, event))
 
     def _run_batch(self, batch: list[CallRequest]) -> None:
@@ -803,7 +805,14 @@ class Tier:
         all. ``op``: "put"/"get"; ingredients: PoolCopiers of one pool, or pages lists."""
         keys = made[0][0].keys if len(made) == 1 else [k for r, _, _ in made for k in r.keys]
         fn = self._put if op == "put" else self._get
-        events = tuple(e for _, _, e in made if e is not None)
+        events = []
+        for _, _, e in made:
+            if type(e) is tuple:  # a synchronous caller's event, recorded here (see _request)
+                e[0].record(e[1])
+                e = e[0]
+            if e is not None:
+                events.append(e)
+        events = tuple(events)
         first = made[0][1]
         if isinstance(first, PageCopier):
             copier = first
