@@ -7,17 +7,18 @@ threads of 1-page restores ran *slower together* than one alone (0.27 ms a call 
 with four in flight; ``bench/results/h100-2026-11-27/concurrency/``): the threads contend for
 the lock and the CUDA driver, so their fixed costs add up instead of overlapping.
 
-So, as a database's group commit does: a call that finds fewer than ``running`` calls running
-runs alone, as it always did (a single thread pays nothing but one lock). A call that arrives
-while ``running`` run queues its arguments and waits (the batch's thread checks them: a waiting
+So, as a database's group commit does: a call that finds fewer than ``running`` calls of its
+group running, and none waiting, runs alone, as it always did (a single thread pays nothing but
+one lock). A call that arrives while ``running`` run, or while others wait, queues its
+arguments and waits (the batch's thread checks them: a waiting
 caller takes the interpreter lock as little as it can). When a running call ends it hands the
 queue to the first waiter, which runs every queued call of its group as *one* data call (keys
 and slots concatenated) and wakes the others with their own results or errors. The fixed cost
 is then paid once per batch, and one thread makes the batch's CUDA calls; the batch's I/O is
-spread over the backend's threads as any multi-page call's is. With ``running`` = 1 (the
-tier's default, ``calls_at_once``) one call or batch runs at a time: the most combining, at
-the cost of the overlap of calls' I/O, which large pages on a few threads feel
-(``bench/results/h100-2026-11-27/combine/``).
+spread over the backend's threads as any multi-page call's is. Once calls wait, a group runs
+one batch at a time (the calls already running alone finish meanwhile): a few threads' calls
+(up to ``running``) overlap their I/O as they always did, and many threads' calls are combined
+instead of contending (``bench/results/h100-2026-11-27/combine/``).
 
 Calls of different *groups* never wait for each other: a spill and a restore (SGLang backs up
 and prefetches from two threads), or calls on two pools, run side by side as before. Within a
@@ -65,13 +66,20 @@ class CallRequest:
 
 
 class _Group:
-    """One group's calls: how many run now, and those waiting (in arrival order)."""
+    """One group's calls: how many run now (calls alone and the batch), whether a batch is
+    among them, and those waiting (in arrival order)."""
 
-    __slots__ = ("active", "queue")
+    __slots__ = ("active", "batching", "queue")
 
     def __init__(self) -> None:
         self.active = 0
+        self.batching = False
         self.queue: list[CallRequest] = []
+
+    def free(self, running: int) -> bool:
+        """A call arriving now may run alone: fewer than ``running`` run, and none waits or
+        is being served in a batch (once calls queue, the group runs one batch at a time)."""
+        return self.active < running and not self.queue and not self.batching
 
 
 class CallCombiner:
@@ -111,23 +119,23 @@ class CallCombiner:
             g = self._groups.get(group)
             if g is None:
                 g = self._groups[group] = _Group()
-            lead = g.active < self.running
+            lead = g.free(self.running)
             if lead:
                 g.active += 1
         if lead:
             try:
                 return alone()
             finally:
-                self._drain(group)
+                self._drain(group, False)
         request = prepare()
         with self._lock:
             g = self._groups.get(group)
             if g is None:
                 g = self._groups[group] = _Group()
-            queued = g.active >= self.running
+            queued = not g.free(self.running)
             if queued:
                 g.queue.append(request)
-            else:  # a running call ended while this one prepared: run it now
+            else:  # a running call ended while this one prepared: run it now, as alone
                 g.active += 1
                 request.batch = [request]
         if queued:
@@ -136,7 +144,7 @@ class CallCombiner:
             try:
                 self._serve(request.batch, request)
             finally:
-                self._drain(group)
+                self._drain(group, queued)
         return request.outcome()
 
     def waiting(self, group: Hashable | None = None) -> int:
@@ -162,7 +170,7 @@ class CallCombiner:
                 try:
                     self._serve(request.batch, request)
                 finally:
-                    self._drain(group)
+                    self._drain(group, True)
             raise
 
     def _serve(self, batch: list[CallRequest], mine: CallRequest | None) -> None:
@@ -180,29 +188,33 @@ class CallCombiner:
             if r is not mine:
                 r.wake.release()
 
-    def _drain(self, group: Hashable) -> None:
-        """A running call of ``group`` has ended: run the group's next batches here (up to
-        ``rounds``), then hand the next one to its first request, whose thread runs it; or
-        one call fewer runs now. Running a batch here saves the hand-over (a thread to wake,
-        the interpreter lock to win back) at the cost of this thread's caller waiting."""
+    def _drain(self, group: Hashable, batch: bool) -> None:
+        """A running call of ``group`` has ended (``batch``: a batch). If calls wait and no
+        other batch is being served, run the next batches here (up to ``rounds``), then hand
+        the next one to its first request, whose thread runs it; else one call fewer runs
+        now. Running a batch here saves the hand-over (a thread to wake, the interpreter lock
+        to win back) at the cost of this thread's caller waiting."""
         done = 0
         while True:
             with self._lock:
                 g = self._groups[group]
-                if not g.queue:
+                if not g.queue or (g.batching and not batch):
+                    if batch:
+                        g.batching = False
                     g.active -= 1
                     if not g.active:
                         del self._groups[group]
                     return
-                batch = self._take(g)
+                g.batching = batch = True  # (this call's place passes to the batch)
+                take = self._take(g)
                 here = done < self.rounds
                 if not here:
-                    batch[0].batch = batch
+                    take[0].batch = take
             if not here:
-                batch[0].wake.release()
+                take[0].wake.release()
                 return
             done += 1
-            self._serve(batch, None)
+            self._serve(take, None)
 
     def _take(self, g: _Group) -> list[CallRequest]:
         """The group's next batch, in arrival order (under the lock): the first request and

@@ -266,3 +266,52 @@ def test_running_calls_up_to_the_limit_run_alone_and_the_rest_combine():
         t.join(10)
     assert results == {"x": ["x"], "y": ["y"], "a": ["a"], "b": ["b"]}
     assert batches == [["a", "b"]] and sorted(ran) == ["x", "y"] and c._groups == {}
+
+
+def test_once_calls_wait_a_group_runs_one_batch_at_a_time():
+    """``running=3``: while a batch is being served, a call arriving with fewer than three
+    running still waits (it joins the next batch) rather than running alone beside it."""
+    gates = {n: threading.Event() for n in ("x", "y", "z", "batch")}
+    ran_alone: list = []
+    batches: list = []
+
+    def alone(name):
+        def run():
+            ran_alone.append(name)
+            gates.get(name, gates["z"]).wait(10)
+            return [name]
+        return run
+
+    def run_batch(batch):
+        batches.append([r.payload for r in batch])
+        if len(batches) == 1:
+            gates["batch"].wait(10)  # the first batch is held until the test lets it go
+        for r in batch:
+            r.result = [r.payload]
+
+    c = CallCombiner(run_batch, running=3)
+    results: dict = {}
+
+    def start(name):
+        t = threading.Thread(target=lambda: results.__setitem__(name, c.call(
+            "g", alone(name), lambda: CallRequest("g", [name], name))))
+        t.start()
+        return t
+
+    threads = [start(n) for n in ("x", "y", "z")]
+    wait_for(lambda: len(ran_alone) == 3, 10, "three calls to run alone")
+    threads.append(start("a"))
+    wait_for(lambda: c.waiting() == 1, 10, "a to wait")
+    gates["x"].set()  # x ends: a's batch starts (and is held)
+    wait_for(lambda: batches == [["a"]], 10, "a's batch")
+    gates["y"].set()  # y ends while the batch runs: two run now (z, the batch)
+    wait_for(lambda: c._groups["g"].active == 2, 10, "y to end")
+    threads.append(start("b"))  # fewer than three run, but a batch is being served: b waits
+    wait_for(lambda: c.waiting() == 1, 10, "b to wait")
+    gates["batch"].set()
+    gates["z"].set()
+    for t in threads:
+        t.join(10)
+    assert results == {n: [n] for n in ("x", "y", "z", "a", "b")}
+    assert sorted(ran_alone) == ["x", "y", "z"] and batches == [["a"], ["b"]]
+    assert c._groups == {}
