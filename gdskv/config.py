@@ -187,11 +187,12 @@ class TierConfig:
     #: several threads pay a call's fixed host and CUDA cost once; a call alone runs at once,
     #: and calls of another kind never wait. Off: every call runs on its own
     combine_calls: bool = True
-    #: with ``combine_calls``: calls of one kind that run at once, each on its own; a call
-    #: that finds this many running waits, and is combined with the others that wait. 1
-    #: combines the most (the least host work a page); more overlap the calls' I/O (large
-    #: pages, a disk)
-    calls_at_once: int = 1
+    #: with ``combine_calls``: calls of one kind that run at once, each on its own, while none
+    #: waits; a call that finds this many running (or others waiting) waits and is combined
+    #: with the others that wait, and the kind then runs one batch at a time. 1 combines the
+    #: most (the least host work a page); 4 lets a few threads' calls overlap their I/O
+    #: (large pages, a disk) as they did before combining
+    calls_at_once: int = 4
     direct_io: DirectIO = DirectIO.AUTO
     eviction: Eviction = Eviction.LRU
     sync: SyncPolicy = SyncPolicy.DATA

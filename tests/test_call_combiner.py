@@ -129,7 +129,7 @@ def test_pool_calls_in_flight_are_combined_and_bit_exact(tmp_path, io_on_caller)
     threads = 6
     # pages 0..threads: stored and restored; threads+1..2*threads: where the misses would go
     src, dst = _pool(2 * threads + 1, 1), _pool(2 * threads + 1, 2)
-    cfg = small_config(tmp_path, io_on_caller=io_on_caller)
+    cfg = small_config(tmp_path, io_on_caller=io_on_caller, calls_at_once=1)
     with Tier(LAYOUT, cfg, device="cpu") as tier:
         results: dict = {}
 
@@ -171,7 +171,7 @@ def test_a_bad_argument_raises_in_its_own_caller_only(tmp_path):
     """A call that would be combined checks its arguments before it waits: slots out of the
     pool raise in that caller; the call in flight and the good waiting call are unharmed."""
     src, dst = _pool(3, 3), _pool(3, 4)
-    with Tier(LAYOUT, small_config(tmp_path), device="cpu") as tier:
+    with Tier(LAYOUT, small_config(tmp_path, calls_at_once=1), device="cpu") as tier:
         assert tier.put(["a", "b"], src, torch.cat([_slots(0), _slots(1)])) == [True, True]
         started, go = hold_first_io(tier)
         results: dict = {}

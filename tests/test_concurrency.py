@@ -146,11 +146,11 @@ def _hold_until_both_in_flight(tier, barrier: threading.Barrier) -> None:
 
 @pytest.mark.parametrize("second", ["put", "get"])
 def test_calls_from_two_threads_overlap(tmp_path, second):
-    """A put and a get (SGLang backs up and prefetches from two threads) have their I/O in
-    flight at the same time: calls of different operations never wait for each other, even
-    with calls combined. Two puts do too, with combining off (on, the second waits and is
-    combined with others: test_call_combiner.py)."""
-    cfg = small_config(tmp_path, combine_calls=second == "get")
+    """A put and a second put (or a get: SGLang backs up and prefetches from two threads)
+    have their I/O in flight at the same time: calls of different operations never wait for
+    each other, and a few of one operation run side by side (``calls_at_once``, 4 by default;
+    with 1 the second put would wait and be combined: test_call_combiner.py)."""
+    cfg = small_config(tmp_path)
     with Tier(LAYOUT, cfg, device="cpu") as tier:
         old = [f"old{i}" for i in range(2)]
         assert all(put(tier, old))
@@ -210,9 +210,8 @@ def test_many_threads_share_two_staging_parts(tmp_path):
 
 @pytest.mark.parametrize("combine", [False, True])
 def test_async_calls_run_concurrently(tmp_path, combine):
-    """put_async/get_async calls are not queued behind each other (with combining off; on,
-    a second call of the same operation waits for the first and may be combined with
-    others), and move exact bytes."""
+    """put_async/get_async calls are not queued behind each other (with combining on, a few
+    run side by side before more wait: ``calls_at_once``), and move exact bytes."""
     cfg = small_config(tmp_path, combine_calls=combine)
     shape = (LAYOUT.num_layers, 4 * LAYOUT.page_size, LAYOUT.kv_heads, LAYOUT.head_dim)
     gen = torch.Generator().manual_seed(7)
@@ -222,8 +221,7 @@ def test_async_calls_run_concurrently(tmp_path, combine):
     half = 2 * LAYOUT.page_size
     with Tier(LAYOUT, cfg, device="cpu") as tier:
         barrier = threading.Barrier(2, timeout=5)
-        if not combine:
-            _hold_until_both_in_flight(tier, barrier)
+        _hold_until_both_in_flight(tier, barrier)
         a = tier.put_async(["a0", "a1"], src, slots[:half])
         b = tier.put_async(["b0", "b1"], src, slots[half:])
         assert a.result(30) == [True, True] and b.result(30) == [True, True]

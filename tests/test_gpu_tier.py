@@ -407,7 +407,7 @@ def test_combined_calls_wait_for_each_callers_stream(tmp_path, backend):
     out = tuple(torch.zeros_like(p) for p in pool)
     rows = [torch.arange(t * 16, (t + 1) * 16) for t in range(threads + 1)]
     cfg = TierConfig(directories=(str(tmp_path),), capacity="64MiB", backend=backend,
-                     staging_size="8MiB")
+                     staging_size="8MiB", calls_at_once=1)
     torch.cuda.synchronize()
     with Tier(lay, cfg, device="cuda") as tier:
         def in_flight(call) -> dict:
