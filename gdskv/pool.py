@@ -253,16 +253,24 @@ def _leaf_tensors(pool) -> list:
 
 
 class PoolCache:
-    """The validated view of the pool an engine passes, reused while it passes the same tensors.
+    """The validated views of the pools an engine passes, reused while it passes the same
+    tensors.
 
-    Rebuilding the view (and its row table) cost more host time per call than the copies of a
-    typical batch. The engine's tensors are held weakly: when the engine drops them, the cached
-    view goes too.
+    Rebuilding a view (and its row table) cost more host time per call than the copies of a
+    typical batch: about 300 µs for a 32-layer pool on the development machine, a device copy
+    more on a GPU. An engine may pass more than one pool to one tier (calls from several
+    threads, each with its own pool; a model with pools of two kinds), so the last
+    ``MAX_ENTRIES`` pools are kept, the one used last checked first. The engine's tensors are
+    held weakly: when the engine drops them, their cached view goes too.
     """
+
+    #: pools whose views are kept (the least recently made goes first)
+    MAX_ENTRIES = 8
 
     def __init__(self, layout: KVLayout) -> None:
         self.layout = layout
-        self._entry = None   # (key, weak refs to the engine's tensors, KVPool)
+        self._entry = None   # the last one used: (key, weak refs to the engine's tensors, KVPool)
+        self._entries: dict = {}  # key -> (weak refs, KVPool), oldest first
 
     def get(self, kv_pool) -> KVPool:
         hit = self._entry
@@ -278,22 +286,32 @@ class PoolCache:
         if not all(isinstance(t, torch.Tensor) for t in leaves):
             return KVPool(self.layout, kv_pool)  # raises the clear TypeError
         key = tuple((id(t), t.data_ptr()) for t in leaves)
-        hit = self._entry
-        if hit is not None and hit[0] == key and all(r() is t for r, t in zip(hit[1], leaves)):
-            return hit[2]
+        found = self._entries.get(key)
+        if found is not None and all(r() is t for r, t in zip(found[0], leaves)):
+            self._entry = (key, found[0], found[1])
+            return found[1]
         pool = KVPool(self.layout, kv_pool)
 
         def forget(_ref, cache_key=key) -> None:
+            self._entries.pop(cache_key, None)
             if self._entry is not None and self._entry[0] == cache_key:
                 self._entry = None
 
-        self._entry = (key, [weakref.ref(t, forget) for t in leaves], pool)
+        refs = [weakref.ref(t, forget) for t in leaves]
+        while len(self._entries) >= self.MAX_ENTRIES:
+            try:  # (another thread's call may change the dict meanwhile)
+                self._entries.pop(next(iter(self._entries)), None)
+            except (StopIteration, RuntimeError):
+                break
+        self._entries[key] = (refs, pool)
+        self._entry = (key, refs, pool)
         return pool
 
     @property
     def cached(self) -> KVPool | None:
-        """The view held now (None when empty)."""
+        """The view used last (None when empty)."""
         return None if self._entry is None else self._entry[2]
 
     def clear(self) -> None:
         self._entry = None
+        self._entries.clear()

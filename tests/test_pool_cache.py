@@ -54,3 +54,24 @@ def test_pool_view_checked_again_when_a_tensor_changes(make_config):
         nested = ([pool[0][i] for i in range(LAYOUT.num_layers)],
                   [pool[1][i] for i in range(LAYOUT.num_layers)])
         assert tier._pools.get(nested) is not third
+
+
+def test_pool_views_of_several_pools_are_kept(make_config):
+    """Calls that alternate between pools (threads with pools of their own) reuse each pool's
+    view; past ``MAX_ENTRIES`` pools the oldest view goes, and a dropped pool's view goes with
+    it."""
+    with Tier(LAYOUT, make_config(), device="cpu") as tier:
+        pools = [random_pool(LAYOUT, 64, seed=s) for s in range(3)]
+        views = [tier._pools.get(p) for p in pools]
+        assert [tier._pools.get(p) for p in reversed(pools)] == list(reversed(views))
+        assert len({id(v) for v in views}) == 3
+        tier._pools.MAX_ENTRIES = 3
+        newest = random_pool(LAYOUT, 64, seed=9)
+        tier._pools.get(newest)  # a fourth pool: the least recently made view (pools[0]) goes
+        assert tier._pools.get(pools[0]) is not views[0]
+        assert tier._pools.get(pools[2]) is views[2]
+        ref = weakref.ref(pools[1][0])
+        del pools[1], views[1]
+        gc.collect()
+        assert ref() is None and len(tier._pools._entries) <= 3
+        assert all(all(r() is not None for r in refs) for refs, _ in tier._pools._entries.values())
