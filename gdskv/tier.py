@@ -213,7 +213,8 @@ class Tier:
             self._gate = CallGate()
             self._worker = ThreadPoolExecutor(depth, thread_name_prefix="gdskv-tier")
             self._pools = PoolCache(layout)
-            # pool calls arriving while one runs are combined into one call (:mod:`.call_combiner`)
+            # data calls arriving while others of their kind run wait and are combined into one
+            # call (:mod:`.call_combiner`)
             self._combiner = CallCombiner(self._run_batch,
                                           running=self.config.calls_at_once) \
                 if self.config.combine_calls else None
@@ -612,9 +613,6 @@ class Tier:
         """A synchronous put_pages/get_pages call (``op``: "put"/"get"), combined with others
         in flight where it waits (:mod:`.call_combiner`)."""
         fn, to_staging = (self._put, True) if op == "put" else (self._get, False)
-        if self._combiner is None:
-            keys, parts = self._region_calls(keys, pages, to_staging=to_staging)
-            return self._run_parts(fn, keys, parts)
         keys = self._check_keys(keys)
 
         def checked():
@@ -715,10 +713,15 @@ class Tier:
             return None
         if engine_event is not None:
             return CallStream(self._streams, engine_event, record=False, after=after)
+        return CallStream(self._streams, self._thread_event(), record=True, after=after)
+
+    def _thread_event(self) -> torch.cuda.Event:
+        """This thread's one event for its synchronous calls (a new event costs host time to
+        create, record and destroy)."""
         ev = getattr(self._per_thread, "engine", None)
         if ev is None:
             ev = self._per_thread.engine = torch.cuda.Event()
-        return CallStream(self._streams, ev, record=True, after=after)
+        return ev
 
     def _run(self, fn, keys, copier, engine_event=None, *, op: str | None,
              after: tuple = ()) -> list[bool]:
@@ -768,10 +771,7 @@ class Tier:
         batch's thread (:meth:`_run_combined`): the caller is blocked meanwhile, so nothing
         more reaches its stream, and its thread makes no CUDA call while the batch runs."""
         if event is None and self._streams is not None:
-            event = getattr(self._per_thread, "engine", None)
-            if event is None:
-                event = self._per_thread.engine = torch.cuda.Event()
-            event = (event, current_stream(self.device.index))
+            event = (self._thread_event(), current_stream(self.device.index))
         return CallRequest(group, keys, (make, event))
 
     def _run_batch(self, batch: list[CallRequest]) -> None:
