@@ -30,6 +30,7 @@ import hashlib
 import inspect
 import tempfile
 import time
+import weakref
 
 import numpy as np
 import torch
@@ -118,6 +119,8 @@ class PrefixCache:
         self.page_size = page_size
         self.layout = cache_layout(model_config, page_size, dtype, model_name)
         self.tier = Tier(self.layout, tier_config, device=device)
+        #: StaticCache -> (its tensors' addresses, pool view, slots): see _static_pool
+        self._static_pools: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def page_keys(self, token_ids) -> list[str]:
         return page_keys(token_ids, self.page_size)
@@ -141,6 +144,22 @@ class PrefixCache:
         starts = torch.arange(pages, device=device)[:, None] * self.page_size
         return rows, (starts + per_page[None, :]).reshape(-1)
 
+    def _static_pool(self, cache: transformers.StaticCache, pages: int):
+        """``pool()`` of a ``StaticCache``'s tensors, made once per cache: the same view
+        tensors every call, so the tier finds its checked view of them (its pool cache knows
+        tensors by identity; new views each call would be checked again, a few hundred µs of
+        host time for a 32-layer model). Page ``p``'s slots are the ``p``-th run of the
+        slots of all the cache's pages, so a shorter restore takes a prefix of them."""
+        layers = cache.layers
+        ptrs = tuple(layer.keys.data_ptr() for layer in layers)
+        made = self._static_pools.get(cache)
+        if made is None or made[0] != ptrs:
+            whole = layers[0].max_cache_len // self.page_size
+            rows, slots = self.pool([layer.keys for layer in layers],
+                                    [layer.values for layer in layers], whole)
+            made = self._static_pools[cache] = (ptrs, rows, slots)
+        return made[1], made[2][:pages * self.page_size * self.heads]
+
     def spill(self, keys: list[str], cache) -> int:
         """Store the cache's first ``len(keys)`` pages under ``keys``; how many were stored
         (pages already stored count)."""
@@ -148,11 +167,11 @@ class PrefixCache:
                                 [layer.values for layer in cache.layers], len(keys))
         return sum(self.tier.put(keys, pool, slots))
 
-    def _get(self, keys: list[str], ks: list[torch.Tensor], vs: list[torch.Tensor]) -> int:
-        """gdskv scatters the pages of ``keys`` into the first pages of these per-layer
-        tensors; the tokens restored (a page lost since ``match_prefix``, evicted or failing its
+    def _get(self, keys: list[str], pool, slots: torch.Tensor) -> int:
+        """gdskv scatters the pages of ``keys`` into ``pool``'s ``slots`` (``pool()``'s
+        view); the tokens restored (a page lost since ``match_prefix``, evicted or failing its
         checksum, ends the prefix there)."""
-        hits = self.tier.get(keys, *self.pool(ks, vs, len(keys)))
+        hits = self.tier.get(keys, pool, slots)
         return (hits.index(False) if False in hits else len(keys)) * self.page_size
 
     def restore(self, keys: list[str]):
@@ -165,7 +184,7 @@ class PrefixCache:
         ks = [torch.empty(shape, dtype=self.layout.torch_dtype, device=self.tier.device)
               for _ in range(self.num_layers)]
         vs = [torch.empty_like(k) for k in ks]
-        tokens = self._get(keys[:pages], ks, vs)
+        tokens = self._get(keys[:pages], *self.pool(ks, vs, pages))
         if tokens == 0:
             return None, 0
         cache = cache_from([k[..., :tokens, :] for k in ks], [v[..., :tokens, :] for v in vs])
@@ -183,8 +202,7 @@ class PrefixCache:
             raise ValueError("restore_static: the StaticCache has no tensors yet (make it with "
                              "static_cache(), or call its early_initialization())")
         pages = min(self.tier.match_prefix(keys), layers[0].max_cache_len // self.page_size)
-        tokens = self._get(keys[:pages], [layer.keys for layer in layers],
-                           [layer.values for layer in layers]) if pages else 0
+        tokens = self._get(keys[:pages], *self._static_pool(cache, pages)) if pages else 0
         for layer in layers:  # where the next forward writes (transformers' own counter)
             layer.cumulative_length.fill_(tokens)
         return tokens

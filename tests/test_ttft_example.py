@@ -21,7 +21,8 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from gdskv import TierConfig  # noqa: E402
 from gdskv.memory import cuda_available  # noqa: E402
-from ttft import SuffixForward  # noqa: E402  (bench/experiments: pytest's pythonpath)
+from ttft import (SUFFIX_ATTENTIONS, SuffixForward, _flash_attention,  # noqa: E402
+                  _grouped_attention)  # (bench/experiments: pytest's pythonpath)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "transformers_prefix_cache.py")
@@ -266,6 +267,81 @@ def test_the_suffix_forward_replayed_as_a_cuda_graph_gives_the_eager_logits():
     assert not torch.equal(replayed, eager)
 
 
+@pytest.mark.parametrize("kernel", [_grouped_attention, _flash_attention])
+@pytest.mark.parametrize("lq,lk", [(1, 9), (5, 5), (7, 40)])
+def test_suffix_attention_kernels_attend_causally_from_the_lower_right(kernel, lq, lk):
+    """Each query ``i`` of the last ``lq`` positions attends to keys ``0 .. lk - lq + i``, each
+    query head to its own KV head (4 query heads share one): against the plain definition."""
+    g = torch.Generator().manual_seed(lq * 100 + lk)
+    q = torch.randn(1, 8, lq, 16, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(1, 2, lk, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    kk, vv = k.repeat_interleave(4, dim=1), v.repeat_interleave(4, dim=1)
+    scores = q @ kk.transpose(2, 3) * 0.25
+    allowed = torch.arange(lk)[None, :] <= (lk - lq + torch.arange(lq))[:, None]
+    expected = torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1) @ vv
+    got = kernel(q, k, v, 0.25)
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got, expected)
+    # the last query sees every key; the first one key fewer per query after it
+    assert not torch.allclose(kernel(q, k, v * 2, 0.25), got)
+
+
+@pytest.mark.parametrize("attention", [a for a in SUFFIX_ATTENTIONS if a != "mask"])
+@torch.no_grad()
+def test_suffix_forward_with_its_own_attention_on_a_restored_cache(model, prefixes, attention):
+    """``grouped``/``flash``: the suffix is the cache's last tokens; on the restored cache the
+    logits equal the same forward on the prefill's own KV bit for bit, and they agree with
+    transformers' masked path to rounding."""
+    ids = prompt(4 * PAGE + 6, seed=11)
+    _, cache = ex.forward(model, ids)
+    keys = prefixes.page_keys(ids)
+    assert prefixes.spill(keys, cache) == 4
+    n, t = ids.shape[1], 4 * PAGE
+    static = ex.static_cache(model, n)
+    assert prefixes.restore_static(keys, static) == t
+    arg = ex.cache_argument(type(model))
+    restored = SuffixForward(model, static, n - t, arg, attention)
+    own = SuffixForward(model, static_copy(model, cache, t, n), n - t, arg, attention)
+    masked = SuffixForward(model, static_copy(model, cache, t, n), n - t, arg, "mask")
+    for f in (restored, own, masked):
+        f.set(ids[:, t:], t)
+    expected = own.eager().clone()
+    assert torch.equal(restored.eager(), expected)
+    torch.testing.assert_close(expected, masked.eager(), rtol=0, atol=1e-4)
+    assert model.config._attn_implementation == "sdpa"  # the forward's choice is its own
+    with pytest.raises(ValueError, match=f"{attention} attention takes the suffix as the "
+                                         f"cache's last {n - t} of {n} positions"):
+        restored.set(ids[:, t:], t - 1)
+    with pytest.raises(ValueError, match="attention 'paged' is not one of"):
+        SuffixForward(model, static, n - t, arg, "paged")
+
+
+def test_restore_static_passes_the_tier_the_same_pool_every_call(model, prefixes,
+                                                                 monkeypatch):
+    """The StaticCache's view is made once: the tier's pool cache finds it on later calls (a
+    new view each call would be checked again: host time on every restore)."""
+    import gdskv.pool
+    ids = prompt(6 * PAGE + 1, seed=12)
+    _, cache = ex.forward(model, ids)
+    keys = prefixes.page_keys(ids)
+    assert prefixes.spill(keys, cache) == 6
+    static = ex.static_cache(model, 8 * PAGE)
+    assert prefixes.restore_static(keys, static) == 6 * PAGE
+    made, init = [], gdskv.pool.KVPool.__init__
+
+    def counted(self, *args, **kwargs):
+        made.append(1)
+        init(self, *args, **kwargs)
+    monkeypatch.setattr(gdskv.pool.KVPool, "__init__", counted)
+    assert prefixes.restore_static(keys[:3], static) == 3 * PAGE
+    assert prefixes.restore_static(keys, static) == 6 * PAGE
+    assert made == [] and same_kv(static, cache, 6 * PAGE)
+    other = ex.static_cache(model, 8 * PAGE)  # another cache: its own view, made once
+    assert prefixes.restore_static(keys, other) == 6 * PAGE
+    assert prefixes.restore_static(keys, other) == 6 * PAGE
+    assert made == [1] and same_kv(other, cache, 6 * PAGE)
+
+
 def test_cache_layout_refuses_pages_over_gdskvs_rows(model):
     with pytest.raises(ValueError, match=r"page_size 256 x 2 KV heads .* page_size <= 128"):
         ex.cache_layout(model.config, 256, torch.float32)
@@ -306,11 +382,20 @@ def test_ttft_bench_tiny_on_cpu(tmp_path):
     # the path reported skipped (no TTFT of its own)
     graph = run["paths"]["restore_graph"]
     assert graph["skipped"].startswith("no CUDA device") and "ttft_ms" not in graph
-    assert graph["restored_tokens"] == 48 and graph["max_cache_len"] == 256
+    assert graph["restored_tokens"] == 48 and graph["max_cache_len"] == 64
+    # the TTFT's attention is the first of --suffix-attention; each one's suffix on the
+    # restored cache equals its own run on the prefill's KV
+    assert graph["attention"] == "flash"
+    assert list(graph["suffix_attention"]) == ["flash", "grouped", "mask"]
+    for kind, a in graph["suffix_attention"].items():
+        assert a["bit_exact_logits"] and a["suffix_ms"] > 0, kind
+        assert a["max_abs_logit_diff_vs_mask"] < 1e-4, kind  # fp32: other kernels, same maths
     assert run["decode"]["spills_finished"] >= 1
     lines = out.stdout.rstrip().splitlines()
-    assert lines[-1].split()[-1] == "ok"  # the table comes last
-    assert lines[-4].split()[2:6] == ["restore_graph", "exact", "ok,", "skipped:"]
+    assert lines[-2].split()[-1] == "ok"  # the table, then the suffix by attention
+    assert lines[-5].split()[2:6] == ["restore_graph", "exact", "ok,", "skipped:"]
+    assert lines[-1].startswith("64 ") and "suffix by attention: flash" in lines[-1]
+    assert lines[-1].count("(exact)") == 3
 
 
 def test_ttft_bench_runs_the_paths_named(tmp_path):

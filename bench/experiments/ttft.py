@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import json
 import os
@@ -242,21 +243,83 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.float() - b.float()).abs().max().item()
 
 
+#: how the suffix's forward attends over the cache (``--suffix-attention``): ``mask``,
+#: transformers' own sdpa path with a 4-D mask over the whole StaticCache (it repeats each KV
+#: head for its query heads and runs a masked kernel with one block of queries a head, so its
+#: cost grows with N); ``grouped``, the query heads of each KV head as one matrix against that
+#: head's keys (no repeated KV, softmax in fp32, as transformers' eager attention); ``flash``,
+#: torch's sdpa flash kernel with a lower-right causal mask and grouped KV heads (an engine's
+#: short-query-over-long-cache attention). ``grouped`` and ``flash`` need a cache that holds
+#: exactly the prompt (its last ``length`` positions are the suffix)
+SUFFIX_ATTENTIONS = ("mask", "grouped", "flash")
+
+
+def _grouped_attention(query, key, value, scaling):
+    """Attention of the last ``Lq`` positions over all ``Lk`` keys, causal from the lower
+    right: query ``[1, Hq, Lq, d]``, key/value ``[1, Hkv, Lk, d]``; ``[1, Hq, Lq, d]``."""
+    b, hq, lq, d = query.shape
+    hkv, lk = key.shape[1], key.shape[2]
+    q = query.reshape(b, hkv, hq // hkv * lq, d)  # rows: query head within its group, token
+    scores = torch.matmul(q, key.transpose(2, 3)) * scaling
+    token = torch.arange(hq // hkv * lq, device=query.device) % lq
+    allowed = torch.arange(lk, device=query.device)[None, :] <= (lk - lq + token)[:, None]
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    return torch.matmul(probs, value).reshape(b, hq, lq, value.shape[-1])
+
+
+def _flash_attention(query, key, value, scaling):
+    from torch.nn.attention.bias import causal_lower_right
+    bias = causal_lower_right(query.shape[2], key.shape[2])
+    return torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=bias, scale=scaling, enable_gqa=True)
+
+
+def _attention_for_transformers(kernel):
+    """``kernel`` as a transformers attention function (its ``AttentionInterface``)."""
+    def attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **_):
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        return kernel(query, key, value, scale).transpose(1, 2).contiguous(), None
+    return attend
+
+
+@functools.lru_cache(maxsize=None)
+def registered_attention(kind: str) -> str:
+    """The transformers attention implementation name for ``kind`` (registered once). A name
+    transformers has no mask function for makes its mask code step aside (no mask is made):
+    the function masks by itself."""
+    if kind == "mask":
+        return "sdpa"
+    import transformers
+    name = f"gdskv_suffix_{kind}"
+    kernel = {"grouped": _grouped_attention, "flash": _flash_attention}[kind]
+    transformers.AttentionInterface.register(name, _attention_for_transformers(kernel))
+    return name
+
+
 class SuffixForward:
     """``length`` tokens' forward over ``cache`` (a ``StaticCache`` with its tensors made) to
-    the last token's logits; ``cache_argument``: what the model's ``forward`` calls the cache.
+    the last token's logits; ``cache_argument``: what the model's ``forward`` calls the cache;
+    ``attention``: one of ``SUFFIX_ATTENTIONS``.
 
     Everything that changes between CUDA graph replays lives in tensors filled before each
     (``set``): the suffix's ids, and its start position (the tokens already in the cache), from
     which the captured forward derives the position ids, each layer's write position
-    (``StaticCache``'s ``cumulative_length``) and the causal mask. The mask is made here, a 4-D
-    boolean tensor (``True``: attend) that transformers passes through: its own mask code
-    compares the cache's length (a device tensor in a ``StaticCache``) with 0 in Python, a read
-    back to the host, and no host read may happen during a capture. ``eager()`` runs the very
-    same calls without a graph: the reference a replay must equal bit for bit."""
+    (``StaticCache``'s ``cumulative_length``) and, for ``mask``, the causal mask. The mask is
+    made here, a 4-D boolean tensor (``True``: attend) that transformers passes through: its
+    own mask code compares the cache's length (a device tensor in a ``StaticCache``) with 0 in
+    Python, a read back to the host, and no host read may happen during a capture. ``grouped``
+    and ``flash`` take no mask: the suffix is the cache's last ``length`` positions. ``eager()``
+    runs the very same calls without a graph: the reference a replay must equal bit for bit."""
 
-    def __init__(self, model, cache, length: int, cache_argument: str) -> None:
+    def __init__(self, model, cache, length: int, cache_argument: str,
+                 attention: str = "mask") -> None:
         self.model, self.cache, self.cache_argument = model, cache, cache_argument
+        if attention not in SUFFIX_ATTENTIONS:
+            raise ValueError(f"SuffixForward: attention {attention!r} is not one of "
+                             f"{', '.join(SUFFIX_ATTENTIONS)}")
+        self.attention = attention
+        self._implementation = registered_attention(attention)
         first = cache.layers[0]
         if not getattr(first, "is_initialized", False):
             raise ValueError("SuffixForward: the StaticCache has no tensors yet")
@@ -281,6 +344,10 @@ class SuffixForward:
         if not 0 <= start <= self.capacity - self.length:
             raise ValueError(f"SuffixForward.set: start {start} leaves no room for "
                              f"{self.length} tokens in {self.capacity}")
+        if self.attention != "mask" and start != self.capacity - self.length:
+            raise ValueError(f"SuffixForward.set: {self.attention} attention takes the "
+                             f"suffix as the cache's last {self.length} of {self.capacity} "
+                             f"positions (start {self.capacity - self.length}), not {start}")
         self.ids.copy_(ids)
         self.start.fill_(start)
 
@@ -288,9 +355,18 @@ class SuffixForward:
         positions = (self._offsets + self.start).unsqueeze(0)
         for layer in self.cache.layers:  # where each layer's update writes this suffix's KV
             layer.cumulative_length.copy_(self.start)
-        mask = (self._kv_positions[None, :] <= positions[0, :, None])[None, None]
-        out = self.model(input_ids=self.ids, position_ids=positions, attention_mask=mask,
-                         use_cache=True, logits_to_keep=1, **{self.cache_argument: self.cache})
+        mask = None
+        if self.attention == "mask":
+            mask = (self._kv_positions[None, :] <= positions[0, :, None])[None, None]
+        config = self.model.config
+        before = config._attn_implementation
+        config._attn_implementation = self._implementation  # this forward's only
+        try:
+            out = self.model(input_ids=self.ids, position_ids=positions, attention_mask=mask,
+                             use_cache=True, logits_to_keep=1,
+                             **{self.cache_argument: self.cache})
+        finally:
+            config._attn_implementation = before
         return out.logits[:, -1]
 
     def eager(self) -> torch.Tensor:
@@ -373,35 +449,45 @@ def restore_path(run: Run, pc, pages: int, store: str) -> dict:
 def restore_graph_path(run: Run, pc, store: str) -> dict:
     """TTFT through the example's PrefixCache.restore_static (gdskv scatters into a
     StaticCache's own tensors) and the suffix's forward replayed as a CUDA graph; on the CPU the
-    same restore and forward run eagerly, checked but reported skipped."""
+    same restore and forward run eagerly, checked but reported skipped. The TTFT uses the first
+    of ``--suffix-attention``; each other one's suffix is timed on the same restored cache
+    (``suffix_attention``), each checked against its own eager run on the prefill's KV."""
     dev, pages = run.device, run.whole
     t = pages * run.args.page_size
-    capacity = -(-run.n // 256) * 256  # N rounded up: the graph's mask spans the whole cache
-    cache = run.ex.static_cache(run.model, capacity)
-    forward = SuffixForward(run.model, cache, run.n - t, run.ex.cache_argument(type(run.model)))
+    cache = run.ex.static_cache(run.model, run.n)  # exactly the prompt: its last tokens prefilled
+    forwards = {kind: SuffixForward(run.model, cache, run.n - t,
+                                    run.ex.cache_argument(type(run.model)), kind)
+                for kind in run.args.suffix_attention}
     suffix = run.ids[:, t:]
-    # the reference: the prefill's own KV in this very cache, the same forward run eagerly
+    # the references: the prefill's own KV in this very cache, each forward run eagerly
     for mine, theirs in zip(cache.layers, run.cache.layers):
         mine.keys[..., :t, :].copy_(theirs.keys[..., :t, :])
         mine.values[..., :t, :].copy_(theirs.values[..., :t, :])
-    forward.set(suffix, t)
-    reference = forward.eager().clone()
-    out: dict = {"max_cache_len": capacity}
+    references = {}
+    for kind, forward in forwards.items():
+        forward.set(suffix, t)
+        references[kind] = forward.eager().clone()
+    out: dict = {"max_cache_len": run.n, "attention": run.args.suffix_attention[0]}
     pc.restore_static(run.keys[:1], cache)  # warm: this pool shape's first call
     if dev.type == "cuda":
-        forward.set(suffix, t)
-        try:
-            _, s = timed(dev, forward.capture)
-        except Exception as exc:  # noqa: BLE001 - recorded; the other paths go on
-            return {**out, "error": f"CUDA graph capture failed: {exc!r}"[:500],
-                    "traceback": traceback.format_exc()[-2000:]}
-        out["graph_capture_ms"] = s * 1e3  # its 2 eager warm-up runs included
-        replayed = forward.replay().clone()  # still the prefill's KV: must equal the eager run
-        out["graph_vs_eager"] = {"bit_exact": torch.equal(replayed, reference),
-                                 "max_abs_logit_diff": max_diff(replayed, reference)}
+        out["graph_capture_ms"], out["graph_vs_eager"] = {}, {}
+        for kind, forward in forwards.items():
+            forward.set(suffix, t)
+            try:
+                _, s = timed(dev, forward.capture)
+            except Exception as exc:  # noqa: BLE001 - recorded; the other paths go on
+                return {**out, "error": f"CUDA graph capture ({kind}) failed: {exc!r}"[:500],
+                        "traceback": traceback.format_exc()[-2000:]}
+            out["graph_capture_ms"][kind] = s * 1e3  # its 2 eager warm-up runs included
+            # the cache still holds the prefill's KV: the replay must equal the eager run
+            replayed = forward.replay().clone()
+            out["graph_vs_eager"][kind] = {
+                "bit_exact": torch.equal(replayed, references[kind]),
+                "max_abs_logit_diff": max_diff(replayed, references[kind])}
     else:
         out["skipped"] = "no CUDA device (restore + eager suffix checked)"
-    run_suffix = forward.replay if forward.graph is not None else forward.eager
+    first = forwards[run.args.suffix_attention[0]]
+    run_suffix = first.replay if first.graph is not None else first.eager
     samples, logits, tokens = [], None, 0
     for _ in range(run.repeats):
         for layer in cache.layers:  # untimed: the restore alone must put the prefix back
@@ -414,7 +500,7 @@ def restore_graph_path(run: Run, pc, store: str) -> dict:
             tokens = pc.restore_static(run.keys[:pages], cache)
             sync(dev)
         t1 = time.perf_counter()
-        forward.set(suffix, t)
+        first.set(suffix, t)
         sync(dev)
         t2 = time.perf_counter()
         logits = run_suffix()
@@ -423,11 +509,26 @@ def restore_graph_path(run: Run, pc, store: str) -> dict:
                         "suffix": time.perf_counter() - t2})
     if tokens != t:
         return {**out, "error": f"restored {tokens} tokens of {t}"}
+    logits = logits.clone()  # (a replay's output tensor is the graph's: the next one overwrites)
+    out["suffix_attention"] = {}
+    for kind, forward in forwards.items():  # each attention's suffix on the restored cache
+        again = forward.replay if forward.graph is not None else forward.eager
+        times, got = [], None
+        for _ in range(max(3, run.repeats)):
+            forward.set(suffix, t)
+            got, s = timed(dev, again)
+            times.append(s * 1e3)
+        out["suffix_attention"][kind] = {
+            "suffix_ms": statistics.median(times),
+            "bit_exact_logits": torch.equal(got, references[kind]),
+            "max_abs_logit_diff_vs_mask": (max_diff(got, references["mask"])
+                                           if "mask" in references else None)}
     times = summary(samples, pages, pc.layout.slot_bytes, run)
     if "skipped" in out:  # eager timings on the CPU: not this path's, kept apart
         times["eager_ttft_ms"] = times.pop("ttft_ms")
         del times["speedup"]
-    return {**times, "page_cache": dropped, **out, **run.checks(cache, logits, pages, reference)}
+    return {**times, "page_cache": dropped, **out,
+            **run.checks(cache, logits, pages, references[run.args.suffix_attention[0]])}
 
 
 def summary(samples: list[dict], pages: int, slot_bytes: int, run: Run) -> dict:
@@ -713,7 +814,12 @@ def table(result: dict) -> str:
         if len(r) < len(cols):  # a failure: N, medium and path, then why
             cells[-1] = str(r[-1])
         return " ".join(cells)
-    return "\n".join(line(r) for r in [cols] + rows)
+    attention = [
+        f"{m['tokens']} {m['medium']['fs_type']}: restore_graph suffix by attention: " + ", ".join(
+            f"{kind} {a['suffix_ms']:.1f} ms ({'exact' if a['bit_exact_logits'] else 'NOT EXACT'})"
+            for kind, a in m["paths"]["restore_graph"]["suffix_attention"].items())
+        for m in result["runs"] if "suffix_attention" in m.get("paths", {}).get("restore_graph", {})]
+    return "\n".join([line(r) for r in [cols] + rows] + attention)
 
 
 def plot(result: dict, path: str) -> str:
@@ -797,6 +903,10 @@ def parse_args(argv):
                     help="restore paths to run, comma separated, of " + ",".join(RESTORE_PATHS)
                          + " (default all; --quick: all but restore_pool_copy). The prefill "
                            "always runs ('prefill' may be named)")
+    ap.add_argument("--suffix-attention", default="flash,grouped,mask",
+                    help="restore_graph: the suffix forward's attention, comma separated, of "
+                         f"{', '.join(SUFFIX_ATTENTIONS)}; the first gives the TTFT, each other "
+                         "is timed on the same restored cache (default flash,grouped,mask)")
     ap.add_argument("--drop-caches", choices=("machine", "files"), default=None,
                     help="before each read: 'files' = fadvise(DONTNEED) on the slab files; "
                          "'machine' = that and 1 into /proc/sys/vm/drop_caches (root; the "
@@ -835,6 +945,12 @@ def parse_args(argv):
         if unknown or not args.paths:
             ap.error(f"--paths: {', '.join(unknown) or 'none given'}: name some of prefill,"
                      + ",".join(RESTORE_PATHS))
+    args.suffix_attention = [a for a in (a.strip() for a in args.suffix_attention.split(","))
+                             if a]
+    wrong = sorted(set(args.suffix_attention) - set(SUFFIX_ATTENTIONS))
+    if wrong or not args.suffix_attention:
+        ap.error(f"--suffix-attention: {', '.join(wrong) or 'none given'}: name some of "
+                 + ",".join(SUFFIX_ATTENTIONS))
     if args.quick:
         args.repeat = 1
     args.drop_caches = args.drop_caches or ("files" if args.tiny else "machine")
@@ -959,6 +1075,14 @@ def settle(result: dict, path: str | None, *, complete: bool) -> None:
         f"N={m['tokens']} {m['dir']} {name}" for m in result["runs"]
         for name, p in m.get("paths", {}).items()
         if "bit_exact_kv" in p and exact(p) != "ok"]
+    for m in result["runs"]:  # restore_graph: each attention's replay and restored suffix
+        g = m.get("paths", {}).get("restore_graph", {})
+        result["not_bit_exact"] += [
+            f"N={m['tokens']} {m['dir']} restore_graph {what} ({kind})"
+            for what, checks, field in (("graph vs eager", g.get("graph_vs_eager", {}), "bit_exact"),
+                                        ("suffix", g.get("suffix_attention", {}),
+                                         "bit_exact_logits"))
+            for kind, c in checks.items() if not c[field]]
     result["errors"] = [f"prefill N={n}" for n, p in result["prefill"].items() if "error" in p]
     for m in result["runs"]:
         parts = [("", m)] + list(m.get("paths", {}).items()) + [
