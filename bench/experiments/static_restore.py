@@ -87,6 +87,24 @@ def restore_samples(pc, keys, cache, repeat: int, device, args) -> dict:
             "io_ms": statistics.median(s["io_ms"] for s in samples), "samples": samples}
 
 
+def profile_restore(pc, keys, cache, device, args) -> str:
+    """cProfile of one more restore on this thread (wall time here: waits on I/O and the
+    device show as such): the top functions by their own time."""
+    import cProfile
+    import io
+    import pstats
+    ttft.drop(ttft.slab_files(args.store), args)
+    prof = cProfile.Profile()
+    ttft.sync(device)
+    prof.enable()
+    pc.restore_static(keys, cache)
+    ttft.sync(device)
+    prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(args.profile)
+    return text.getvalue()
+
+
 def one_n(ex, config, n: int, args, device) -> dict:
     import transformers
     cache = transformers.StaticCache(config=config, max_cache_len=n)
@@ -127,6 +145,8 @@ def one_n(ex, config, n: int, args, device) -> dict:
                 torch.equal(layer.values[..., :tokens, :], v[..., :tokens, :])
                 for layer, (k, v) in zip(cache.layers, source))
             out["variants"][label] = r
+            if label == "default" and args.profile:
+                out["profile"] = profile_restore(pc, keys, cache, device, args)
             if label == "default":
                 raws = [ttft.raw_kvikio(pc.tier, keys, args) for _ in range(args.repeat)]
                 out["raw"] = {"ms": statistics.median(r.get("ms", 0.0) for r in raws),
@@ -147,6 +167,9 @@ def main() -> int:
     ap.add_argument("--variant", type=parse_variant, action="append", default=[])
     ap.add_argument("--device", help="cuda (default where there is one) or cpu (posix "
                                      "backend, no raw kvikio: to try the script)")
+    ap.add_argument("--profile", type=int, default=0, metavar="K",
+                    help="also cProfile one restore of the default variant: its top K "
+                         "functions by own time (printed, and in the JSON)")
     ap.add_argument("--json")
     args = ap.parse_args()
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -177,6 +200,9 @@ def main() -> int:
                   f"({r['gbps']:5.1f} GB/s, {r['io_vs_raw'] or 0:.2f}x raw)  "
                   f"{'exact' if r['bit_exact_kv'] else 'NOT EXACT'}  "
                   + " ".join(f"{s['io_ms']:.2f}" for s in r["samples"]))
+        if "profile" in run:
+            print("\n".join(line for line in run["profile"].splitlines()[:12 + args.profile]
+                            if line.strip()))
         if args.json:
             with open(args.json, "w", encoding="utf-8") as f:
                 json.dump(result, f, indent=1)
