@@ -69,6 +69,13 @@ class Reservation:
         return [f != _FREE for f in self.found]
 
 
+#: calls on this many keys or more look their pages up with array operations (a long prompt's
+#: restore pins thousands: a Python step a page was milliseconds before its first read, 1.6 ms
+#: for 2,048 pages on the development machine against 0.37 ms); fewer keys take a plain loop,
+#: cheaper below that (1.9 µs against 16 µs for one page)
+ARRAYS_FROM = 32
+
+
 class PageDirectory:
     """Thread-safe map of page keys to slots with LRU eviction and pinning."""
 
@@ -130,13 +137,23 @@ class PageDirectory:
 
     def match_prefix(self, keys: Iterable[Hashable]) -> int:
         """How many leading keys are READY."""
-        n = 0
+        keys = keys if isinstance(keys, (list, tuple)) else list(keys)
+        if len(keys) < ARRAYS_FROM:
+            n = 0
+            with self._lock:
+                for key in keys:
+                    slot = self._index.get(key)
+                    if slot is None or self._state[slot] != _READY:
+                        break
+                    n += 1
+            return n
         with self._lock:
-            for key in keys:
-                slot = self._index.get(key)
-                if slot is None or self._state[slot] != _READY:
-                    break
-                n += 1
+            slots = list(map(self._index.get, keys))
+            n = slots.index(None) if None in slots else len(slots)
+            if n:
+                waiting = np.flatnonzero(self._state[np.array(slots[:n], dtype=np.int64)]
+                                         != _READY)
+                n = int(waiting[0]) if len(waiting) else n
         return n
 
     def ready_items(self) -> list[tuple[Hashable, int, int]]:
@@ -326,6 +343,11 @@ class PageDirectory:
     # -- reads --------------------------------------------------------------------------------
     def pin(self, keys: Sequence[Hashable]) -> list[tuple[int, int] | None]:
         """Pin READY pages for reading: per key (slot, checksum), or None for a miss."""
+        if len(keys) < ARRAYS_FROM:
+            return self._pin_each(keys)
+        return self._pin_arrays(keys)
+
+    def _pin_each(self, keys: Sequence[Hashable]) -> list[tuple[int, int] | None]:
         out: list[tuple[int, int] | None] = []
         with self._lock:
             for key in keys:
@@ -338,16 +360,62 @@ class PageDirectory:
                 out.append((slot, int(self._checksum[slot])))
         return out
 
+    def _pin_arrays(self, keys: Sequence[Hashable]) -> list[tuple[int, int] | None]:
+        with self._lock:
+            slots = list(map(self._index.get, keys))
+            where = None if None not in slots else [i for i, s in enumerate(slots)
+                                                    if s is not None]
+            found = np.array(slots if where is None else [slots[i] for i in where],
+                             dtype=np.int64)
+            ready = self._state[found] == _READY
+            if not ready.all():
+                where = [i for i, ok in zip(range(len(slots)) if where is None else where,
+                                            ready.tolist()) if ok]
+                found = found[ready]
+            np.add.at(self._pins, found, 1)
+            n = len(found)
+            self._last_use[found] = np.arange(self._clock + 1, self._clock + 1 + n,
+                                              dtype=np.uint64)
+            self._clock += n
+            pinned = list(zip(found.tolist(), self._checksum[found].tolist()))
+        if where is None:
+            return pinned
+        out: list[tuple[int, int] | None] = [None] * len(slots)
+        for i, p in zip(where, pinned):
+            out[i] = p
+        return out
+
     def unpin(self, slots: Iterable[int]) -> list[tuple[Hashable, int]]:
         """Drop one pin per slot; returns pages freed because they were EVICTING."""
+        slots = slots if isinstance(slots, (list, tuple)) else list(slots)
+        if len(slots) < ARRAYS_FROM:
+            return self._unpin_each(slots)
+        return self._unpin_arrays(slots)
+
+    def _unpin_each(self, slots: Sequence[int]) -> list[tuple[Hashable, int]]:
         freed = []
         with self._lock:
             for slot in slots:
-                assert self._pins[slot] > 0, f"unpin of unpinned slot {slot}"
+                if self._pins[slot] == 0:
+                    raise AssertionError(f"unpin of unpinned slot {slot}")
                 self._pins[slot] -= 1
                 if self._pins[slot] == 0 and self._state[slot] == _EVICTING:
                     freed.append((self._keys[slot], slot))
                     self._free_locked(slot)
+        return freed
+
+    def _unpin_arrays(self, slots: Sequence[int]) -> list[tuple[Hashable, int]]:
+        freed = []
+        held, counts = np.unique(np.fromiter(slots, dtype=np.int64), return_counts=True)
+        with self._lock:
+            short = self._pins[held] < counts
+            if short.any():
+                raise AssertionError(f"unpin of unpinned slot {held[short][0]}")
+            self._pins[held] -= counts.astype(self._pins.dtype)
+            gone = held[(self._pins[held] == 0) & (self._state[held] == _EVICTING)]
+            for slot in gone.tolist():
+                freed.append((self._keys[slot], slot))
+                self._free_locked(slot)
         return freed
 
     # -- eviction -----------------------------------------------------------------------------

@@ -78,6 +78,15 @@ def check_key(key: Hashable) -> None:
         raise ValueError(f"page key {key!r} is not valid UTF-8 text: {exc.reason}") from None
 
 
+def keys_fit(keys: list) -> bool:
+    """True when every key is ASCII text or bytes within the journal's length: the usual
+    keys (hex digests), checked in C loops. False says nothing: check each with check_key."""
+    kinds = set(map(type, keys))
+    if kinds == {str}:
+        return all(map(str.isascii, keys)) and max(map(len, keys)) <= MAX_KEY_BYTES
+    return kinds == {bytes} and max(map(len, keys)) <= MAX_KEY_BYTES
+
+
 def encode(rec: Record) -> bytes:
     key_type, key_bytes = _encode_key(rec.key)
     body = _BODY.pack(rec.kind, rec.seq, rec.slot, rec.checksum, rec.algorithm, key_type) + key_bytes

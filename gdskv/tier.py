@@ -65,7 +65,7 @@ from .copiers import DeferredCopier, PageCopier, PoolCopier, RegionCopier
 from .data_call import READ_RETRIES, CallContext, copies_done
 from .directory import PageDirectory, PageState
 from .host_pages import HostPagePath
-from .journal import Journal, JournalFollower, check_key
+from .journal import Journal, JournalFollower, check_key, keys_fit
 from .ledger import CallLedger
 from .log_once import LogOnce
 from .layout import BytePageLayout, KVLayout, PageLayout
@@ -512,10 +512,12 @@ class Tier:
         if isinstance(keys, (str, bytes)):
             raise TypeError("keys must be a sequence of str/bytes keys, not a single key")
         keys = list(keys)
-        for k in keys:
-            if not isinstance(k, (str, bytes)):
-                raise TypeError(f"page keys must be str or bytes, got {type(k).__name__}: {k!r}")
-            check_key(k)  # before any I/O: a key the journal cannot record fails the call
+        if not keys_fit(keys):  # hex digests and the like pass in C loops; others one by one
+            for k in keys:
+                if not isinstance(k, (str, bytes)):
+                    raise TypeError(f"page keys must be str or bytes, got "
+                                    f"{type(k).__name__}: {k!r}")
+                check_key(k)  # before any I/O: a key the journal cannot record fails the call
         if len(set(keys)) != len(keys):
             dup = next(k for k, c in collections.Counter(keys).items() if c > 1)
             raise ValueError(f"duplicate key in one call: {dup!r}")

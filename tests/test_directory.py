@@ -224,3 +224,50 @@ def test_all_use_tells_whether_every_slot_has_the_algorithm(count):
         listed = [other] + slots if end == "first" else slots + [other]
         assert not d.all_use(listed, 2)
         assert d.all_use([other], 1)
+
+
+def _twin_directories(n: int):
+    """Two directories in the same state: ``n`` READY pages (keys k0..), two WRITING (w0, w1),
+    one READY page pinned and then asked to go (EVICTING: freed at its last unpin)."""
+    pair = []
+    for _ in range(2):
+        d = PageDirectory(2 * n + 8)
+        fill(d, [f"k{i}" for i in range(n)])
+        d.reserve(["w0", "w1"])
+        d.pin(["k1"])
+        assert d.remove(["k1"]) == [] and d.state("k1") == PageState.EVICTING
+        pair.append(d)
+    return pair
+
+
+@pytest.mark.parametrize("n", [5, 40, 300])
+def test_array_lookups_are_the_loops_one_by_one(n):
+    """``pin``/``unpin``/``match_prefix`` on many keys use arrays, on few a loop: both give the
+    same answers (misses, WRITING and EVICTING pages, a slot pinned twice) and leave the same
+    pins, LRU order and freed pages."""
+    loop, arrays = _twin_directories(n)
+    keys = [f"k{i}" for i in range(n)]
+    asked = ["k0"] + keys[::-1][:n - 2] + ["nope", "w0", "k1", "k0"]  # k0 twice in one call
+    assert loop._pin_each(asked) == arrays._pin_arrays(asked)
+    for attr in ("_pins", "_last_use", "_state"):
+        assert (getattr(loop, attr) == getattr(arrays, attr)).all(), attr
+    assert loop._clock == arrays._clock
+    got = loop._pin_each(asked)
+    assert got[asked.index("nope")] is None and got[asked.index("w0")] is None
+    assert got[asked.index("k1")] is None  # EVICTING: no new reader
+    arrays._pin_arrays(asked)
+    held = [p[0] for p in got if p is not None] * 2 + [1]  # both pins of each, and k1's one
+    assert loop._unpin_each(held) == arrays._unpin_arrays(held) == [("k1", 1)]
+    for attr in ("_pins", "_state"):
+        assert (getattr(loop, attr) == getattr(arrays, attr)).all(), attr
+    assert loop.state("k1") == arrays.state("k1") == PageState.FREE
+    with pytest.raises(AssertionError, match="unpin of unpinned slot 0"):
+        arrays._unpin_arrays([0] * 40)
+    with pytest.raises(AssertionError, match="unpin of unpinned slot 0"):
+        loop._unpin_each([0])
+    # the public calls choose by size; every answer is the loop's
+    for d in (loop, arrays):
+        assert d.match_prefix(keys) == 1  # k1 is gone
+        assert d.match_prefix(iter(keys[:1] * 50)) == 50
+        assert d.match_prefix(["k0", "w0"] + keys) == 1
+        assert d.match_prefix([]) == 0

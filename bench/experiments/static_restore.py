@@ -25,8 +25,9 @@ storage). Medians; every sample is in the JSON.
         --variant noverify:GDSKV_VERIFY=0 --variant big:GDSKV_STAGING_SIZE=1GiB \\
         --json restore.json
 
-Needs CUDA and kvikio. Results it produced: none yet (written for issue 49's 2k and 32k
-targets).
+Needs CUDA and kvikio (``--device cpu`` tries the script on the posix backend, no raw).
+Results it produced: ``h100-2026-11-27/ttft-restore/`` (its README maps the calls), bench/RESULTS.md
+"Time to first token".
 """
 
 from __future__ import annotations
