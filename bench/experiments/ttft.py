@@ -10,13 +10,19 @@ first token's logits (``logits_to_keep=1``) and a device sync:
   restore            the whole pages of the first N-1 tokens restored by
                      examples/transformers_prefix_cache.py (straight into new cache tensors, no
                      copy), the last 1..page_size tokens prefilled;
-  restore_graph      the same pages restored straight into a transformers ``StaticCache``
-                     (``restore_static``: no copy), the last tokens' forward replayed as a CUDA
-                     graph captured for this N before the timing (``SuffixForward``; its
-                     capture is ``graph_capture_ms``). TTFT = the restore,
-                     the copy of the suffix's ids into the graph's inputs and the replay. On the
-                     CPU: no graph; the restore and the same forward run eagerly are checked,
-                     and the path is reported skipped;
+  restore_graph      the same pages restored straight into a transformers ``StaticCache`` of
+                     exactly N tokens (``restore_static``: no copy), the last tokens' forward
+                     replayed as a CUDA graph captured for this N before the timing
+                     (``SuffixForward``; its capture is ``graph_capture_ms``), after one
+                     untimed whole restore (``warm_restore_ms``: the tier's kernels compiled
+                     and captured for this shape). TTFT = the restore, the copy of the suffix's
+                     ids into the graph's inputs and the replay. The forward's attention is
+                     ``--suffix-attention``'s first (default ``flash``: torch's flash kernel,
+                     causal from the lower right, KV heads grouped, as an engine attends a
+                     short query over a long cache; ``mask``: transformers' own sdpa path with
+                     a 4-D mask); the others' suffix times are measured on the same restored
+                     cache. On the CPU: no graph; the restore and the same forward run eagerly
+                     are checked, and the path is reported skipped;
   restore_pool_copy  the same pages restored into a token-major pool ([layers, tokens, heads,
                      head_dim], an engine's layout), then copied into the cache: the copy the
                      other path avoids (not with --quick unless --paths names it);
@@ -26,12 +32,16 @@ first token's logits (``logits_to_keep=1``) and a device sync:
 ``restore_ms`` (to a usable cache), ``restore_io_ms`` (gdskv's ``get`` alone, device synced
 around it) and ``suffix_ms`` (the forward of the tokens left).
 
-The page cache is dropped before every restore (fadvise on the slab files, and
-/proc/sys/vm/drop_caches when root; the JSON says what worked). Per N and directory also: the
-spill's time; raw kvikio reading the very slab extents the restore read (same files, same
-process, kvikio's settings as the tier set them); and a decode of another request (64 steps
-after a 2k-token cache) timed alone and while the N-token prefix is spilled over and over on
-the tier's workers (``put_async``): the decode slowdown.
+After the model is built and warmed up the garbage collector's heap is frozen (``gc.freeze``),
+as SGLang and vLLM do once their model is loaded. The page cache is dropped before every
+restore (fadvise on the slab files, and /proc/sys/vm/drop_caches when root; the JSON says what
+worked). Per N and directory also: the spill's time; raw kvikio reading the very slab extents
+the restore read (same files, same process, kvikio's settings as the tier set them), once
+right after the spill (``raw_kvikio_first``: on /dev/shm the first read of freshly written
+pages is the slowest, for raw and gdskv alike) and once after the restores (``raw_kvikio``,
+the ratio's base: a later read, as the timed restores are); and a decode of another request
+(64 steps after a 2k-token cache) timed alone and while the N-token prefix is spilled over and
+over on the tier's workers (``put_async``): the decode slowdown.
 
 Correctness, every run: the restored KV bit-identical to the prefill's (``torch.equal`` per
 layer), and the suffix's logits on the restored cache bit-identical to the same suffix on the
@@ -41,8 +51,9 @@ reported apart: it runs other kernels, so it may differ in the last bits (issue 
 same ``StaticCache`` holding the prefill's own KV. Exit status 1 if a check fails or a run fails
 other than by running out of GPU memory (recorded, and the next N tried).
 
-Result it produced: ``h100-2026-11-27/ttft/`` (the H100 run of issue 49; docs/ttft.md reads
-it).
+Results it produced: ``h100-2026-11-27/ttft/`` (the H100 run of issue 49),
+``h100-2026-11-27/ttft-graph/`` (the graph path) and ``h100-2026-11-27/ttft-restore/`` (the
+suffix's attention, the warm restore); docs/ttft.md reads them.
 
     python bench/experiments/ttft.py --dirs /dev/shm/gdskv,/var/tmp/gdskv \\
         --json ttft.json --plot ttft.png    # minutes: split --tokens over calls if time is short
@@ -1020,6 +1031,12 @@ def main(argv=None) -> int:
     _, warm = ex.forward(model, torch.zeros(1, 256, dtype=torch.long, device=args.device))
     ex.forward(model, torch.zeros(1, 16, dtype=torch.long, device=args.device), warm)
     del warm
+    # as the engines do once their model is loaded and warmed up (SGLang's freeze_gc, vLLM's
+    # GC heap freeze): the model's objects leave the collector's generations, so a collection
+    # that a timed call's allocations trigger does not walk them
+    gc.collect()
+    gc.freeze()
+    result["gc_frozen"] = True
     decoder = None if args.no_decode else Decoder(ex, model, args.decode_context,
                                                   args.decode_steps, args.device)
     too_big = None
