@@ -502,8 +502,12 @@ def restore_graph_path(run: Run, pc, store: str) -> dict:
         out["skipped"] = "no CUDA device (restore + eager suffix checked)"
     first = forwards[run.args.suffix_attention[0]]
     run_suffix = first.replay if first.graph is not None else first.eager
-    samples, logits, tokens = [], None, 0
+    samples, logits, tokens, raw = [], None, 0, []
     for _ in range(run.repeats):
+        # raw kvikio's read of the same extents just before each restore: the ratio then
+        # compares reads made in the same state of the machine (its reads drift within a call)
+        raw.append(raw_kvikio(pc.tier, run.keys[:pages], run.args) if dev.type == "cuda"
+                   and pc.tier.stats()["backend"] == "kvikio" else {})
         for layer in cache.layers:  # untimed: the restore alone must put the prefix back
             layer.keys.zero_()
             layer.values.zero_()
@@ -538,6 +542,10 @@ def restore_graph_path(run: Run, pc, store: str) -> dict:
             "max_abs_logit_diff_vs_mask": (max_diff(got, references["mask"])
                                            if "mask" in references else None)}
     times = summary(samples, pages, pc.layout.slot_bytes, run)
+    if all("ms" in r for r in raw):
+        ms = statistics.median(r["ms"] for r in raw)
+        out["raw_alternating"] = {"ms": ms, "gbps": raw[0]["bytes"] / ms / 1e6,
+                                  "samples_ms": [r["ms"] for r in raw]}
     if "skipped" in out:  # eager timings on the CPU: not this path's, kept apart
         times["eager_ttft_ms"] = times.pop("ttft_ms")
         del times["speedup"]
@@ -759,6 +767,8 @@ def run_medium(run: Run, args, base: str, decoder: Decoder | None) -> dict:
     for name, p in out["paths"].items():
         if "restore_gbps" in p and raw:
             p["restore_vs_raw"] = p["restore_gbps"] / raw
+        if "restore_gbps" in p and "raw_alternating" in p:  # the better-matched base
+            p["restore_vs_raw_alternating"] = p["restore_gbps"] / p["raw_alternating"]["gbps"]
     b = out["paths"].get("restore", {})
     if "suffix_ms" in b and run.prefill["ttft_ms"] > b["suffix_ms"]:
         # the restore bandwidth (everything before the suffix's prefill) at which TTFT would
@@ -796,7 +806,8 @@ def _num(value, spec: str, suffix: str = "") -> str:
 def table(result: dict) -> str:
     """The short table: a row per N x directory x path ("io ms": gdskv's read alone; "sfx ms":
     the forward of the tokens left; "need": the restore GB/s at which TTFT equals the
-    prefill's, docs/ttft.md)."""
+    prefill's, docs/ttft.md; "r/raw": the restore's GB/s over raw kvikio's, over its reads
+    made just before each restore where the path has them: ``restore_graph``)."""
     cols = ("N", "medium", "path", "TTFT ms", "io ms", "sfx ms", "speedup", "GB/s", "raw",
             "r/raw", "need", "spill ms", "decode", "exact")
     rows = [[n, "-", "prefill", _num(p["ttft_ms"], ".1f"), "-", "-", "1.00x"] + ["-"] * 6
@@ -819,7 +830,7 @@ def table(result: dict) -> str:
                 name, _num(p["ttft_ms"], ".1f"), _num(p.get("restore_io_ms"), ".1f"),
                 _num(p.get("suffix_ms"), ".1f"), _num(p["speedup"], ".2f", "x"),
                 _num(p["restore_gbps"], ".2f"), _num(m.get("raw_kvikio", {}).get("gbps"), ".2f"),
-                _num(p.get("restore_vs_raw"), ".2f"),
+                _num(p.get("restore_vs_raw_alternating", p.get("restore_vs_raw")), ".2f"),
                 _num(m.get("break_even_gbps") if name == "restore" else
                      p.get("break_even_gbps"), ".2f"),
                 _num(p.get("spill_ms", m.get("spill", {}).get("ms")), ".1f"),
