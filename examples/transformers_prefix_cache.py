@@ -10,6 +10,13 @@ cache tensors to gdskv, in both directions, with no copy of the KV:
   handed over as a view ``[kv_heads * seq, 1, head_dim]`` (one head of ``head_dim`` per row), and
   a gdskv page holds, for each layer and head, the page's ``page_size`` tokens: the tier's
   ``KVLayout`` has ``page_size * kv_heads`` rows of one head per page.
+- Models whose two cache tensors of a layer differ in width go by column blocks instead:
+  DeepSeek-V2/V3 (multi-head latent attention) keep the compressed KV latent
+  (``kv_lora_rank`` wide) and the shared rotary key (``qk_rope_head_dim``) as "keys" and
+  "values" of one head each. Each is cut into blocks of their widths' greatest common divisor
+  (64 elements: 8 blocks of the latent and 1 of the rotary key a layer), and the tier's layout
+  is gdskv's latent (MLA) one with a "layer" per block: a page holds, for each block, the
+  page's ``page_size`` tokens, all of one token's 576 elements a layer together.
 - ``restore`` allocates the new cache's tensors, has gdskv scatter the pages straight into them
   and gives them to a ``DynamicCache`` as they are. (The first forward on that cache copies it
   once, as every ``DynamicCache`` does when it grows.)
@@ -28,6 +35,7 @@ import argparse
 import functools
 import hashlib
 import inspect
+import math
 import tempfile
 import time
 import weakref
@@ -47,6 +55,29 @@ def kv_geometry(config) -> tuple[int, int, int]:
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return config.num_hidden_layers, heads, head_dim
+
+
+def cache_parts(config) -> tuple[tuple[int, int], tuple[int, int]]:
+    """``(heads, width)`` of a layer's two cache tensors, keys then values, as transformers
+    keeps them: the K and V heads of most models; for DeepSeek-V2/V3 (MLA, a config with
+    ``kv_lora_rank``) the compressed KV latent and the shared rotary key, one head each."""
+    if getattr(config, "kv_lora_rank", None):
+        return (1, config.kv_lora_rank), (1, config.qk_rope_head_dim)
+    _, heads, head_dim = kv_geometry(config)
+    return (heads, head_dim), (heads, head_dim)
+
+
+def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+    """Bytes of one token's KV in the model's cache, all layers."""
+    (hk, wk), (hv, wv) = cache_parts(config)
+    return config.num_hidden_layers * (hk * wk + hv * wv) * dtype.itemsize
+
+
+def _block_width(config) -> int | None:
+    """The column block of a cache whose two tensors differ in width (see the module's text),
+    None when they are alike (one head per row)."""
+    (hk, wk), (hv, wv) = cache_parts(config)
+    return None if (hk, wk) == (hv, wv) else math.gcd(wk, wv)
 
 
 def page_keys(token_ids, page_size: int) -> list[str]:
@@ -74,9 +105,15 @@ def static_cache(model, max_tokens: int) -> transformers.StaticCache:
     """A ``StaticCache`` for one sequence of up to ``max_tokens`` tokens, its tensors allocated
     now (``[1, kv_heads, max_tokens, head_dim]`` a layer; left alone, transformers would make
     them at the first forward)."""
-    _, heads, head_dim = kv_geometry(model.config)
+    (hk, wk), (hv, wv) = cache_parts(model.config)
     cache = transformers.StaticCache(config=model.config, max_cache_len=max_tokens)
-    cache.early_initialization(1, heads, head_dim, model.dtype, model.device)
+    if (hk, wk) == (hv, wv):
+        cache.early_initialization(1, hk, wk, model.dtype, model.device)
+    else:  # (early_initialization makes keys and values alike)
+        for layer in cache.layers:
+            layer.lazy_initialization(
+                torch.zeros(1, hk, 0, wk, dtype=model.dtype, device=model.device),
+                torch.zeros(1, hv, 0, wv, dtype=model.dtype, device=model.device))
     return cache
 
 
@@ -101,8 +138,16 @@ def forward(model, ids: torch.Tensor, cache=None):
 def cache_layout(model_config, page_size: int, dtype: torch.dtype,
                  model_name: str = "") -> KVLayout:
     """The tier's layout for a model's cache: a page is ``page_size`` tokens of every layer and
-    head, stored as ``page_size * kv_heads`` rows of one head each (see the module's text)."""
-    layers, heads, head_dim = kv_geometry(model_config)
+    head, stored as ``page_size * kv_heads`` rows of one head each, or, where keys and values
+    differ in width, as ``page_size`` rows of each column block (see the module's text)."""
+    layers = model_config.num_hidden_layers
+    block = _block_width(model_config)
+    if block is not None:
+        (hk, wk), (hv, wv) = cache_parts(model_config)
+        return KVLayout(num_layers=layers * (hk * wk + hv * wv) // block, page_size=page_size,
+                        head_dim=block, kv_heads=1, mla=True, dtype=dtype,
+                        model_name=model_name or model_config.model_type)
+    _, heads, head_dim = kv_geometry(model_config)
     if page_size * heads > MAX_PAGE_SIZE:
         raise ValueError(f"page_size {page_size} x {heads} KV heads is over gdskv's "
                          f"{MAX_PAGE_SIZE} rows a page: use page_size <= {MAX_PAGE_SIZE // heads}")
@@ -115,7 +160,9 @@ class PrefixCache:
 
     def __init__(self, model_config, tier_config: TierConfig, *, page_size: int = 16,
                  dtype: torch.dtype, device, model_name: str = "") -> None:
-        self.num_layers, self.heads, self.head_dim = kv_geometry(model_config)
+        self.num_layers = model_config.num_hidden_layers
+        self.parts = cache_parts(model_config)  # ((heads, width) of keys, of values)
+        self.block = _block_width(model_config)
         self.page_size = page_size
         self.layout = cache_layout(model_config, page_size, dtype, model_name)
         self.tier = Tier(self.layout, tier_config, device=device)
@@ -126,7 +173,7 @@ class PrefixCache:
         return page_keys(token_ids, self.page_size)
 
     def pool(self, keys: list[torch.Tensor], values: list[torch.Tensor], pages: int):
-        """The tier's view of per-layer ``[1, heads, seq, head_dim]`` K and V tensors and the
+        """The tier's view of per-layer ``[1, heads, seq, width]`` K and V tensors and the
         slots of their first ``pages`` pages: ``(kv_pool, token_slots)``."""
         seq = keys[0].shape[-2]
         if keys[0].shape[0] != 1:
@@ -134,12 +181,19 @@ class PrefixCache:
                              f"{keys[0].shape[0]}")
         if pages * self.page_size > seq:
             raise ValueError(f"{pages} pages of {self.page_size} tokens: the cache holds {seq}")
-        # (a cache cut short by crop() is a view: .contiguous() copies it, else it is a no-op)
-        rows = tuple([t.contiguous().view(self.heads * seq, 1, self.head_dim) for t in part]
-                     for part in (keys, values))
         device = keys[0].device
+        # (a cache cut short by crop() is a view: .contiguous() copies it, else it is a no-op)
+        if self.block is not None:  # a "layer" of the tier per column block, token = slot
+            b = self.block
+            rows = [t.contiguous()[0, h, :, j * b:(j + 1) * b].unsqueeze(1)
+                    for k, v in zip(keys, values) for t in (k, v)
+                    for h in range(t.shape[1]) for j in range(t.shape[-1] // b)]
+            return (rows,), torch.arange(pages * self.page_size, device=device)
+        heads, head_dim = self.parts[0]
+        rows = tuple([t.contiguous().view(heads * seq, 1, head_dim) for t in part]
+                     for part in (keys, values))
         # page p, row i = head * page_size + token: slot head * seq + p * page_size + token
-        per_page = (torch.arange(self.heads, device=device)[:, None] * seq
+        per_page = (torch.arange(heads, device=device)[:, None] * seq
                     + torch.arange(self.page_size, device=device)[None, :]).reshape(-1)
         starts = torch.arange(pages, device=device)[:, None] * self.page_size
         return rows, (starts + per_page[None, :]).reshape(-1)
@@ -158,7 +212,8 @@ class PrefixCache:
             rows, slots = self.pool([layer.keys for layer in layers],
                                     [layer.values for layer in layers], whole)
             made = self._static_pools[cache] = (ptrs, rows, slots)
-        return made[1], made[2][:pages * self.page_size * self.heads]
+        rows_per_token = 1 if self.block is not None else self.parts[0][0]
+        return made[1], made[2][:pages * self.page_size * rows_per_token]
 
     def spill(self, keys: list[str], cache) -> int:
         """Store the cache's first ``len(keys)`` pages under ``keys``; how many were stored
@@ -180,10 +235,9 @@ class PrefixCache:
         pages = self.tier.match_prefix(keys)
         if pages == 0:
             return None, 0
-        shape = (1, self.heads, pages * self.page_size, self.head_dim)
-        ks = [torch.empty(shape, dtype=self.layout.torch_dtype, device=self.tier.device)
-              for _ in range(self.num_layers)]
-        vs = [torch.empty_like(k) for k in ks]
+        ks, vs = ([torch.empty((1, heads, pages * self.page_size, width),
+                               dtype=self.layout.torch_dtype, device=self.tier.device)
+                   for _ in range(self.num_layers)] for heads, width in self.parts)
         tokens = self._get(keys[:pages], *self.pool(ks, vs, pages))
         if tokens == 0:
             return None, 0
@@ -222,6 +276,22 @@ def tiny_llama(device, dtype):
     config = transformers.LlamaConfig(
         vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=8192)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
+
+
+def tiny_deepseek(device, dtype):
+    """A 2-layer random DeepSeek-V2 (multi-head latent attention, one dense and one
+    mixture-of-experts layer; nothing downloaded): its cache keeps a 32-wide latent and an
+    8-wide rotary key a layer."""
+    config = transformers.DeepseekV2Config(
+        vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32,
+        q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+        n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
         max_position_embeddings=8192)
     torch.manual_seed(0)
     with torch.device(device):

@@ -342,6 +342,47 @@ def test_restore_static_passes_the_tier_the_same_pool_every_call(model, prefixes
     assert made == [1] and same_kv(other, cache, 6 * PAGE)
 
 
+@torch.no_grad()
+def test_a_latent_attention_models_cache_goes_in_column_blocks(tmp_path):
+    """DeepSeek-V2 (MLA): transformers caches a 32-wide latent and an 8-wide rotary key a
+    layer. They go to gdskv as 8-wide column blocks, a tier "layer" each; restored into a
+    DynamicCache and into a StaticCache they are the prefill's bytes, and the suffix's logits
+    are the ones on the prefill's own cache; one flipped bit shows."""
+    model = ex.tiny_deepseek("cpu", torch.float32)
+    layout = ex.cache_layout(model.config, PAGE, torch.float32)
+    assert layout.mla and layout.head_dim == 8 and layout.num_layers == 2 * (4 + 1)
+    assert layout.page_bytes == PAGE * ex.kv_bytes_per_token(model.config, torch.float32)
+    config = TierConfig(directories=(str(tmp_path),), backend="posix", capacity="64MiB",
+                        io_chunk_size=1 << 20, staging_size=4 << 20)
+    ids = prompt(5 * PAGE + 3, seed=21)
+    _, cache = ex.forward(model, ids)
+    assert cache.layers[0].keys.shape[-1] == 32 and cache.layers[0].values.shape[-1] == 8
+    with ex.PrefixCache(model.config, config, page_size=PAGE, dtype=torch.float32,
+                        device="cpu", model_name="tiny-mla") as pc:
+        keys = pc.page_keys(ids)
+        assert pc.spill(keys, cache) == 5
+        restored, tokens = pc.restore(keys)
+        assert tokens == 5 * PAGE and same_kv(restored, cache, tokens)
+        suffix = ids[:, tokens:]
+        expected = ex.forward(model, suffix, cut(cache, tokens))[0]
+        assert torch.equal(ex.forward(model, suffix, restored)[0], expected)
+
+        static = ex.static_cache(model, ids.shape[1])
+        assert pc.restore_static(keys, static) == tokens and same_kv(static, cache, tokens)
+        forward = SuffixForward(model, static, suffix.shape[1], ex.cache_argument(type(model)),
+                                "flash")
+        own = SuffixForward(model, static_copy(model, cache, tokens, ids.shape[1]),
+                            suffix.shape[1], ex.cache_argument(type(model)), "flash")
+        for f in (forward, own):
+            f.set(suffix, tokens)
+        reference = own.eager().clone()
+        assert torch.equal(forward.eager(), reference)
+        static.layers[1].values.view(torch.int32)[0, 0, tokens - 2, 5] ^= 1 << 20  # rotary key
+        assert not same_kv(static, cache, tokens)
+        forward.set(suffix, tokens)
+        assert not torch.equal(forward.eager(), reference)
+
+
 def test_cache_layout_refuses_pages_over_gdskvs_rows(model):
     with pytest.raises(ValueError, match=r"page_size 256 x 2 KV heads .* page_size <= 128"):
         ex.cache_layout(model.config, 256, torch.float32)
@@ -448,3 +489,25 @@ def test_ttft_bench_table_and_plot_from_results(tmp_path, capsys):
     assert lines[-2].split() == ["4096", "ext4:x", "restore", "200.0", "-", "40.0", "2.50x",
                                  "1.80", "2.00", "0.90", "1.50", "300.0", "1.25x", "ok"]
     assert lines[-1].split() == ["4096", "ext4:x", "hit50", "OutOfMemoryError()"]
+
+
+def test_ttft_bench_runs_a_latent_attention_model(tmp_path):
+    """``--model deepseek-v2-lite --tiny``: the example's 2-layer DeepSeek-V2, its restores
+    checked bit-exact; the token-major pool path, which needs K and V heads, says why not."""
+    result = tmp_path / "ttft.json"
+    out = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "bench", "experiments", "ttft.py"), "--device",
+         "cpu", "--tiny", "--model", "deepseek-v2-lite", "--tokens", "40", "--dirs",
+         str(tmp_path / "store"), "--repeat", "1", "--no-decode", "--paths",
+         "restore,restore_graph,restore_pool_copy", "--json", str(result)],
+        capture_output=True, text=True, timeout=600, cwd="/")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    r = json.loads(result.read_text())
+    assert r["model"]["name"] == "tiny-deepseek-v2-2-layer" and r["not_bit_exact"] == []
+    assert r["model"]["kv_bytes_per_token"] == 2 * (32 + 8) * 4
+    assert "mla" in r["model"]["tier_layout"] and r["errors"] == []
+    (run,) = r["runs"]
+    for name in ("restore", "restore_graph"):
+        assert run["paths"][name]["bit_exact_kv"] and run["paths"][name]["bit_exact_logits"]
+        assert run["paths"][name]["restored_tokens"] == 32
+    assert run["paths"]["restore_pool_copy"]["skipped"].startswith("the cache's keys and values")

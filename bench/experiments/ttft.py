@@ -2,7 +2,10 @@
 its prefill recomputed.
 
 The model is a Llama-3-8B-shaped transformers model with random weights (``LlamaConfig``, built
-on the GPU, nothing downloaded; ``--tiny``: the 2-layer model of the example, for the CPU). For
+on the GPU, nothing downloaded; ``--tiny``: the 2-layer model of the example, for the CPU), or
+with ``--model deepseek-v2-lite`` a DeepSeek-V2-Lite-shaped one (multi-head latent attention: its
+cache keeps a KV latent and a rotary key a layer, which the example hands to gdskv in column
+blocks; mixture of experts; ``--tiny``: the example's 2-layer one). For
 each prompt length N (``--tokens``) and store directory (``--dirs``), every path ends with the
 first token's logits (``logits_to_keep=1``) and a device sync:
 
@@ -149,6 +152,33 @@ def llama3_8b(device, max_tokens: int):
         model = transformers.AutoModelForCausalLM.from_config(
             config, dtype=torch.bfloat16, attn_implementation="sdpa")
     return model.eval()
+
+
+def deepseek_v2_lite(device, max_tokens: int):
+    """DeepSeek-V2-Lite's shape (27 layers, multi-head latent attention with a 512-wide KV
+    latent and a 64-wide rotary key cached a layer, 64 routed experts of which 6 a token, 2
+    shared, the first layer dense) with random weights, built where it runs, bf16, sdpa
+    attention; rotary embeddings without the released model's YaRN scaling."""
+    import transformers
+    config = transformers.DeepseekV2Config(
+        vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
+        num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=512,
+        q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        n_routed_experts=64, num_experts_per_tok=6, n_shared_experts=2, first_k_dense_replace=1,
+        max_position_embeddings=max(163840, max_tokens), rms_norm_eps=1e-6,
+        tie_word_embeddings=False)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(
+            config, dtype=torch.bfloat16, attn_implementation="sdpa")
+    return model.eval()
+
+
+#: --model: the random-weight models the bench builds (the tiny ones with --tiny)
+MODELS = {"llama3-8b": ("llama3-8b-shape-random", llama3_8b, "tiny_llama",
+                        "tiny-llama-2-layer"),
+          "deepseek-v2-lite": ("deepseek-v2-lite-shape-random", deepseek_v2_lite,
+                               "tiny_deepseek", "tiny-deepseek-v2-2-layer")}
 
 
 def medium(path: str) -> dict:
@@ -685,6 +715,9 @@ def restore_pool_copy(run: Run, args, store: str) -> dict:
     restored into a token-major pool and copied into new cache tensors."""
     from gdskv import KVLayout
     from gdskv.tier import Tier
+    if run.ex.cache_parts(run.model.config)[0] != run.ex.cache_parts(run.model.config)[1]:
+        return {"skipped": "the cache's keys and values differ in width (MLA latents): no "
+                           "token-major pool of K and V heads"}
     layers, heads, head_dim = run.ex.kv_geometry(run.model.config)
     page, dev = args.page_size, run.device
     layout = KVLayout(num_layers=layers, page_size=page, head_dim=head_dim, kv_heads=heads,
@@ -919,6 +952,10 @@ def parse_args(argv):
                     help="2k and 8k tokens, one sample, 16 decode steps, no restore_pool_copy "
                          "(unless --paths names it)")
     ap.add_argument("--device", default=None, help="cuda (default where there is one) or cpu")
+    ap.add_argument("--model", choices=sorted(MODELS), default="llama3-8b",
+                    help="the random-weight model: Llama-3-8B's shape (default) or "
+                         "DeepSeek-V2-Lite's (multi-head latent attention, mixture of experts); "
+                         "with --tiny its 2-layer version")
     ap.add_argument("--tiny", action="store_true",
                     help="the example's 2-layer model (for the CPU) instead of Llama-3-8B's shape")
     ap.add_argument("--page-size", type=int, default=16, help="tokens a page (default 16)")
@@ -954,7 +991,7 @@ def parse_args(argv):
     if args.device.type == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA device here (use --device cpu --tiny)")
     if args.device.type == "cpu" and not args.tiny:
-        ap.error("--device cpu takes --tiny: Llama-3-8B's shape is for the GPU")
+        ap.error("--device cpu takes --tiny: the full models' shapes are for the GPU")
     if args.page_size < 1:
         ap.error(f"--page-size must be >= 1, got {args.page_size}")
     if args.repeat < 1:
@@ -1012,18 +1049,20 @@ def main(argv=None) -> int:
 
     backend, why = backend_choice(args.device)
     args.backend = args.backend or backend
+    full_name, build, tiny_build, tiny_name = MODELS[args.model]
     if args.tiny:
-        model = ex.tiny_llama(args.device, torch.float32)
-        name = "tiny-llama-2-layer"
+        model = getattr(ex, tiny_build)(args.device, torch.float32)
+        name = tiny_name
     else:
-        model = llama3_8b(args.device, max(args.tokens))
-        name = "llama3-8b-shape-random"
+        model = build(args.device, max(args.tokens))
+        name = full_name
     try:  # the example's layout takes page_size x kv_heads rows a page: refused before the runs
-        ex.cache_layout(model.config, args.page_size, model.dtype)
+        layout = ex.cache_layout(model.config, args.page_size, model.dtype)
     except ValueError as exc:
         raise SystemExit(f"--page-size: {exc}")
-    layers, heads, head_dim = ex.kv_geometry(model.config)
-    kv_token = 2 * layers * heads * head_dim * model.dtype.itemsize
+    layers = model.config.num_hidden_layers
+    (heads, head_dim), values = ex.cache_parts(model.config)
+    kv_token = ex.kv_bytes_per_token(model.config, model.dtype)
     media = []
     for d in args.dirs:
         os.makedirs(d, exist_ok=True)
@@ -1032,6 +1071,7 @@ def main(argv=None) -> int:
               "device": device_info(args.device), "torch": torch.__version__,
               "transformers": transformers.__version__,
               "model": {"name": name, "layers": layers, "kv_heads": heads, "head_dim": head_dim,
+                        "value_heads_width": list(values), "tier_layout": layout.fingerprint,
                         "dtype": str(model.dtype), "kv_bytes_per_token": kv_token,
                         "attn": getattr(model.config, "_attn_implementation", None)},
               "page_size": args.page_size, "backend_asked": args.backend,
