@@ -277,9 +277,15 @@ def tiny_llama(device, dtype):
         vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
         max_position_embeddings=8192)
+    return random_model(config, device, dtype)
+
+
+def random_model(config, device, dtype, **kwargs):
+    """``config``'s model with random weights (seed 0), built where it runs (nothing
+    downloaded), in eval mode; ``kwargs`` go to ``from_config`` (e.g. attn_implementation)."""
     torch.manual_seed(0)
     with torch.device(device):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, **kwargs)
     return model.eval()
 
 
@@ -293,10 +299,7 @@ def tiny_deepseek(device, dtype):
         q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
         n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
         max_position_embeddings=8192)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
-    return model.eval()
+    return random_model(config, device, dtype)
 
 
 @torch.no_grad()

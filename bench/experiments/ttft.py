@@ -138,6 +138,15 @@ def is_oom(exc: BaseException) -> bool:
     return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
 
 
+def example():
+    """examples/transformers_prefix_cache.py: the code a user copies is the code measured."""
+    folder = os.path.join(REPO, "examples")
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    import transformers_prefix_cache
+    return transformers_prefix_cache
+
+
 def llama3_8b(device, max_tokens: int):
     """Llama-3-8B's shape with random weights, built where it runs (built on the CPU first it
     took minutes), bf16, sdpa attention."""
@@ -147,11 +156,7 @@ def llama3_8b(device, max_tokens: int):
         num_attention_heads=32, num_key_value_heads=8, head_dim=128,
         max_position_embeddings=max(131072, max_tokens), rms_norm_eps=1e-5,
         tie_word_embeddings=False)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = transformers.AutoModelForCausalLM.from_config(
-            config, dtype=torch.bfloat16, attn_implementation="sdpa")
-    return model.eval()
+    return example().random_model(config, device, torch.bfloat16, attn_implementation="sdpa")
 
 
 def deepseek_v2_lite(device, max_tokens: int):
@@ -167,11 +172,7 @@ def deepseek_v2_lite(device, max_tokens: int):
         n_routed_experts=64, num_experts_per_tok=6, n_shared_experts=2, first_k_dense_replace=1,
         max_position_embeddings=max(163840, max_tokens), rms_norm_eps=1e-6,
         tie_word_embeddings=False)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = transformers.AutoModelForCausalLM.from_config(
-            config, dtype=torch.bfloat16, attn_implementation="sdpa")
-    return model.eval()
+    return example().random_model(config, device, torch.bfloat16, attn_implementation="sdpa")
 
 
 #: --model: the random-weight models the bench builds (the tiny ones with --tiny)
@@ -1044,8 +1045,7 @@ def main(argv=None) -> int:
         print(table(result))
         return 0
     import transformers
-    sys.path.insert(0, os.path.join(REPO, "examples"))
-    import transformers_prefix_cache as ex  # the code a user copies is the code measured
+    ex = example()
 
     backend, why = backend_choice(args.device)
     args.backend = args.backend or backend
