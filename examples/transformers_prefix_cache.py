@@ -185,8 +185,8 @@ class PrefixCache:
         # (a cache cut short by crop() is a view: .contiguous() copies it, else it is a no-op)
         if self.block is not None:  # a "layer" of the tier per column block, token = slot
             b = self.block
-            rows = [t.contiguous()[0, h, :, j * b:(j + 1) * b].unsqueeze(1)
-                    for k, v in zip(keys, values) for t in (k, v)
+            rows = [t[0, h, :, j * b:(j + 1) * b].unsqueeze(1)
+                    for k, v in zip(keys, values) for t in (k.contiguous(), v.contiguous())
                     for h in range(t.shape[1]) for j in range(t.shape[-1] // b)]
             return (rows,), torch.arange(pages * self.page_size, device=device)
         heads, head_dim = self.parts[0]
