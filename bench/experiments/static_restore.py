@@ -111,6 +111,47 @@ def profile_restore(pc, keys, cache, device, args) -> str:
     return text.getvalue()
 
 
+def timeline_restore(pc, keys, cache, device, args) -> dict:
+    """One more restore with its steps stamped (ms from the call's start, on this thread):
+    each chunk's read submitted (``backend.start``), its wait begun and ended and its
+    verify + scatter queued (``RestoreCall._finish_read``), and the call's end after a device
+    sync. Reads on kvikio's threads end somewhere before their wait ends."""
+    from gdskv import restore_call
+    stamps: list[tuple[str, float]] = []
+    t0 = [0.0]
+
+    def stamp(what: str) -> None:
+        stamps.append((what, (time.perf_counter() - t0[0]) * 1e3))
+
+    backend = pc.tier.backend
+    start, finish = backend.start, restore_call.RestoreCall._finish_read
+
+    def timed_start(*a, **k):
+        fut = start(*a, **k)
+        stamp("submit")
+        return fut
+
+    def timed_finish(self, r):
+        stamp("wait")
+        r.fut.result()
+        stamp("read")
+        finish(self, r)
+        stamp("queued")
+    backend.start = timed_start
+    restore_call.RestoreCall._finish_read = timed_finish
+    try:
+        ttft.drop(ttft.slab_files(args.store), args)
+        ttft.sync(device)
+        t0[0] = time.perf_counter()
+        pc.restore_static(keys, cache)
+        ttft.sync(device)
+        stamp("end")
+    finally:
+        del backend.start
+        restore_call.RestoreCall._finish_read = finish
+    return {"stamps": stamps}
+
+
 def one_n(ex, config, n: int, args, device) -> dict:
     import transformers
     cache = transformers.StaticCache(config=config, max_cache_len=n)
@@ -156,6 +197,8 @@ def one_n(ex, config, n: int, args, device) -> dict:
             out["variants"][label] = r
             if label == "default" and args.profile:
                 out["profile"] = profile_restore(pc, keys, cache, device, args)
+            if label == "default" and args.timeline:
+                out["timeline"] = timeline_restore(pc, keys, cache, device, args)
             if label == "default":  # raw's reads, one before each of these restores
                 out["raw"] = {"ms": statistics.median(r.get("ms", 0.0) for r in raws),
                               "samples_ms": [r.get("ms", 0.0) for r in raws],
@@ -178,6 +221,9 @@ def main() -> int:
     ap.add_argument("--profile", type=int, default=0, metavar="K",
                     help="also cProfile one restore of the default variant: its top K "
                          "functions by own time (printed, and in the JSON)")
+    ap.add_argument("--timeline", action="store_true",
+                    help="also stamp one restore's steps (each chunk's submit, wait, read "
+                         "ended, scatter queued; printed in short, whole in the JSON)")
     ap.add_argument("--json")
     args = ap.parse_args()
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -208,6 +254,14 @@ def main() -> int:
                   f"({r['gbps']:5.1f} GB/s, {r['io_vs_raw'] or 0:.2f}x raw)  "
                   f"{'exact' if r['bit_exact_kv'] else 'NOT EXACT'}  "
                   + " ".join(f"{s['io_ms']:.2f}" for s in r["samples"]))
+        if "timeline" in run:
+            st = run["timeline"]["stamps"]
+            subs = [t for w, t in st if w == "submit"]
+            waits = [(t, u) for (w, t), (v, u) in zip(st, st[1:]) if w == "wait" and v == "read"]
+            print(f"  timeline: {len(subs)} chunks; first submit {subs[0]:.2f} ms, last "
+                  f"{subs[-1]:.2f}; waited {sum(u - t for t, u in waits):.2f} ms in "
+                  f"{len(waits)} waits; last read seen {waits[-1][1]:.2f}; end {st[-1][1]:.2f}")
+            print("  " + " ".join(f"{w[0]}{t:.1f}" for w, t in st))
         if "profile" in run:
             print("\n".join(line for line in run["profile"].splitlines()[:12 + args.profile]
                             if line.strip()))
