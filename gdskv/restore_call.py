@@ -81,6 +81,7 @@ class RestoreCall:
         held = None
         settled = False
         pinned = True
+        prepared = False  # (see _prepare)
         on_caller = ctx.io_on_caller and len(chunks) == 1  # (see SpillCall.run)
         count_region_pages(self.drain, len(todo), "read", tally)
         try:
@@ -95,7 +96,11 @@ class RestoreCall:
                                              ctx.backend.start("read", None, extents,
                                                                on_caller), t0))
                     continue
-                held = ctx.take_part(pending, self._finish_oldest)
+                held = ctx.staging.try_take()
+                if held is None:  # a part frees when a chunk is finished: prepared first
+                    if not prepared:
+                        prepared = self._prepare(todo, len(chunks))
+                    held = ctx.take_part(pending, self._finish_oldest)
                 extents = ctx.store.extents([s for _, s, _ in chunk])
                 part = ctx.staging[held]
                 t0 = time.perf_counter()
@@ -103,26 +108,11 @@ class RestoreCall:
                                          ctx.backend.start("read", part, extents, on_caller),
                                          t0))
                 held = None
-                if k == 0:
-                    # The first read is under way (or, moved on this thread, has ended): the
-                    # call takes its stream, its arguments are checked and its slot indices
-                    # and stored checksums are made ready meanwhile (host work that would
-                    # otherwise come first).
-                    if self.stream is not None:
-                        self._enter_stream()
-                    if isinstance(self.drain, DeferredCopier):
-                        self.drain = self.drain.make()
-                    verdicts = self.verdicts = self._gpu_verdicts(todo)
-                    if self.drain.prepare([i for i, _, _ in todo],
-                                          into=verdicts.slot_buffers if verdicts is not None
-                                          else None, defer_upload=verdicts is not None):
-                        # the indices go up inside the chunks' launch graphs (as a spill's)
-                        verdicts.upload_slots(len(todo) * ctx.layout.page_size)
-                    if not pending[-1].fut.done():  # earlier calls' counters (SpillCall)
-                        ctx.ledger.settle(wait=False)
-                if self.verdicts is not None:  # its launches made while its read runs
+                if prepared and self.verdicts is not None:  # made while its read runs
                     self.verdicts.plan(self.drain, part, first, [i for i, _, _ in chunk],
                                        last=k == len(chunks) - 1)
+            if pending and not prepared and not self.in_place:
+                prepared = self._prepare(todo, len(chunks))
             while pending:
                 self._finish_oldest()
             if self.stream is not None:  # (nothing read: the argument checks may use the GPU)
@@ -161,6 +151,33 @@ class RestoreCall:
         tally.update(get_pages=len(keys), hits=hits, misses=len(keys) - hits)
         ctx.ledger.record(tally, None)
         return self.results
+
+    def _prepare(self, todo: list, chunks: int) -> bool:
+        """The host work a restore does while its first reads run: it takes its stream, its
+        arguments are checked, its slot indices and stored checksums made ready, and the
+        launches of the chunks already reading made. It comes once the reads that found free
+        staging parts are under way (or, moved on this thread, have ended), and before any
+        chunk is finished: a long restore's slot indices (a 32k-token prompt's 262k) took
+        milliseconds while one chunk read and the other parts stood idle."""
+        ctx, pending = self.ctx, self.pending
+        if self.stream is not None:
+            self._enter_stream()
+        if isinstance(self.drain, DeferredCopier):
+            self.drain = self.drain.make()
+        verdicts = self.verdicts = self._gpu_verdicts(todo)
+        if self.drain.prepare([i for i, _, _ in todo],
+                              into=verdicts.slot_buffers if verdicts is not None else None,
+                              defer_upload=verdicts is not None):
+            # the indices go up inside the chunks' launch graphs (as a spill's)
+            verdicts.upload_slots(len(todo) * ctx.layout.page_size)
+        if pending and not pending[-1].fut.done():  # earlier calls' counters (SpillCall)
+            ctx.ledger.settle(wait=False)
+        if verdicts is not None:  # the launches of the chunks reading now
+            last = (chunks - 1) * ctx.chunk_pages
+            for r in pending:
+                verdicts.plan(self.drain, ctx.staging[r.part], r.first,
+                              [i for i, _, _ in r.pages], last=r.first == last)
+        return True
 
     def _enter_stream(self) -> None:
         self.stream.enter()  # (a second time does nothing)

@@ -503,6 +503,37 @@ def test_bad_get_raises_whether_or_not_the_page_is_stored(case, stored, make_con
         assert_same_rows(pool, torch.arange(16), target, torch.arange(16))
 
 
+def test_a_long_restore_prepares_once_every_free_part_reads(make_config, monkeypatch):
+    # A restore of more chunks than staging parts starts a read in every free part before its
+    # host work (stream, argument checks, slot indices: milliseconds for a long prompt), then
+    # finishes and reads the rest: every page back, bit-exact. A bad argument of such a
+    # restore still raises with nothing in the pool.
+    from gdskv import restore_call
+    layout = LAYOUTS["mha-bf16-p16"]
+    pages, depth = 12, 4
+    pool = random_pool(layout, pages * 16)
+    cfg = make_config(staging_size=2 * depth * layout.page_bytes, pipeline_depth=depth)
+    seen = []
+    prepare = restore_call.RestoreCall._prepare
+
+    def noting(self, todo, chunks):
+        seen.append((len(self.pending), chunks))
+        return prepare(self, todo, chunks)
+    monkeypatch.setattr(restore_call.RestoreCall, "_prepare", noting)
+    keys = [f"p{i}" for i in range(pages)]
+    slots = torch.arange(pages * 16)
+    with Tier(layout, cfg, device="cpu") as tier:
+        assert tier.put(keys, pool, slots) == [True] * pages
+        target = empty_like_pool(pool)
+        with pytest.raises(ValueError, match="slot index out of range"):
+            tier.get(keys, target, slots + 999)
+        assert all(torch.count_nonzero(p) == 0 for p in target)
+        assert tier.get(keys, target, slots) == [True] * pages
+        assert_same_rows(pool, slots, target, slots)
+    # both restores (the bad one too) had a read in each of the 4 parts, of more chunks
+    assert [p for p, _ in seen] == [depth, depth] and all(c > depth for _, c in seen)
+
+
 def test_calls_leave_no_reference_cycles(make_config, device):
     # Garbage only the cycle collector can free fills its youngest generation: with ~40 such
     # objects per call it ran every ~16 small calls, a pause in their tail latency.

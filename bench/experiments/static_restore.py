@@ -114,8 +114,9 @@ def profile_restore(pc, keys, cache, device, args) -> str:
 def timeline_restore(pc, keys, cache, device, args) -> dict:
     """One more restore with its steps stamped (ms from the call's start, on this thread):
     each chunk's read submitted (``backend.start``), its wait begun and ended and its
-    verify + scatter queued (``RestoreCall._finish_read``), and the call's end after a device
-    sync. Reads on kvikio's threads end somewhere before their wait ends."""
+    verify + scatter queued (``RestoreCall._finish_read``); the slots unpinned, the call's
+    stream synced (``gpu done``), the GPU's verdicts settled, and the call's end after a
+    device sync. Reads on kvikio's threads end somewhere before their wait ends."""
     from gdskv import restore_call
     stamps: list[tuple[str, float]] = []
     t0 = [0.0]
@@ -137,8 +138,26 @@ def timeline_restore(pc, keys, cache, device, args) -> dict:
         stamp("read")
         finish(self, r)
         stamp("queued")
+    steps = {"_unpin": "unpinned", "_settle": "settled"}  # the call's end, in order
+    originals = {name: getattr(restore_call.RestoreCall, name) for name in steps}
+    copies_done = restore_call.copies_done
+
+    def stamped(name):
+        def run(self, *a, **k):
+            out = originals[name](self, *a, **k)
+            stamp(steps[name])
+            return out
+        return run
+
+    def timed_copies_done(*a, **k):
+        out = copies_done(*a, **k)
+        stamp("gpu done")
+        return out
     backend.start = timed_start
     restore_call.RestoreCall._finish_read = timed_finish
+    restore_call.copies_done = timed_copies_done
+    for name in steps:
+        setattr(restore_call.RestoreCall, name, stamped(name))
     try:
         ttft.drop(ttft.slab_files(args.store), args)
         ttft.sync(device)
@@ -149,6 +168,9 @@ def timeline_restore(pc, keys, cache, device, args) -> dict:
     finally:
         del backend.start
         restore_call.RestoreCall._finish_read = finish
+        restore_call.copies_done = copies_done
+        for name, fn in originals.items():
+            setattr(restore_call.RestoreCall, name, fn)
     return {"stamps": stamps}
 
 
@@ -261,7 +283,10 @@ def main() -> int:
             print(f"  timeline: {len(subs)} chunks; first submit {subs[0]:.2f} ms, last "
                   f"{subs[-1]:.2f}; waited {sum(u - t for t, u in waits):.2f} ms in "
                   f"{len(waits)} waits; last read seen {waits[-1][1]:.2f}; end {st[-1][1]:.2f}")
-            print("  " + " ".join(f"{w[0]}{t:.1f}" for w, t in st))
+            print("  " + " ".join(f"{w[0]}{t:.1f}" for w, t in st if w in
+                                  ("submit", "wait", "read", "queued")))
+            print("  end: " + ", ".join(f"{w} {t:.2f}" for w, t in st[-6:]
+                                       if w not in ("submit", "wait", "read", "queued")))
         if "profile" in run:
             print("\n".join(line for line in run["profile"].splitlines()[:12 + args.profile]
                             if line.strip()))
