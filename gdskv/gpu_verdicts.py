@@ -200,10 +200,17 @@ class GpuVerdicts:
             self._buf.host_flags.copy_(self._buf.ok, non_blocking=True)
             self._read_back = True
 
-    def settle(self) -> list[tuple[int, bool]]:
-        """After the stream has synchronized: (position, matched) for every queued page."""
+    def settle(self) -> tuple[list[int], list[int]]:
+        """After the stream has synchronized: the positions of the queued pages that matched
+        their checksums, and of those that did not (one pass over the flags: a long restore
+        settles thousands of pages)."""
         self._buf.clean = True
+        matched: list[int] = []
+        failed: list[int] = []
         if not self._read_back:
-            return []
-        flags = self._buf.host_flags_np.tolist()
-        return [(k, bool(flags[k])) for first, n in self._queued for k in range(first, first + n)]
+            return matched, failed
+        flags = self._buf.host_flags_np
+        for first, n in self._queued:
+            for k, ok in enumerate(flags[first:first + n].tolist(), first):
+                (matched if ok else failed).append(k)
+        return matched, failed

@@ -339,12 +339,11 @@ class RestoreCall:
 
     def _settle(self, todo: list) -> None:
         """Hits and checksum misses of the chunks verified on the GPU (after the stream sync)."""
-        settled = self.verdicts.settle()
-        bad = [k for k, matched in settled if not matched]
-        for k, matched in settled:
-            if matched:
-                self.results[todo[k][0]] = True
+        matched, bad = self.verdicts.settle()
+        results = self.results
+        for k in matched:
+            results[todo[k][0]] = True
         if bad:
             self._drop(todo, bad, corrupt=True)
-        self.tally["bytes_read"] += (len(settled) - len(bad)) * self.ctx.layout.page_bytes
+        self.tally["bytes_read"] += len(matched) * self.ctx.layout.page_bytes
         self.tally["read_failed"] += len(bad)
