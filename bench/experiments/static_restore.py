@@ -26,7 +26,9 @@ storage). Medians; every sample is in the JSON.
         --variant noverify:GDSKV_VERIFY=0 --variant big:GDSKV_STAGING_SIZE=1GiB \\
         --json restore.json
 
-Needs CUDA and kvikio (``--device cpu`` tries the script on the posix backend, no raw).
+``--profile K`` adds a cProfile of one more restore, ``--timeline`` its steps stamped (each
+chunk's submit, wait and scatter launch; the call's end). Needs CUDA and kvikio (``--device
+cpu`` tries the script on the posix backend, no raw).
 Results it produced: ``h100-2026-11-27/ttft-restore/`` (its README maps the calls), bench/RESULTS.md
 "Time to first token".
 """
@@ -38,16 +40,12 @@ import contextlib
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 
 import torch
 
-from experiment_helpers import REPO
-
-sys.path.insert(0, os.path.join(REPO, "examples"))
-import ttft  # noqa: E402  (its tier config, raw read, timing and token parsing)
+import ttft  # its tier config, raw read, timing, token parsing and the example
 
 
 @contextlib.contextmanager
@@ -255,7 +253,7 @@ def main() -> int:
     config = transformers.LlamaConfig(
         vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
         num_attention_heads=32, num_key_value_heads=8, head_dim=128)
-    import transformers_prefix_cache as ex  # the code a user copies is the code measured
+    ex = ttft.example()  # the code a user copies is the code measured
     os.makedirs(args.dir, exist_ok=True)
     result = {"experiment": "static_restore", "date": time.strftime("%Y-%m-%d"),
               "device": ttft.device_info(device), "dir": args.dir,
