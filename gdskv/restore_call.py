@@ -99,7 +99,8 @@ class RestoreCall:
                 held = ctx.staging.try_take()
                 if held is None:  # a part frees when a chunk is finished: prepared first
                     if not prepared:
-                        prepared = self._prepare(todo, len(chunks))
+                        self._prepare(todo, len(chunks))
+                        prepared = True
                     held = ctx.take_part(pending, self._finish_oldest)
                 extents = ctx.store.extents([s for _, s, _ in chunk])
                 part = ctx.staging[held]
@@ -112,7 +113,8 @@ class RestoreCall:
                     self.verdicts.plan(self.drain, part, first, [i for i, _, _ in chunk],
                                        last=k == len(chunks) - 1)
             if pending and not prepared and not self.in_place:
-                prepared = self._prepare(todo, len(chunks))
+                self._prepare(todo, len(chunks))
+                prepared = True
             while pending:
                 self._finish_oldest()
             if self.stream is not None:  # (nothing read: the argument checks may use the GPU)
@@ -152,7 +154,7 @@ class RestoreCall:
         ctx.ledger.record(tally, None)
         return self.results
 
-    def _prepare(self, todo: list, chunks: int) -> bool:
+    def _prepare(self, todo: list, chunks: int) -> None:
         """The host work a restore does while its first reads run: it takes its stream, its
         arguments are checked, its slot indices and stored checksums made ready, and the
         launches of the chunks already reading made. It comes once the reads that found free
@@ -177,7 +179,6 @@ class RestoreCall:
             for r in pending:
                 verdicts.plan(self.drain, ctx.staging[r.part], r.first,
                               [i for i, _, _ in r.pages], last=r.first == last)
-        return True
 
     def _enter_stream(self) -> None:
         self.stream.enter()  # (a second time does nothing)

@@ -716,7 +716,8 @@ def restore_pool_copy(run: Run, args, store: str) -> dict:
     restored into a token-major pool and copied into new cache tensors."""
     from gdskv import KVLayout
     from gdskv.tier import Tier
-    if run.ex.cache_parts(run.model.config)[0] != run.ex.cache_parts(run.model.config)[1]:
+    keys_part, values_part = run.ex.cache_parts(run.model.config)
+    if keys_part != values_part:
         return {"skipped": "the cache's keys and values differ in width (MLA latents): no "
                            "token-major pool of K and V heads"}
     layers, heads, head_dim = run.ex.kv_geometry(run.model.config)
