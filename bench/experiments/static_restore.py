@@ -111,10 +111,11 @@ def profile_restore(pc, keys, cache, device, args) -> str:
 
 def timeline_restore(pc, keys, cache, device, args) -> dict:
     """One more restore with its steps stamped (ms from the call's start, on this thread):
-    each chunk's read submitted (``backend.start``), its wait begun and ended and its
+    the prefix matched, the keys checked, the pages pinned and the call's prologue done
+    (``RestoreCall._prepare``); each chunk's read submitted (``backend.start``), its wait begun and ended and its
     verify + scatter queued (``RestoreCall._finish_read``); the slots unpinned, the call's
-    stream synced (``gpu done``), the GPU's verdicts settled, and the call's end after a
-    device sync. Reads on kvikio's threads end somewhere before their wait ends."""
+    stream synced (``gpu done``), the GPU's verdicts settled, the tier's ``get`` returned, and
+    the call's end after a device sync. Reads on kvikio's threads end somewhere before their wait ends."""
     from gdskv import restore_call
     stamps: list[tuple[str, float]] = []
     t0 = [0.0]
@@ -136,16 +137,26 @@ def timeline_restore(pc, keys, cache, device, args) -> dict:
         stamp("read")
         finish(self, r)
         stamp("queued")
-    steps = {"_unpin": "unpinned", "_settle": "settled"}  # the call's end, in order
-    originals = {name: getattr(restore_call.RestoreCall, name) for name in steps}
+    from gdskv import directory, tier
+    # (class, method, stamp when it has returned): the call's start and end, in order
+    steps = [(tier.Tier, "match_prefix", "matched"), (tier.Tier, "_check_keys", "keys checked"),
+             (directory.PageDirectory, "pin_for_read", "pinned"),
+             (restore_call.RestoreCall, "_prepare", "prepared"),
+             (restore_call.RestoreCall, "_unpin", "unpinned"),
+             (restore_call.RestoreCall, "_settle", "settled"), (tier.Tier, "get", "got")]
+    originals = {(cls, name): cls.__dict__[name] for cls, name, _ in steps}
     copies_done = restore_call.copies_done
 
-    def stamped(name):
-        def run(self, *a, **k):
-            out = originals[name](self, *a, **k)
-            stamp(steps[name])
+    def stamped(cls, name, what):
+        fn = originals[cls, name]
+        static = isinstance(fn, staticmethod)
+        fn = fn.__func__ if static else fn
+
+        def run(*a, **k):
+            out = fn(*a, **k)
+            stamp(what)
             return out
-        return run
+        return staticmethod(run) if static else run
 
     def timed_copies_done(*a, **k):
         out = copies_done(*a, **k)
@@ -154,8 +165,8 @@ def timeline_restore(pc, keys, cache, device, args) -> dict:
     backend.start = timed_start
     restore_call.RestoreCall._finish_read = timed_finish
     restore_call.copies_done = timed_copies_done
-    for name in steps:
-        setattr(restore_call.RestoreCall, name, stamped(name))
+    for cls, name, what in steps:
+        setattr(cls, name, stamped(cls, name, what))
     try:
         ttft.drop(ttft.slab_files(args.store), args)
         ttft.sync(device)
@@ -167,8 +178,8 @@ def timeline_restore(pc, keys, cache, device, args) -> dict:
         del backend.start
         restore_call.RestoreCall._finish_read = finish
         restore_call.copies_done = copies_done
-        for name, fn in originals.items():
-            setattr(restore_call.RestoreCall, name, fn)
+        for (cls, name), fn in originals.items():
+            setattr(cls, name, fn)
     return {"stamps": stamps}
 
 
@@ -283,8 +294,8 @@ def main() -> int:
                   f"{len(waits)} waits; last read seen {waits[-1][1]:.2f}; end {st[-1][1]:.2f}")
             print("  " + " ".join(f"{w[0]}{t:.1f}" for w, t in st if w in
                                   ("submit", "wait", "read", "queued")))
-            print("  end: " + ", ".join(f"{w} {t:.2f}" for w, t in st[-6:]
-                                       if w not in ("submit", "wait", "read", "queued")))
+            print("  steps: " + ", ".join(f"{w} {t:.2f}" for w, t in st
+                                         if w not in ("submit", "wait", "read", "queued")))
         if "profile" in run:
             print("\n".join(line for line in run["profile"].splitlines()[:12 + args.profile]
                             if line.strip()))
