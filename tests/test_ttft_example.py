@@ -464,7 +464,7 @@ def test_ttft_bench_table_and_plot_from_results(tmp_path, capsys):
     ttft = pytest.importorskip("ttft")  # bench/experiments, on pytest's pythonpath
     run = {"tokens": 4096, "dir": "/mnt/x", "medium": {"fs_type": "ext4"},
            "raw_kvikio": {"gbps": 2.0}, "spill": {"ms": 300.0}, "break_even_gbps": 1.5,
-           "decode": {"slowdown": 1.25},
+           "decode": {"slowdown": 1.25, "graph": {"slowdown": 1.5}},
            "paths": {"restore": {"ttft_ms": 200.0, "suffix_ms": 40.0, "speedup": 2.5,
                                  "restore_gbps": 1.8,
                                  "restore_vs_raw": 0.9, "bit_exact_kv": True,
@@ -483,11 +483,12 @@ def test_ttft_bench_table_and_plot_from_results(tmp_path, capsys):
     assert png.stat().st_size > 1000 if "plot written" in lines[0] else "skipped" in lines[0]
     assert lines[-5].split() == ["N", "medium", "path", "TTFT", "ms", "io", "ms", "sfx", "ms",
                                  "speedup", "GB/s", "raw", "r/raw", "need", "spill", "ms",
-                                 "decode", "exact"]
+                                 "decode", "dec", "graph", "exact"]
     assert lines[-4].split()[:7] == ["4096", "-", "prefill", "500.0", "-", "-", "1.00x"]
     assert lines[-3].split() == ["8192", "-", "prefill", "oom:", "OutOfMemoryError()"]
     assert lines[-2].split() == ["4096", "ext4:x", "restore", "200.0", "-", "40.0", "2.50x",
-                                 "1.80", "2.00", "0.90", "1.50", "300.0", "1.25x", "ok"]
+                                 "1.80", "2.00", "0.90", "1.50", "300.0", "1.25x", "1.50x",
+                                 "ok"]
     assert lines[-1].split() == ["4096", "ext4:x", "hit50", "OutOfMemoryError()"]
 
 

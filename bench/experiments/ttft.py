@@ -44,7 +44,9 @@ right after the spill (``raw_kvikio_first``: on /dev/shm the first read of fresh
 pages is the slowest, for raw and gdskv alike) and once after the restores (``raw_kvikio``,
 the ratio's base: a later read, as the timed restores are); and a decode of another request
 (64 steps after a 2k-token cache) timed alone and while the N-token prefix is spilled over and
-over on the tier's workers (``put_async``): the decode slowdown.
+over on the tier's workers (``put_async``): the decode slowdown, of an eager loop (``decode``)
+and, on a GPU, of the same steps replayed as CUDA graphs, as an engine decodes
+(``decode.graph``, column "dec graph").
 
 Correctness, every run: the restored KV bit-identical to the prefill's (``torch.equal`` per
 layer), and the suffix's logits on the restored cache bit-identical to the same suffix on the
@@ -669,11 +671,42 @@ class Decoder:
         return timed(self.device, steps)[1] * 1e3
 
 
-def decode_slowdown(run: Run, pc, decoder: Decoder) -> dict:
+class GraphDecoder:
+    """The same request's decode as an engine runs it: each one-token step one CUDA graph replay
+    (``SuffixForward`` of one token over a ``StaticCache`` of context + steps, ``mask``
+    attention), the next token chosen on the GPU. Four launches a step where the eager loop
+    makes hundreds, so what slows it during a spill is the GPU's own sharing, not host threads
+    taking the interpreter lock from the loop. Every loop starts again from the same context
+    (its steps overwrite the positions after it)."""
+
+    def __init__(self, ex, model, decoder: Decoder) -> None:
+        self.steps, self.device, self.first = decoder.steps, decoder.device, decoder.first
+        self.context = decoder.keys[0].shape[-2]
+        cache = ex.static_cache(model, self.context + self.steps)
+        for layer, k, v in zip(cache.layers, decoder.keys, decoder.values):
+            layer.keys[..., :self.context, :].copy_(k)
+            layer.values[..., :self.context, :].copy_(v)
+        self.forward = SuffixForward(model, cache, 1, ex.cache_argument(type(model)), "mask")
+        self.forward.set(self.first, self.context)
+        self.forward.capture()
+        self.loop()  # warm
+
+    def loop(self) -> float:
+        def steps():
+            tok = self.first
+            for i in range(self.steps):
+                self.forward.set(tok, self.context + i)
+                tok = self.forward.replay().argmax(-1, keepdim=True)
+        return timed(self.device, steps)[1] * 1e3
+
+
+def decode_slowdown(run: Run, pc, decoder: Decoder, graph: GraphDecoder | None = None) -> dict:
     """The decode while this N's prefix is evicted and spilled again, over and over, by another
     thread through ``put_async`` (the tier's workers and stream), against the mean of the same
-    decode alone just before and just after."""
-    before = decoder.loop()
+    decode alone just before and just after: the eager loop (top-level keys) and, where there
+    is one, the graph-replayed loop (``graph``), each timed alone and during the spills."""
+    loops = {"eager": decoder.loop} | ({"graph": graph.loop} if graph is not None else {})
+    before = {name: loop() for name, loop in loops.items()}
     pool, slots = pc.pool([layer.keys for layer in run.cache.layers],
                           [layer.values for layer in run.cache.layers], len(run.keys))
     stop, started, spills, errors = threading.Event(), threading.Event(), [], []
@@ -696,19 +729,24 @@ def decode_slowdown(run: Run, pc, decoder: Decoder) -> dict:
     worker.start()
     started.wait()
     try:
-        during = decoder.loop()
+        during = {name: loop() for name, loop in loops.items()}
     finally:
         stop.set()
         worker.join()
     if errors:
         raise RuntimeError(f"spill during decode: {errors[0]}")
-    after = decoder.loop()
-    alone = (before + after) / 2
-    return {"steps": decoder.steps, "alone_ms": alone, "alone_before_after_ms": [before, after],
-            "during_spill_ms": during,
-            "slowdown": during / alone, "spills_finished": len(spills),
-            "spill_ms_each": [round(s * 1e3, 2) for _, s in spills],
-            "pages_each": [ok for ok, _ in spills]}
+    after = {name: loop() for name, loop in loops.items()}
+
+    def measured(name: str) -> dict:
+        alone = (before[name] + after[name]) / 2
+        return {"alone_ms": alone, "alone_before_after_ms": [before[name], after[name]],
+                "during_spill_ms": during[name], "slowdown": during[name] / alone}
+    out = {"steps": decoder.steps, **measured("eager"), "spills_finished": len(spills),
+           "spill_ms_each": [round(s * 1e3, 2) for _, s in spills],
+           "pages_each": [ok for ok, _ in spills]}
+    if graph is not None:
+        out["graph"] = measured("graph")
+    return out
 
 
 def restore_pool_copy(run: Run, args, store: str) -> dict:
@@ -790,7 +828,7 @@ def run_medium(run: Run, args, base: str, decoder: Decoder | None) -> dict:
             whole = run.keys[:run.whole]
             out["raw_kvikio"] = guarded(lambda: raw_kvikio(pc.tier, whole, args))
             if decoder is not None:
-                out["decode"] = guarded(lambda: decode_slowdown(run, pc, decoder))
+                out["decode"] = guarded(lambda: decode_slowdown(run, pc, *decoder))
         shutil.rmtree(store)
         if "restore_pool_copy" in run.hits:
             store = tempfile.mkdtemp(prefix="gdskv-ttft-", dir=base)
@@ -844,8 +882,8 @@ def table(result: dict) -> str:
     prefill's, docs/ttft.md; "r/raw": the restore's GB/s over raw kvikio's, over its reads
     made just before each restore where the path has them: ``restore_graph``)."""
     cols = ("N", "medium", "path", "TTFT ms", "io ms", "sfx ms", "speedup", "GB/s", "raw",
-            "r/raw", "need", "spill ms", "decode", "exact")
-    rows = [[n, "-", "prefill", _num(p["ttft_ms"], ".1f"), "-", "-", "1.00x"] + ["-"] * 6
+            "r/raw", "need", "spill ms", "decode", "dec graph", "exact")
+    rows = [[n, "-", "prefill", _num(p["ttft_ms"], ".1f"), "-", "-", "1.00x"] + ["-"] * 7
             + ["ref"]
             if "ttft_ms" in p else [n, "-", "prefill", "; ".join(f"{k}: {v}" for k, v in
                                                                 p.items())[:70]]
@@ -869,7 +907,8 @@ def table(result: dict) -> str:
                 _num(m.get("break_even_gbps") if name == "restore" else
                      p.get("break_even_gbps"), ".2f"),
                 _num(p.get("spill_ms", m.get("spill", {}).get("ms")), ".1f"),
-                _num(m.get("decode", {}).get("slowdown"), ".2f", "x"), exact(p)])
+                _num(m.get("decode", {}).get("slowdown"), ".2f", "x"),
+                _num(m.get("decode", {}).get("graph", {}).get("slowdown"), ".2f", "x"), exact(p)])
     full = [cols] + [r for r in rows if len(r) == len(cols)]
     widths = [max(len(str(r[i])) for r in full) for i in range(len(cols))]
 
@@ -1089,8 +1128,10 @@ def main(argv=None) -> int:
     gc.collect()
     gc.freeze()
     result["gc_frozen"] = True
-    decoder = None if args.no_decode else Decoder(ex, model, args.decode_context,
-                                                  args.decode_steps, args.device)
+    decoder = None  # (the eager decoder, the graph-replayed one: None on the CPU)
+    if not args.no_decode:
+        eager = Decoder(ex, model, args.decode_context, args.decode_steps, args.device)
+        decoder = (eager, GraphDecoder(ex, model, eager) if args.device.type == "cuda" else None)
     too_big = None
     for n in args.tokens:
         key = str(n)
