@@ -94,7 +94,8 @@ from gdskv.config import TierConfig
 
 FULL_TOKENS = (1024, 2048, 8192, 32768, 65536, 131072)
 QUICK_TOKENS = (2048, 8192)
-#: prompts longer than this are timed once (each sample of a 128k prefill takes seconds)
+#: prompts longer than this are prefilled once, and their paths that prefill once a sample
+#: (each sample of a 128k prefill takes seconds); ``restore_graph`` takes --repeat samples
 REPEAT_UP_TO = 32768
 #: the restore paths, in the order they run (the prefill always runs: every path is checked
 #: against its KV and its TTFT is every speedup's base)
@@ -536,7 +537,7 @@ def restore_graph_path(run: Run, pc, store: str) -> dict:
     first = forwards[run.args.suffix_attention[0]]
     run_suffix = first.replay if first.graph is not None else first.eager
     samples, logits, tokens, raw = [], None, 0, []
-    for _ in range(run.repeats):
+    for _ in range(run.args.repeat):  # (every N: a sample costs a restore and a replay)
         # raw kvikio's read of the same extents just before each restore: the ratio then
         # compares reads made in the same state of the machine (its reads drift within a call)
         raw.append(raw_kvikio(pc.tier, run.keys[:pages], run.args) if dev.type == "cuda"
@@ -1001,7 +1002,8 @@ def parse_args(argv):
                     help="the example's 2-layer model (for the CPU) instead of Llama-3-8B's shape")
     ap.add_argument("--page-size", type=int, default=16, help="tokens a page (default 16)")
     ap.add_argument("--repeat", type=int, default=3,
-                    help=f"samples a measurement, median reported (N > {REPEAT_UP_TO}: one)")
+                    help=f"samples a measurement, median reported (N > {REPEAT_UP_TO}: one, but "
+                         "for restore_graph)")
     ap.add_argument("--decode-context", type=int, default=None,
                     help="the decoding request's cache (default 2048; --tiny 32)")
     ap.add_argument("--decode-steps", type=int, default=None,
