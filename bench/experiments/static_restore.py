@@ -29,7 +29,7 @@ storage). Medians; every sample is in the JSON.
 ``--profile K`` adds a cProfile of one more restore, ``--timeline`` its steps stamped (each
 chunk's submit, wait and scatter launch; the call's end). Needs CUDA and kvikio (``--device
 cpu`` tries the script on the posix backend, no raw).
-Results it produced: ``h100-2026-11-27/ttft-restore/`` (its README maps the calls), bench/RESULTS.md
+Results it produced: ``h100-2026-11-27/ttft-restore/``, ``h100-2026-11-27/ttft-final/`` (their READMEs map the calls), bench/RESULTS.md
 "Time to first token".
 """
 

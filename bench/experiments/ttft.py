@@ -57,8 +57,9 @@ same ``StaticCache`` holding the prefill's own KV. Exit status 1 if a check fail
 other than by running out of GPU memory (recorded, and the next N tried).
 
 Results it produced: ``h100-2026-11-27/ttft/`` (the H100 run of issue 49),
-``h100-2026-11-27/ttft-graph/`` (the graph path) and ``h100-2026-11-27/ttft-restore/`` (the
-suffix's attention, the warm restore); docs/ttft.md reads them.
+``h100-2026-11-27/ttft-graph/`` (the graph path), ``h100-2026-11-27/ttft-restore/`` (the
+suffix's attention, the warm restore) and ``h100-2026-11-27/ttft-final/`` (the final runs, the
+graph-replayed decode); docs/ttft.md reads them.
 
     python bench/experiments/ttft.py --dirs /dev/shm/gdskv,/var/tmp/gdskv \\
         --json ttft.json --plot ttft.png    # minutes: split --tokens over calls if time is short
