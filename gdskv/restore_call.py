@@ -1,9 +1,11 @@
 """One restore (``Tier.get`` / ``get_pages``): pages from the slab store back to the engine.
 
-Pin READY pages -> per chunk: take a staging part, ``backend.start("read")`` into it -> once
-the read has ended: verify checksums -> scatter into the engine's slots, and give the part
-back (with an event its next user waits for) -> unpin. While one chunk is verified and
-scattered the next is read. Where the GPU decides (:mod:`.gpu_verdicts`), each chunk is
+Pin READY pages (a long restore: those its free staging parts read first, the rest once
+their reads are under way) -> per chunk: take a staging part, ``backend.start("read")`` into
+it -> once the read has ended: verify checksums -> scatter into the engine's slots, and give
+the part back (with an event its next user waits for) -> unpin (the chunks finished by the
+time the last read starts, before the call waits for the last ones). While one chunk is
+verified and scattered the next is read. Where the GPU decides (:mod:`.gpu_verdicts`), each chunk is
 verified and scattered in one launch and the hits are counted after the call's sync. Pages
 given as host regions that can move in place (:mod:`.host_pages`) are read straight into the
 caller's memory and verified there.
@@ -70,7 +72,7 @@ class RestoreCall:
         self.synced_parts: list[int] = []
         self.gpu: torch.cuda.Stream | None = None  # the call's stream, once entered
         self.in_place = isinstance(drain, InPlacePages)
-        #: the call's first pages (in read order) this many are unpinned (see _unpin)
+        #: how many of the call's pages, in read order, are unpinned already (see _unpin)
         self.unpinned = 0
         #: the call's position of each page, in read order (made by _prepare)
         self.order: list[int] = []

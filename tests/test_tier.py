@@ -578,6 +578,51 @@ def test_a_long_restore_pins_the_rest_once_its_first_reads_are_under_way(make_co
     assert started[:depth] == [1] * depth and started[depth:] and set(started[depth:]) == {2}
 
 
+def test_a_page_replaced_before_the_rest_is_pinned_is_a_miss(make_config, device, monkeypatch):
+    # Between the first parts' pins and the rest's, another caller evicts a page of the rest
+    # and a new page takes its slot (as another caller's put reserves and commits it; done on
+    # the directory here, as a put from inside the restore would wait for its staging parts):
+    # the restore answers miss for the old key and writes nothing of that slot into the pool;
+    # the other pages are bit-exact.
+    layout = LAYOUTS["mha-bf16-p16"]
+    pages, depth = 12, 2
+    pool = random_pool(layout, pages * 16, device=device)
+    # a full store that never evicts: the new page can only take the slot the victim frees
+    cfg = make_config(staging_size=2 * depth * layout.slot_bytes, pipeline_depth=depth,
+                      capacity=pages * layout.slot_bytes + 2 * (64 << 10), eviction="none")
+    keys = [f"p{i}" for i in range(pages)]
+    slots = torch.arange(pages * 16, device=device)
+    with Tier(layout, cfg, device=device) as tier:
+        assert tier.put(keys, pool, slots) == [True] * pages
+        for i in range(tier.store.num_slots - pages):  # (slots the store's rounding adds)
+            assert tier.put([f"filler{i}"], pool, slots[:16]) == [True]
+        assert tier.put(["one too many"], pool, slots[:16]) == [False]
+        victim = pages - 1  # in the rest (the head is 2 parts x 2 pages)
+        directory = tier.directory
+        pin_for_read = directory.pin_for_read
+        replaced = []
+
+        def replacing(part, first=0):
+            if first and not replaced:  # the rest: replace the victim first
+                slot = directory._index[keys[victim]]
+                assert tier.evict([keys[victim]]) == 1
+                taken = directory.reserve(["newcomer"]).slots
+                assert taken == [slot]  # (the store is full: only the freed slot is left)
+                directory.commit(taken, [12345])
+                replaced.append(slot)
+            return pin_for_read(part, first)
+        monkeypatch.setattr(directory, "pin_for_read", replacing)
+        target = empty_like_pool(pool)
+        got = tier.get(keys, target, slots)
+    assert replaced, "the restore pinned all its pages at once"
+    assert got == [i != victim for i in range(pages)]
+    kept = slots[:victim * 16]
+    assert_same_rows(pool, kept, target, kept)
+    # the victim's rows were not written with the newcomer's (or any) bytes
+    assert all(torch.count_nonzero(p[..., victim * 16:, :, :] if p.dim() == 4 else
+                                   p[victim * 16:]) == 0 for p in target)
+
+
 def test_calls_leave_no_reference_cycles(make_config, device):
     # Garbage only the cycle collector can free fills its youngest generation: with ~40 such
     # objects per call it ran every ~16 small calls, a pause in their tail latency.
