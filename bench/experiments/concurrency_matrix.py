@@ -415,6 +415,12 @@ def write_json(path: str, result: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.tree = args.tree or [("this", REPO)]
+    labels = {label for label, _ in args.tree}
+    for text in args.tree_env:  # a setting for no tree would silently measure nothing
+        if text.partition(":")[0] not in labels:
+            raise SystemExit(f"--tree-env {text!r}: no --tree is labelled "
+                             f"{text.partition(':')[0]!r} (trees: {', '.join(sorted(labels))}); "
+                             "name the same tree twice, e.g. --tree a=. --tree b=.")
     for label, tree in args.tree:
         if not os.path.isfile(os.path.join(tree, "bench", "cli.py")):
             raise SystemExit(f"--tree {label}={tree}: not a gdskv source tree (no bench/cli.py)")
