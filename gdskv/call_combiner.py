@@ -20,14 +20,6 @@ one batch at a time (the calls already running alone finish meanwhile): a few th
 (up to ``running``) overlap their I/O as they always did, and many threads' calls are combined
 instead of contending (``bench/results/h100-2026-11-27/combine/``).
 
-A group with more callers in flight than ``running`` is *crowded*, and stays so for
-``CROWDED_WINDOW_S`` after the last such arrival: then only ``crowded_running`` calls run
-alone at once (default 1). Between two batches of a crowded group, the callers the last batch
-woke call again at once; letting ``running`` of them run alone would put that many fixed costs
-back in contention for the lock. Four threads never crowd a group of ``running`` = 4, and keep
-their calls' I/O overlapping; sixteen do, and run as ``running`` = 1 did, which combined more
-and was measured faster at that count (``bench/results/h100-2026-11-27/combine/``).
-
 Calls of different *groups* never wait for each other: a spill and a restore (SGLang backs up
 and prefetches from two threads), or calls on two pools, run side by side as before. Within a
 group (the same operation on the same KV pool, or on host regions) calls combine only with
@@ -46,9 +38,6 @@ from typing import Any
 #: the most pages one combined call takes (more wait for the next): a batch is one call's
 #: latency for every caller in it
 MAX_BATCH_PAGES = 256
-#: how long a group stays crowded after a caller found more than ``running`` callers in flight
-#: (longer than a batch, so one batch's callers calling again find it still crowded)
-CROWDED_WINDOW_S = 0.01
 
 
 @dataclasses.dataclass(eq=False)
@@ -105,24 +94,17 @@ class CallCombiner:
             over (0: it hands over at once).
         running: calls or batches of one group that run at once (their I/O overlaps); more
             wait and combine.
-        crowded_running: the same, while the group is crowded (more than ``running`` callers
-            in flight lately; at most ``running``).
     """
 
     def __init__(self, run_batch: Callable[[list[CallRequest]], None],
                  max_batch_pages: int = MAX_BATCH_PAGES, rounds: int = 0,
-                 running: int = 1, crowded_running: int | None = None) -> None:
+                 running: int = 1) -> None:
         self._run_batch = run_batch
         self._max_pages = max_batch_pages
         self.running = running
-        self.crowded_running = running if crowded_running is None \
-            else min(crowded_running, running)
         self.rounds = rounds
         self._lock = threading.Lock()
         self._groups: dict[Hashable, _Group] = {}  # groups with calls running or waiting
-        # per group: callers in flight now, and until when it counts as crowded
-        self._callers: dict[Hashable, int] = {}
-        self._crowded_until: dict[Hashable, float] = {}
         #: batches of more than one call run, and the calls they served
         self.batches = 0
         self.batched_calls = 0
@@ -133,55 +115,24 @@ class CallCombiner:
         calls of its ``group`` run); ``prepare()`` makes its request of that group, to be
         combined (this one waits). What either raises, the caller gets; so does what the batch
         runner sets as the request's error."""
-        now = time.monotonic()
         with self._lock:
-            callers = self._callers[group] = self._callers.get(group, 0) + 1
-            if callers > self.running:
-                self._crowded_until[group] = now + CROWDED_WINDOW_S
             g = self._groups.get(group)
             if g is None:
                 g = self._groups[group] = _Group()
-            lead = g.free(self._limit(group, now))
+            lead = g.free(self.running)
             if lead:
                 g.active += 1
-        try:
-            if lead:
-                try:
-                    return alone()
-                finally:
-                    self._drain(group, False)
-            return self._combined(group, prepare)
-        finally:
-            with self._lock:
-                left = self._callers[group] - 1
-                if left:
-                    self._callers[group] = left
-                else:
-                    del self._callers[group]
-
-    def crowded(self, group: Hashable) -> bool:
-        """Whether ``group`` had more than ``running`` callers in flight lately."""
-        with self._lock:
-            return time.monotonic() < self._crowded_until.get(group, 0.0)
-
-    def _limit(self, group: Hashable, now: float) -> int:
-        """Calls of ``group`` that may run alone at once now (under the lock)."""
-        until = self._crowded_until.get(group)
-        if until is None:
-            return self.running
-        if now < until:
-            return self.crowded_running
-        del self._crowded_until[group]
-        return self.running
-
-    def _combined(self, group: Hashable, prepare: Callable[[], CallRequest]) -> list:
-        """The call's results when it could not run alone on arrival (see :meth:`call`)."""
+        if lead:
+            try:
+                return alone()
+            finally:
+                self._drain(group, False)
         request = prepare()
         with self._lock:
             g = self._groups.get(group)
             if g is None:
                 g = self._groups[group] = _Group()
-            queued = not g.free(self._limit(group, time.monotonic()))
+            queued = not g.free(self.running)
             if queued:
                 g.queue.append(request)
             else:  # a running call ended while this one prepared: run it now, as alone

@@ -193,10 +193,6 @@ class TierConfig:
     #: most (the least host work a page); 4 lets a few threads' calls overlap their I/O
     #: (large pages, a disk) as they did before combining
     calls_at_once: int = 4
-    #: with ``combine_calls``: the same while a kind is crowded (more than ``calls_at_once``
-    #: callers in flight within the last 10 ms; at most ``calls_at_once``). 1: many threads'
-    #: calls combine instead of running side by side between batches
-    crowded_calls_at_once: int = 1
     direct_io: DirectIO = DirectIO.AUTO
     eviction: Eviction = Eviction.LRU
     sync: SyncPolicy = SyncPolicy.DATA
@@ -266,10 +262,9 @@ class TierConfig:
         # JSON (an engine's extra config) or the environment (text).
         for f in dataclasses.fields(self):
             object.__setattr__(self, f.name, _coerce(f, getattr(self, f.name)))
-        for name in ("calls_at_once", "crowded_calls_at_once"):
-            if not 1 <= getattr(self, name) <= 64:
-                raise ConfigError(f"{name}: must be an integer in 1..64, got "
-                                  f"{getattr(self, name)!r}")
+        if not 1 <= self.calls_at_once <= 64:
+            raise ConfigError(f"calls_at_once: must be an integer in 1..64, got "
+                              f"{self.calls_at_once!r}")
         if not 2 <= self.pipeline_depth <= 64:
             raise ConfigError(f"pipeline_depth: must be an integer in 2..64, got "
                               f"{self.pipeline_depth!r}")
@@ -404,8 +399,6 @@ FIELD_DOCS: dict[str, str] = {
     "io_on_caller": "a one-chunk call whose I/O is one pool task moves it on the calling thread",
     "combine_calls": "data calls arriving while another of their kind runs wait, run as one",
     "calls_at_once": "calls of one kind that run at once before more wait to be combined",
-    "crowded_calls_at_once": "the same while more than calls_at_once callers of the kind were "
-                             "in flight in the last 10 ms (at most calls_at_once)",
     "direct_io": "auto (O_DIRECT where accepted, else buffered and said so), on or off",
     "eviction": "lru, or none (a put that does not fit fails those pages)",
     "sync": "data (fdatasync before a page is READY) or none",

@@ -215,9 +215,8 @@ class Tier:
             self._pools = PoolCache(layout)
             # data calls arriving while others of their kind run wait and are combined into one
             # call (:mod:`.call_combiner`)
-            self._combiner = CallCombiner(
-                self._run_batch, running=self.config.calls_at_once,
-                crowded_running=self.config.crowded_calls_at_once) \
+            self._combiner = CallCombiner(self._run_batch,
+                                          running=self.config.calls_at_once) \
                 if self.config.combine_calls else None
         except BaseException:
             self._release()

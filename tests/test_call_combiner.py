@@ -9,7 +9,6 @@ import threading
 import pytest
 import torch
 
-from gdskv import call_combiner
 from gdskv.call_combiner import CallCombiner, CallRequest
 from gdskv.tier import Tier
 from reliability_helpers import (LAYOUT, SLOT, hold_first_io, run_in_threads, small_config,
@@ -316,83 +315,3 @@ def test_once_calls_wait_a_group_runs_one_batch_at_a_time():
     assert results == {n: [n] for n in ("x", "y", "z", "a", "b")}
     assert sorted(ran_alone) == ["x", "y", "z"] and batches == [["a"], ["b"]]
     assert c._groups == {}
-
-
-def _crowding(running: int, crowded_running: int):
-    """A combiner whose calls alone each block on their own event (``gates``), recording who
-    ran alone (``ran``) and the batches; ``start(name)`` calls it on a thread."""
-    gates: dict[str, threading.Event] = {}
-    ran: list = []
-    batches: list = []
-    results: dict = {}
-
-    def alone(name):
-        def run():
-            ran.append(name)
-            gates.setdefault(name, threading.Event()).wait(10)
-            return [name]
-        return run
-
-    def run_batch(batch):
-        batches.append([r.payload for r in batch])
-        for r in batch:
-            r.result = [r.payload]
-
-    c = CallCombiner(run_batch, running=running, crowded_running=crowded_running)
-
-    def start(name):
-        gates.setdefault(name, threading.Event())
-        t = threading.Thread(target=lambda: results.__setitem__(name, c.call(
-            "g", alone(name), lambda: CallRequest("g", [name], name))))
-        t.start()
-        return t
-    return c, gates, ran, batches, results, start
-
-
-def test_a_crowded_group_runs_fewer_calls_alone(monkeypatch):
-    """``running=2, crowded_running=1``: two callers in flight do not crowd the group; a third
-    does, and while it stays crowded a second call waits behind one running alone, though
-    fewer than ``running`` run."""
-    monkeypatch.setattr(call_combiner, "CROWDED_WINDOW_S", 60.0)
-    c, gates, ran, batches, results, start = _crowding(2, 1)
-    threads = [start("x"), start("y")]
-    wait_for(lambda: len(ran) == 2, 10, "two calls to run alone")
-    assert not c.crowded("g")
-    threads.append(start("a"))  # a third caller in flight: crowded, and a waits
-    wait_for(lambda: c.waiting() == 1, 10, "a to wait")
-    assert c.crowded("g")
-    gates["x"].set()
-    gates["y"].set()
-    wait_for(lambda: batches == [["a"]] and c._groups == {}, 10, "a's batch and the end")
-    threads.append(start("p"))  # still crowded: p runs alone, q waits though 1 < running
-    wait_for(lambda: "p" in ran, 10, "p to run alone")
-    threads.append(start("q"))
-    wait_for(lambda: c.waiting() == 1, 10, "q to wait")
-    gates["p"].set()
-    for t in threads:
-        t.join(10)
-    assert results == {n: [n] for n in ("x", "y", "a", "p", "q")}
-    assert sorted(ran[:2]) == ["x", "y"] and ran[2:] == ["p"]
-    assert batches == [["a"], ["q"]] and c._groups == {} and c._callers == {}
-
-
-def test_a_group_is_crowded_only_for_the_window(monkeypatch):
-    """Once the window since the last crowding arrival has passed, ``running`` calls run alone
-    at once again."""
-    monkeypatch.setattr(call_combiner, "CROWDED_WINDOW_S", 0.0)
-    c, gates, ran, batches, results, start = _crowding(2, 1)
-    threads = [start("x"), start("y")]
-    wait_for(lambda: len(ran) == 2, 10, "two calls to run alone")
-    threads.append(start("a"))  # crowds the group, for no time at all
-    wait_for(lambda: c.waiting() == 1, 10, "a to wait")
-    gates["x"].set()
-    gates["y"].set()
-    wait_for(lambda: batches == [["a"]] and c._groups == {}, 10, "a's batch and the end")
-    threads += [start("p"), start("q")]  # both run alone, side by side
-    wait_for(lambda: sorted(ran[2:]) == ["p", "q"], 10, "p and q to run alone together")
-    assert not c.crowded("g") and c.waiting() == 0
-    gates["p"].set()
-    gates["q"].set()
-    for t in threads:
-        t.join(10)
-    assert batches == [["a"]] and c._groups == {} and c._callers == {}
