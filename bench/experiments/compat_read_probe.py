@@ -11,7 +11,12 @@ each compares reads made in the same state of the machine:
   a piece into one buffer while the other's host-to-device copy runs on its own stream (the
   copy of the last piece waited for only before that buffer is refilled);
 - ``h2d``: one pinned buffer of the whole size copied to the GPU (the copy engine's ceiling;
-  no file read).
+  no file read);
+- ``mapped`` (``--mapped``, a file on a RAM-backed file system): the file mapped
+  (``MAP_SHARED``) and registered with CUDA once (``cudaHostRegister``, timed apart as
+  ``register_ms``), then each read one copy from the mapping: the copy engine reads the file's
+  own pages, no bounce copy. Before each copy a few bytes are rewritten through ``pwrite``, so
+  the check also shows a write through the file is what the mapping's copy reads.
 
 Usage: python bench/experiments/compat_read_probe.py --dir /dev/shm --gib 4 --rounds 3
 Prints a line per way (median of the rounds); ``--json`` writes every sample.
@@ -107,6 +112,40 @@ class Pipe:
         return s
 
 
+class Mapped:
+    """The file mapped and registered with CUDA (page-locked where it lies)."""
+
+    def __init__(self, path: str, nbytes: int) -> None:
+        import ctypes
+        import mmap
+        self.fd = os.open(path, os.O_RDWR)
+        self.map = mmap.mmap(self.fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        self.address = ctypes.addressof(ctypes.c_char.from_buffer(self.map))
+        self.host = torch.frombuffer(self.map, dtype=torch.uint8)
+        t0 = time.perf_counter()
+        err = torch.cuda.cudart().cudaHostRegister(self.address, nbytes, 0)
+        self.register_ms = (time.perf_counter() - t0) * 1e3
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister of the mapping failed: {err}")
+
+    def read(self, gpu: torch.Tensor, reference: torch.Tensor, step: int) -> float:
+        # a write through the file first: the copy below must see it (the same page cache)
+        stamp = bytes([step % 251] * 64)
+        os.pwrite(self.fd, stamp, 4096 * step)
+        reference[4096 * step:4096 * step + 64] = step % 251
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        gpu.copy_(self.host, non_blocking=True)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        torch.cuda.cudart().cudaHostUnregister(self.address)
+        del self.host
+        self.map.close()
+        os.close(self.fd)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dir", default="/dev/shm")
@@ -119,6 +158,8 @@ def main(argv=None) -> int:
     p.add_argument("--kvikio-bounce", type=int, default=16384,
                    help="KiB, the same for every way: a new size reallocates kvikio's pinned "
                         "bounce buffers, which would be timed")
+    p.add_argument("--mapped", action="store_true",
+                   help="also the file mapped and registered with CUDA (RAM-backed files)")
     p.add_argument("--json")
     args = p.parse_args(argv)
     import kvikio.defaults
@@ -132,6 +173,7 @@ def main(argv=None) -> int:
         with open(path, "rb") as f:  # what every path must read
             f.readinto(memoryview(reference.numpy()))
         expected = reference.to(device)
+        mapped = Mapped(path, nbytes) if args.mapped else None
         ways = {}
         for kthreads in args.kvikio_threads:
             for task in args.kvikio_task:
@@ -154,6 +196,14 @@ def main(argv=None) -> int:
             torch.cuda.synchronize()
             return time.perf_counter() - t0
         ways["h2d only (pinned, no file)"] = h2d
+        if mapped is not None:
+            steps = iter(range(1, 1 << 20))
+
+            def from_mapping():
+                s = mapped.read(gpu, reference, next(steps))
+                expected.copy_(reference)  # (the stamp written through the file)
+                return s
+            ways["mapped + registered (one copy from the file's pages)"] = from_mapping
         seconds: dict[str, list[float]] = {name: [] for name in ways}
         exact: dict[str, bool] = {}
         for _ in range(args.rounds):
@@ -162,14 +212,19 @@ def main(argv=None) -> int:
                 seconds[name].append(way())
                 exact[name] = bool(torch.equal(gpu, expected))
         result = {"gpu": torch.cuda.get_device_name(device), "dir": args.dir, "bytes": nbytes,
+                  "register_ms": mapped.register_ms if mapped is not None else None,
                   "compat_mode": bool(kvikio.defaults.is_compat_mode_preferred()),
                   "rounds": args.rounds, "ways": {
                       name: {"median_ms": statistics.median(s) * 1e3,
                              "gbps": nbytes / statistics.median(s) / 1e9,
                              "samples_ms": [round(x * 1e3, 2) for x in s],
                              "bit_exact": exact[name]} for name, s in seconds.items()}}
+        if mapped is not None:
+            mapped.close()
     finally:
         os.unlink(path)
+    if mapped is not None:
+        print(f"cudaHostRegister of the {nbytes >> 20} MiB mapping: {mapped.register_ms:.1f} ms")
     for name, way in result["ways"].items():
         print(f"{nbytes >> 20} MiB  {name:52s} {way['median_ms']:8.1f} ms {way['gbps']:5.1f} GB/s"
               f"  bit-exact {way['bit_exact']}")

@@ -31,7 +31,6 @@ I/O needs CUDA.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import logging
 import os
@@ -44,6 +43,9 @@ from ..config import TierConfig
 from ..log_once import LogOnce
 from .base import (MIN_PIECE_BYTES, Backend, CompletedIO, CompletionPoller, Extent, IOOutcome,
                    ShortIOError, SlabFile, WaitingFuture, split_extents)
+from .cuda_driver import libcuda, make_context_current
+from .memory_files import MemoryFiles
+from .memory_files import why_not as why_not_mapped
 
 log = logging.getLogger("gdskv.kvikio")
 
@@ -115,7 +117,7 @@ class KvikioBackend(Backend):
         # kvikio opens files and reads its settings without CUDA, but every pread/pwrite
         # (compat mode and host buffers included) loads the CUDA driver first.
         try:
-            _libcuda()
+            libcuda()
         except OSError as exc:
             return f"kvikio needs the CUDA driver (libcuda.so.1) for every read and write: {exc}"
         return None
@@ -135,6 +137,9 @@ class KvikioBackend(Backend):
             self._nvidia_fs = None
             log.debug("cufile_driver query failed: %s", exc)
         self._chunk = config.io_chunk_size
+        self._map_memory_files = config.map_memory_files
+        self._memory: MemoryFiles | None = None  # slab files in memory, read from their pages
+        self._memory_off = "the store is not attached yet"
         self._poller = CompletionPoller(config.io_poll_us)
         self._files: list = []
         self._registered: dict[tuple[int, int], torch.Tensor] = {}
@@ -165,7 +170,9 @@ class KvikioBackend(Backend):
                 "io_poll_us": self._poller.budget_us,
                 "settings": {k: {"value": v, "set_by": who}
                              for k, (v, who) in self._settings.items()},
-                "kvikio_version": getattr(_kvikio(), "__version__", "?")}
+                "kvikio_version": getattr(_kvikio(), "__version__", "?"),
+                "memory_files": self._memory.describe() if self._memory is not None
+                else {"state": f"off: {self._memory_off}"}}
 
     def attach(self, files: Sequence[SlabFile]) -> None:
         kvikio = _kvikio()
@@ -181,6 +188,12 @@ class KvikioBackend(Backend):
         # store's fds stay for fdatasync.
         self._files = [kvikio.CuFile(f.path, "r+") for f in files]
         self._paths = [f.path for f in files]
+        why = why_not_mapped(files, self._device) if self._map_memory_files \
+            else "map_memory_files=false"
+        if why is None:
+            self._memory = MemoryFiles(files, self._device)
+        else:
+            self._memory_off = why
 
     def direct_io(self) -> tuple[bool, str] | None:
         """Whether kvikio reads and writes the slab files with O_DIRECT, and why: its file
@@ -242,6 +255,11 @@ class KvikioBackend(Backend):
         the pool. (Several extents: a few pages of a combined call, :mod:`gdskv.call_combiner`.)"""
         if self._closed or buffer is None or not extents:
             return None
+        if op == "read" and self._memory is not None:
+            copied = self._memory.read(buffer, extents)
+            if copied is not None:  # a copy from the files' pages: waited for here
+                copied[0].synchronize()
+                return CompletedIO(copied[1])
         total = 0
         for e in extents:
             if e.memory:
@@ -279,7 +297,7 @@ class KvikioBackend(Backend):
         elif getattr(self._thread, "context", None) == index:
             return True
         try:
-            _make_context_current(index)
+            make_context_current(index)
         except OSError as exc:
             if not self._context_failed:
                 self._context_failed = True
@@ -296,6 +314,10 @@ class KvikioBackend(Backend):
         target = None
         if buffer is not None:
             target = self._target(buffer)
+        if op == "pread" and buffer is not None and self._memory is not None:
+            copied = self._memory.read(buffer, extents)
+            if copied is not None:  # a copy from the files' pages (memory_files)
+                return WaitingFuture(functools.partial(_copied, *copied, buffer))
         started = []
         outcome = IOOutcome()
         # One kvikio call per extent (at most a stripe unit: io_chunk_size), or per buffer of
@@ -330,6 +352,9 @@ class KvikioBackend(Backend):
 
     def close(self) -> None:
         self._closed = True
+        if self._memory is not None:
+            self._memory.close()
+            self._memory = None
         if self._registered:
             import kvikio.buffer
             for buf in self._registered.values():
@@ -344,29 +369,11 @@ class KvikioBackend(Backend):
         self._files = []
 
 
-@functools.cache
-def _libcuda() -> ctypes.CDLL:
-    return ctypes.CDLL("libcuda.so.1")
-
-
-@functools.cache
-def _primary_context(ordinal: int) -> ctypes.c_void_p:
-    """The device's primary context (retained once per process: the CUDA runtime, torch's,
-    uses the same one and keeps it for the process's life)."""
-    cuda, dev, ctx = _libcuda(), ctypes.c_int(), ctypes.c_void_p()
-    _check(cuda.cuInit(0), "cuInit")
-    _check(cuda.cuDeviceGet(ctypes.byref(dev), ordinal), "cuDeviceGet")
-    _check(cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
-    return ctx
-
-
-def _make_context_current(ordinal: int) -> None:
-    _check(_libcuda().cuCtxSetCurrent(_primary_context(ordinal)), "cuCtxSetCurrent")
-
-
-def _check(status: int, call: str) -> None:
-    if status != 0:
-        raise OSError(f"{call} failed with CUresult {status}")
+def _copied(done: torch.cuda.Event, outcome: IOOutcome, buffer: torch.Tensor) -> IOOutcome:
+    """A read's outcome once its copies from the files' pages have ended (``buffer``: held
+    until then)."""
+    done.synchronize()
+    return outcome
 
 
 class DeviceBytes:
