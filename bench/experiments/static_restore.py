@@ -215,12 +215,14 @@ def one_n(ex, config, n: int, args, device) -> dict:
         out["backend"] = {k: pc.tier.stats()[k] for k in ("backend", "gpu_direct")}
     for label, settings in [("default", {})] + args.variant + [("default_again", {})]:
         with prefix_cache(settings) as pc:
+            memory_files = ttft.memory_files_ready(pc.tier)  # (a store in /dev/shm: mapped)
             pc.restore_static(keys, cache)  # warm: the first whole restore (kernels, graphs)
             raws = []
             r = restore_samples(pc, keys, cache, args.repeat, device, args,
                                 before=(lambda: raws.append(ttft.raw_kvikio(pc.tier, keys, args)))
                                 if label == "default" else None)
             r["settings"] = settings
+            r["memory_files"] = memory_files
             r["bit_exact_kv"] = all(
                 torch.equal(layer.keys[..., :tokens, :], k[..., :tokens, :]) and
                 torch.equal(layer.values[..., :tokens, :], v[..., :tokens, :])
@@ -284,6 +286,7 @@ def main() -> int:
             print(f"  {label:14s} restore {r['restore_ms']:7.2f} ms  io {r['io_ms']:7.2f} ms "
                   f"({r['gbps']:5.1f} GB/s, {r['io_vs_raw'] or 0:.2f}x raw)  "
                   f"{'exact' if r['bit_exact_kv'] else 'NOT EXACT'}  "
+                  f"[files in memory: {r['memory_files']['state']}]  "
                   + " ".join(f"{s['io_ms']:.2f}" for s in r["samples"]))
         if "timeline" in run:
             st = run["timeline"]["stamps"]

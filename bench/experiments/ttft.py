@@ -211,6 +211,21 @@ def tier_config(args, store: str, slot_bytes: int, pages: int) -> TierConfig:
     return base.replace(capacity=pages * slot_bytes + extra)
 
 
+def memory_files_ready(tier, timeout: float = 300.0) -> dict:
+    """Wait until a store held in memory has its slab files registered for GPU copies (done
+    once, on a thread of its own, when the store opens: ``gdskv.backends.memory_files``), so
+    that the timed reads are the open tier's steady state; the backend's record of it (with
+    ``register_seconds``)."""
+    detail = tier.stats()["backend_detail"].get("memory_files")
+    if detail is None:
+        return {"state": f"not applicable ({tier.stats()['backend']} backend)"}
+    deadline = time.monotonic() + timeout
+    while detail["state"] == "registering" and time.monotonic() < deadline:
+        time.sleep(0.01)
+        detail = tier.stats()["backend_detail"]["memory_files"]
+    return detail
+
+
 def backend_choice(device: torch.device) -> tuple[str, str]:
     if device.type != "cuda":
         return "posix", "CPU run: kvikio needs a CUDA device"
@@ -813,6 +828,7 @@ def run_medium(run: Run, args, base: str, decoder: Decoder | None) -> dict:
             stats = pc.tier.stats()
             out["backend"] = {k: stats[k] for k in ("backend", "gpu_direct", "o_direct",
                                                     "o_direct_reason", "backend_detail")}
+            out["memory_files"] = memory_files_ready(pc.tier)
             out["spill"] = spill(run, pc)
             # the first read of the freshly written pages, by raw kvikio: on /dev/shm it takes
             # longer than any later read, for raw and gdskv alike (RESULTS.md, "Whole-page
