@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from gdskv.backends.memory_files import wait_registered
 from gdskv.config import SyncPolicy, TierConfig
 from gdskv.layout import ALIGNMENT, KVLayout
 from gdskv.memory import alloc_host
@@ -174,6 +175,9 @@ class GdskvEngine(Engine):
         self.src = [parts] * s.threads
         self.dst = [[torch.zeros_like(p) for p in parts] if s.verify else parts] * s.threads
         self.tier = Tier(lay, s.config, device=s.device)
+        # a store held in memory registers its files for GPU copies once, on its own thread
+        # (gdskv.backends.memory_files): the timed phase is the open tier's steady state
+        self.memory_files = wait_registered(self.tier)
         self._local = threading.local()
         # Token slots of every page, made once: an engine hands the tier indices it already
         # has, so building them is not part of a timed call. Thread t's pages are rows

@@ -45,6 +45,8 @@ import time
 
 import torch
 
+from gdskv.backends.memory_files import wait_registered
+
 import ttft  # its tier config, raw read, timing, token parsing and the example
 
 
@@ -215,7 +217,7 @@ def one_n(ex, config, n: int, args, device) -> dict:
         out["backend"] = {k: pc.tier.stats()[k] for k in ("backend", "gpu_direct")}
     for label, settings in [("default", {})] + args.variant + [("default_again", {})]:
         with prefix_cache(settings) as pc:
-            memory_files = ttft.memory_files_ready(pc.tier)  # (a store in /dev/shm: mapped)
+            memory_files = wait_registered(pc.tier)  # (a store in /dev/shm: mapped)
             pc.restore_static(keys, cache)  # warm: the first whole restore (kernels, graphs)
             raws = []
             r = restore_samples(pc, keys, cache, args.repeat, device, args,

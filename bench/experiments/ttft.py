@@ -90,6 +90,7 @@ import traceback
 import torch
 
 from experiment_helpers import REPO
+from gdskv.backends.memory_files import wait_registered
 from gdskv.bench.cache import drop_page_cache, fs_type
 from gdskv.config import TierConfig
 
@@ -209,21 +210,6 @@ def tier_config(args, store: str, slot_bytes: int, pages: int) -> TierConfig:
     stripe = max(1, base.io_chunk_size // slot_bytes) * slot_bytes
     extra = 2 * base.files_per_dir * len(base.directories) * stripe
     return base.replace(capacity=pages * slot_bytes + extra)
-
-
-def memory_files_ready(tier, timeout: float = 300.0) -> dict:
-    """Wait until a store held in memory has its slab files registered for GPU copies (done
-    once, on a thread of its own, when the store opens: ``gdskv.backends.memory_files``), so
-    that the timed reads are the open tier's steady state; the backend's record of it (with
-    ``register_seconds``)."""
-    detail = tier.stats()["backend_detail"].get("memory_files")
-    if detail is None:
-        return {"state": f"not applicable ({tier.stats()['backend']} backend)"}
-    deadline = time.monotonic() + timeout
-    while detail["state"] == "registering" and time.monotonic() < deadline:
-        time.sleep(0.01)
-        detail = tier.stats()["backend_detail"]["memory_files"]
-    return detail
 
 
 def backend_choice(device: torch.device) -> tuple[str, str]:
@@ -828,7 +814,7 @@ def run_medium(run: Run, args, base: str, decoder: Decoder | None) -> dict:
             stats = pc.tier.stats()
             out["backend"] = {k: stats[k] for k in ("backend", "gpu_direct", "o_direct",
                                                     "o_direct_reason", "backend_detail")}
-            out["memory_files"] = memory_files_ready(pc.tier)
+            out["memory_files"] = wait_registered(pc.tier)
             out["spill"] = spill(run, pc)
             # the first read of the freshly written pages, by raw kvikio: on /dev/shm it takes
             # longer than any later read, for raw and gdskv alike (RESULTS.md, "Whole-page

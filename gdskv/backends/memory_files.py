@@ -177,3 +177,19 @@ class MemoryFiles:
             except BufferError:  # a view is still alive somewhere: unmapped when it goes
                 pass
             self._maps[i] = None
+
+
+def wait_registered(tier, timeout: float = 300.0) -> dict:
+    """Wait until ``tier``'s slab files held in memory are registered (or failed, or off), for
+    a benchmark that times the open tier's steady state; the backend's record of them, with
+    ``register_seconds``."""
+    def detail():
+        return tier.stats()["backend_detail"].get("memory_files")
+    got = detail()
+    if got is None:
+        return {"state": f"not applicable ({tier.stats()['backend']} backend)"}
+    deadline = time.monotonic() + timeout
+    while got["state"] == "registering" and time.monotonic() < deadline:
+        time.sleep(0.01)
+        got = detail()
+    return got
