@@ -34,7 +34,10 @@ def _slab(path: str, size: int) -> SlabFile:
 @NEEDS_SHM
 def test_only_gpu_tiers_on_memory_file_systems_map_their_files(tmp_path):
     with tempfile.NamedTemporaryFile(dir=SHM) as f:
-        in_memory = [_slab(f.name, 4096)]
+        in_memory = [_slab(f.name, 1 << 20)]
+        f.truncate(1 << 20)  # sparse: registering would allocate it whole
+        assert "not preallocated" in why_not(in_memory, torch.device("cuda"))
+        os.posix_fallocate(f.fileno(), 0, 1 << 20)
         assert why_not(in_memory, torch.device("cuda")) is None
         assert "not a GPU" in why_not(in_memory, torch.device("cpu"))
     assert why_not([], torch.device("cuda")) == "no slab files"

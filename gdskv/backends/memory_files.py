@@ -14,7 +14,8 @@ reads, as the mapping is the file's page cache.
 Registering takes about 0.19 s a GiB on those hosts (the kernel locks each page), so it runs on
 a background thread from the moment the store is attached; a read of a file not registered
 yet goes through kvikio, as before. A registered file stays locked in memory until the backend
-closes: it is RAM already, but can no longer be swapped out.
+closes: it is RAM already, but can no longer be swapped out. Only preallocated files are mapped:
+locking a sparse file's range would allocate all of it at once.
 """
 
 from __future__ import annotations
@@ -51,6 +52,15 @@ def why_not(files: Sequence[SlabFile], device: torch.device) -> str | None:
         kind = file_system_type(f.path)
         if kind not in MEMORY_FILE_SYSTEMS:
             return f"{f.path} is on {kind or 'an unknown file system'}, not one held in memory"
+        try:
+            st = os.stat(f.path)
+        except OSError as exc:
+            return f"{f.path}: {exc.strerror}"
+        # registering locks every page of the range: a file not yet grown to its size (no
+        # preallocate, or another writer's) would be allocated whole in memory, or fail
+        if st.st_size < f.size or st.st_blocks * 512 < f.size:
+            return (f"{f.path} is not preallocated to its {f.size} bytes (registering it would "
+                    "allocate them all now)")
     return None
 
 
