@@ -21,6 +21,10 @@ O_DIRECT has one owner, the store (it probes the file system); this backend asks
 same, and :meth:`KvikioBackend.direct_io` reports what kvikio does (its file handles and the
 settings in force), which is what the tier's ``o_direct`` stat shows.
 
+Slab files on a file system held in memory (tmpfs, ramfs), preallocated: once registered with
+CUDA on a background thread, reads into GPU memory are copies from the files' own mapped pages,
+not kvikio calls (:mod:`.memory_files`, ``map_memory_files``); writes still go through kvikio.
+
 Small calls: extents of GPU memory within a task together move by ``raw_write``/``raw_read`` on
 the calling thread when the tier asks (:meth:`KvikioBackend.move_on_caller`), with the device's
 primary CUDA context made current there first.
@@ -311,13 +315,13 @@ class KvikioBackend(Backend):
                 extents: Sequence[Extent]) -> WaitingFuture:
         if self._closed:
             raise RuntimeError("kvikio backend is closed")
-        target = None
-        if buffer is not None:
-            target = self._target(buffer)
         if op == "pread" and buffer is not None and self._memory is not None:
             copied = self._memory.read(buffer, extents)
             if copied is not None:  # a copy from the files' pages (memory_files)
                 return WaitingFuture(functools.partial(_copied, *copied, buffer))
+        target = None
+        if buffer is not None:
+            target = self._target(buffer)
         started = []
         outcome = IOOutcome()
         # One kvikio call per extent (at most a stripe unit: io_chunk_size), or per buffer of
