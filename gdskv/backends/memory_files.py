@@ -11,7 +11,7 @@ by one copy of each extent from its mapping, at the copy engine's speed: 78.6 ms
 4 GiB, bit-exact, and a write through the file (the tier's ``pwrite``) is what the next copy
 reads, as the mapping is the file's page cache.
 
-Registering takes about 0.19 s a GiB on those hosts (the kernel locks each page), so it runs on
+Registering takes 0.2–0.6 s a GiB on those hosts (the kernel locks each page), so it runs on
 a background thread from the moment the store is attached; a read of a file not registered
 yet goes through kvikio, as before. A registered file stays locked in memory until the backend
 closes: it is RAM already, but can no longer be swapped out. Only preallocated files are mapped:
