@@ -149,14 +149,15 @@ class CallContext:
 
     def read_again(self, buffer: torch.Tensor | None, extents: list[Extent],
                    outcome: IOOutcome,
-                   forget: Callable[[list[int]], None] | None = None) -> IOOutcome:
-        """Read again, up to ``READ_RETRIES`` times, the extents whose read failed for a reason
+                   forget: Callable[[list[int]], None] | None = None, *,
+                   retries: int = READ_RETRIES) -> IOOutcome:
+        """Read again, up to ``retries`` times, the extents whose read failed for a reason
         that may pass (an EIO, a NIXL transfer error): ``outcome`` with their last result. A
         read that lasts -- the file ended (a truncated slab), or is gone (ENOENT, ESTALE) -- is
         not tried again. ``forget(positions)``: told the chunk positions read again first (an
         in-place read forgets what it hashed of them)."""
         sb = self.layout.slot_bytes
-        for _ in range(READ_RETRIES):
+        for _ in range(retries):
             again = [i for i, exc in outcome.errors.items() if may_read_later(exc)]
             if not again:
                 break

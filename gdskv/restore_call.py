@@ -31,7 +31,7 @@ import torch
 from . import checksum
 from .backends.base import Extent, IOOutcome
 from .copiers import DeferredCopier, PageCopier
-from .data_call import CallContext, copies_done, count_region_pages
+from .data_call import READ_RETRIES, CallContext, copies_done, count_region_pages
 from .gpu_verdicts import GpuVerdicts
 from .host_pages import InPlacePages
 from .streams import CallStream
@@ -55,8 +55,12 @@ class RestoreCall:
     """One restore's state, from its pins to its last unpin (:meth:`run`)."""
 
     def __init__(self, ctx: CallContext, keys: list[Hashable],
-                 drain: PageCopier | DeferredCopier, stream: CallStream | None) -> None:
+                 drain: PageCopier | DeferredCopier, stream: CallStream | None, *,
+                 reads_done: int = 0) -> None:
         self.ctx = ctx
+        #: reads of these pages this call made already (a quick read that failed,
+        #: :mod:`.quick_restore`): they count among its tries of a read that may pass
+        self.reads_done = reads_done
         self.keys = keys
         self.drain = drain
         self.stream = stream
@@ -252,7 +256,8 @@ class RestoreCall:
         """The chunk's outcome after reading again what may pass, and the positions its I/O
         did not move whole; those that failed for good are dropped (:meth:`_drop`)."""
         ctx = self.ctx
-        outcome = ctx.read_again(buffer, r.extents, outcome, forget)
+        outcome = ctx.read_again(buffer, r.extents, outcome, forget,
+                                 retries=READ_RETRIES - self.reads_done)
         lost: set[int] = set()
         failed = ctx.failed_positions(outcome, r.extents, "read", lost)
         if lost:

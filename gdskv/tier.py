@@ -73,6 +73,7 @@ from .memory import check_device, cuda_available
 from .metrics import TierMetrics
 from .persistence import PersistentDirectory
 from .pool import KVPool, PoolCache
+from .quick_restore import QuickRestore
 from .restore_call import RestoreCall
 from .spill_call import SpillCall
 from .staging import StagingParts, staging_part_pages
@@ -173,6 +174,7 @@ class Tier:
         self._persist: PersistentDirectory | None = None
         self.backend = None
         self._host_pages: HostPagePath | None = None
+        self._quick: QuickRestore | None = None
         self._worker: ThreadPoolExecutor | None = None
         self.store = SlabStore(layout, self.config)
         try:  # whatever fails from here releases all it acquired: lock, files, threads
@@ -203,6 +205,10 @@ class Tier:
                 layout, self._in_place_why_not(),
                 any(f.direct for f in self.store.files) or bool(self._direct_io()[0]),
                 self.config.io_threads, self._engine)
+            # small in-place restores in one engine call (None: this tier has none, and why)
+            self._quick_why_not = QuickRestore.why_not(self._calls, self._host_pages)
+            self._quick = None if self._quick_why_not else \
+                QuickRestore(self._calls, self._host_pages)
             # A call whose GPU work cannot go on its caller's stream takes a stream of its own
             # from this pool (:class:`CallStream`): calls in flight never queue behind each
             # other's copies and kernels, nor wait for each other's syncs.
@@ -360,10 +366,16 @@ class Tier:
                         pages: Sequence[Sequence[torch.Tensor]]) -> Future:
         """:meth:`get_pages` on the tier's workers (see :meth:`put_pages_async`)."""
         self._check_open()
-        keys, parts = self._region_calls(keys, pages, to_staging=False)
+        regions = self._quick.regions(pages) if self._quick is not None else None
+        if regions is None:
+            keys, parts = self._region_calls(keys, pages, to_staging=False)
+        else:  # (checked as a quick restore's: see _run_regions)
+            keys = self._check_keys(keys)
         event = self._engine_event()
-        return self._worker.submit(self._combined, ("get_pages",), keys, lambda: pages,
-                                   lambda: self._run_parts(self._get, keys, parts, event), event)
+        alone = (lambda: self._run_parts(self._get, keys, parts, event)) if regions is None \
+            else (lambda: self._run(self._quick_get, keys, (regions, pages), event, op="get"))
+        return self._worker.submit(self._combined, ("get_pages",), keys, lambda: pages, alone,
+                                   event)
 
     def pin(self, keys: Sequence[Hashable]) -> list[int | None]:
         """Hold stored pages for a later read: per key a handle (its slot) or None (not
@@ -447,6 +459,8 @@ class Tier:
                  o_direct=o_direct, o_direct_reason=o_direct_reason,
                  device=str(self.device), fingerprint=self.layout.fingerprint,
                  in_place=self._host_pages.describe(),
+                 quick_restore=self._quick.describe() if self._quick is not None else
+                 {"enabled": False, "reason": self._quick_why_not},
                  page_engine=self._engine.path, page_engine_detail=self._engine.describe(),
                  read_only=self.read_only, state=self._state())
         c = self._combiner
@@ -614,14 +628,34 @@ class Tier:
     def _pages_call(self, op: str, keys, pages) -> list[bool]:
         """A synchronous put_pages/get_pages call (``op``: "put"/"get"), combined with others
         in flight where it waits (:mod:`.call_combiner`)."""
-        fn, to_staging = (self._put, True) if op == "put" else (self._get, False)
         keys = self._check_keys(keys)
 
         def checked():
-            self._check_regions(keys, pages, to_staging=to_staging)
+            self._check_regions(keys, pages, to_staging=op == "put")
             return pages
-        return self._combined((op + "_pages",), keys, checked, lambda: self._run_parts(
-            fn, keys, self._region_parts(checked(), to_staging=to_staging)))
+        return self._combined((op + "_pages",), keys, checked,
+                              lambda: self._run_regions(op, keys, pages, check=True))
+
+    def _run_regions(self, op: str, keys: list, pages, *, check: bool, record: bool = True,
+                     after: tuple = ()) -> list[bool]:
+        """A put_pages/get_pages call (``op``: "put"/"get") run as one tier call: a small
+        restore that can take the quick path does (:mod:`.quick_restore`, whose own checks
+        cover its arguments), any other call the general way, its regions checked first where
+        ``check``. ``record``: the call's metric recorded here (else by the caller)."""
+        if op == "get" and self._quick is not None:
+            regions = self._quick.regions(pages)
+            if regions is not None:
+                return self._run(self._quick_get, keys, (regions, pages),
+                                 op="get" if record else None, after=after)
+        if check:
+            self._check_regions(keys, pages, to_staging=op == "put")
+        return self._run_parts(self._put if op == "put" else self._get, keys,
+                               self._region_parts(pages, to_staging=op == "put"),
+                               op=op if record else None, after=after)
+
+    def _quick_get(self, keys: list, call: tuple, stream: CallStream | None) -> list[bool]:
+        regions, pages = call
+        return self._quick.run(keys, regions, pages, stream)
 
     def _in_place_why_not(self) -> str:
         """Why host regions cannot move in place on this tier ("" when they can)."""
@@ -827,8 +861,8 @@ class Tier:
             results = self._run(fn, keys, copier, op=None, after=events)
         else:
             pages = first if len(made) == 1 else [p for _, ps, _ in made for p in ps]
-            results = self._run_parts(fn, keys, self._region_parts(pages, to_staging=op == "put"),
-                                      op=None, after=events)
+            results = self._run_regions(op, keys, pages, check=False, record=False,
+                                        after=events)
         at = 0
         now = time.perf_counter()
         for r, _, _ in made:

@@ -11,7 +11,11 @@ engines' host pools call it), one store per directory and page size. For each th
 - ``raw``: the same threads with ``os.preadv`` of one stored slot (the tier's files, its
   O_DIRECT flag) / ``os.pwritev`` of one slot then ``os.fdatasync`` (a file of its own beside
   the store); ``engine``: the native engine called directly, no tier (read + CRC-32C check /
-  CRC-32C + write + fdatasync): the ceiling of a call that does a page's work in C.
+  CRC-32C + write + fdatasync): the ceiling of a call that does a page's work in C. Both move
+  the same memory as the tier's calls: the payload into the thread's 8 rotating regions (from
+  the 128 source pages), the slot's rest into a row of the thread's own. (Before 2026-11-28 a
+  raw thread read and wrote one slot-sized buffer of its own, hot in the cache: on the
+  development machine's slow memory that flattered raw at 2 MiB.)
 
 Each number is the aggregate pages/s of all threads (and each thread's p50 call time), the
 median of ``--rounds`` rounds that take the kinds in a rotating order. Then ``big``: one
@@ -196,32 +200,39 @@ class Cell:
         with open(raw_path, "wb") as fh:
             fh.truncate(threads * 8 * slot)
         wfd = os.open(raw_path, os.O_RDWR | flags)
-        buf = {k: aligned(slot).numpy() for k in range(threads)}
-        for k in buf:
-            buf[k][:self.layout.page_bytes] = self.src[k % PRELOAD].numpy()
         page = self.layout.page_bytes
+        # the same memory as the tier's calls: a page's payload goes to (comes from) the
+        # thread's 8 rotating regions (the 128 source pages), the slot's rest to (from) a row of
+        # the thread's own -- not one buffer read again and again, hot in the cache
+        dst = {k: [r.numpy() for r in self.regions(k)] for k in range(threads)}
+        src = [s.numpy() for s in self.src]
+        rest = {k: aligned(slot - page).numpy() for k in range(threads)}
         eng = native.NATIVE
         want = np.array([eng.crc32c(s.numpy()) for s in self.src], np.uint64) if engine else None
 
         def read_call(k, i):
             j = (k * 17 + i) % PRELOAD
             f, off = where[j]
+            memory = [dst[k][i % 8], rest[k]]
             if not engine:
-                return os.preadv(fds[f], [buf[k]], off)
-            res, sums, status = np.empty((1, 2), np.int64), np.empty(1, np.uint64), \
+                return os.preadv(fds[f], memory, off)
+            res, sums, status = np.empty((2, 2), np.int64), np.empty(1, np.uint64), \
                 np.empty(1, np.uint8)
-            eng.read_pages(np.array([[fds[f], off, slot]], np.int64), [buf[k]], res, slot, page,
-                           want[j:j + 1], sums, status, 0)
-            assert status[0] == 0 and not res[0, 1]
+            eng.read_pages(np.array([[fds[f], off, page], [fds[f], off + page, slot - page]],
+                                    np.int64), memory, res, slot, page, want[j:j + 1], sums,
+                           status, 0)
+            assert status[0] == 0 and not res[:, 1].any()
 
         def write_call(k, i):
             off = (k * 8 + i % 8) * slot
+            memory = [src[(k + i) % PRELOAD], rest[k]]
             if engine:
-                sums, res = np.empty(1, np.uint64), np.empty((1, 2), np.int64)
-                eng.page_sums([buf[k][:page]], page, page, sums)
-                eng.write_pages(np.array([[wfd, off, slot]], np.int64), [buf[k]], res)
+                sums, res = np.empty(1, np.uint64), np.empty((2, 2), np.int64)
+                eng.page_sums(memory[:1], page, page, sums)
+                eng.write_pages(np.array([[wfd, off, page], [wfd, off + page, slot - page]],
+                                         np.int64), memory, res)
             else:
-                os.pwritev(wfd, [buf[k]], off)
+                os.pwritev(wfd, memory, off)
             os.fdatasync(wfd)
 
         call = read_call if op == "restore" else write_call
@@ -323,7 +334,9 @@ def profile(args) -> str:
 
 def measure(args) -> dict:
     from gdskv import native
-    result = {"threads": args.threads, "page_sizes": args.page_sizes, "dirs": args.dirs,
+    import gdskv
+    result = {"gdskv": os.path.dirname(gdskv.__file__),
+              "threads": args.threads, "page_sizes": args.page_sizes, "dirs": args.dirs,
               "seconds": args.seconds, "rounds": args.rounds, "cpus": os.cpu_count(),
               "loadavg_start": os.getloadavg(), "native": native.engine().describe(),
               "crc_GBps_one_core": crc_rates(), "cells": [], "big": []}
@@ -331,10 +344,11 @@ def measure(args) -> dict:
         for size in args.page_sizes:
             cell = Cell(directory, parse_size(size), args)
             tiers = {p: cell.tier(p) for p in ("native", "python")}
-            kinds = KINDS if native.NATIVE is not None else tuple(k for k in KINDS
-                                                                  if k != "engine")
+            kinds = tuple(k for k in KINDS if (k in args.kinds or k == "raw")
+                          and (k != "engine" or native.NATIVE is not None))
             try:
-                for op in ("restore", "big", "spill"):  # (spills evict the stored pages)
+                # (in this order: spills evict the stored pages)
+                for op in (o for o in ("restore", "big", "spill") if o in args.ops):
                     if op == "big":
                         big = {"raw": cell.big(tiers["native"], True),
                                **{p: cell.big(tiers[p], False) for p in ("native", "python")}}
@@ -385,7 +399,7 @@ def table(result: dict) -> str:
         lines.append(f"{d} | {pb >> 10} KiB | {op} | {t} | {raw['pages_per_s']:.0f} | " +
                      " | ".join(f"{k[x]['pages_per_s'] / raw['pages_per_s']:.2f}" if x in k
                                 else "-" for x in ("engine", "native", "python")) + " | " +
-                     " | ".join(f"{k[x]['p50_us'] / raw['p50_us']:.2f}"
+                     " | ".join(f"{k[x]['p50_us'] / raw['p50_us']:.2f}" if x in k else "-"
                                 for x in ("native", "python")))
     for b in result["big"]:
         lines.append(f"{b['dir']} | {b['page_bytes'] >> 10} KiB | 128-page restore | 1 | "
@@ -406,6 +420,10 @@ def main() -> None:
     ap.add_argument("--page-sizes", nargs="+", default=["64KiB", "256KiB", "2MiB"])
     ap.add_argument("--seconds", type=float, default=1.0, help="duration of one measurement")
     ap.add_argument("--rounds", type=int, default=3, help="rounds per cell (median)")
+    ap.add_argument("--ops", nargs="+", choices=("restore", "big", "spill"),
+                    default=["restore", "big", "spill"], help="what to measure (default: all)")
+    ap.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS),
+                    help="which kinds the thread cells run (default: all; raw always)")
     ap.add_argument("--out", help="write the result here (JSON)")
     ap.add_argument("--profile", metavar="FILE", help="instead: cProfile 1-page restores and "
                     "spills on a native tier (first directory and page size) into FILE")

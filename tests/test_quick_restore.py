@@ -1,0 +1,271 @@
+"""Small in-place restores of host regions in one page-engine call (gdskv/quick_restore.py):
+which calls take the quick path, that they answer, count and journal as the general path does,
+and that every failure is handed to the general path, which settles it as before. On the page
+engine's native and Python paths (``--data-path python``)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+
+import pytest
+import torch
+
+from conftest import fail_io
+from gdskv import checksum
+from gdskv.config import TierConfig
+from gdskv.layout import BytePageLayout
+from gdskv.memory import alloc_host
+from gdskv.tier import Tier
+
+#: whole 4 KiB blocks: a page moves in place under O_DIRECT too
+LAYOUT = BytePageLayout(page_bytes=8192, kind="test/quick-restore")
+PAGE = LAYOUT.page_bytes
+SLOT = LAYOUT.slot_bytes
+
+
+def config(tmp_path, **overrides) -> TierConfig:
+    base = dict(directories=(str(tmp_path),), capacity=64 * SLOT, files_per_dir=1,
+                io_threads=2, staging_size=32 * SLOT)  # 8-page chunks
+    base.update(overrides)
+    return TierConfig(**base)
+
+
+def content(key: str) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(sum(key.encode()) * 7919 + len(key))
+    return torch.randint(0, 256, (PAGE,), dtype=torch.uint8, generator=gen)
+
+
+def region() -> torch.Tensor:
+    return alloc_host(PAGE, pin=False).zero_()
+
+
+def put(tier, keys) -> list[bool]:
+    pages = []
+    for k in keys:
+        r = region()
+        r.copy_(content(k))
+        pages.append([r])
+    return tier.put_pages(list(keys), pages)
+
+
+def get(tier, keys) -> tuple[list[bool], list[torch.Tensor]]:
+    out = [region() for _ in keys]
+    return tier.get_pages(list(keys), [[o] for o in out]), out
+
+
+def quick_counts(tier) -> tuple[int, int]:
+    s = tier.stats()
+    return s.get("quick_restores", 0), s.get("quick_restores_handed_on", 0)
+
+
+def test_small_restores_take_the_quick_path_bit_exact(tmp_path):
+    keys = [f"q{i}" for i in range(8)]
+    with Tier(LAYOUT, config(tmp_path), device="cpu") as tier:
+        assert tier.stats()["quick_restore"]["enabled"] and tier._quick.max_pages == 8
+        assert all(put(tier, keys))
+        for n in (1, 3, 8):
+            hits, out = get(tier, keys[:n])
+            assert hits == [True] * n
+            assert all(torch.equal(o, content(k)) for k, o in zip(keys, out))
+        # misses among hits: the pages found are read, the others are misses
+        hits, out = get(tier, ["nope", keys[5], "gone", keys[2]])
+        assert hits == [False, True, False, True]
+        assert torch.equal(out[1], content(keys[5])) and torch.equal(out[3], content(keys[2]))
+        assert get(tier, ["absent"])[0] == [False]
+        assert quick_counts(tier) == (5, 0)
+
+
+def test_async_restores_take_the_quick_path(tmp_path):
+    keys = ["y0", "y1", "y2"]
+    with Tier(LAYOUT, config(tmp_path), device="cpu") as tier:
+        assert all(put(tier, keys))
+        out = [region() for _ in keys]
+        fut = tier.get_pages_async(["y2", "none", "y0"], [[o] for o in out])
+        assert fut.result() == [True, False, True]
+        assert torch.equal(out[0], content("y2")) and torch.equal(out[2], content("y0"))
+        assert quick_counts(tier) == (1, 0)
+        with pytest.raises(ValueError, match="duplicate key"):  # checked in the caller, now
+            tier.get_pages_async(["y0", "y0"], [[out[0]], [out[1]]])
+
+
+def test_counters_are_the_general_paths(tmp_path):
+    """The same calls on two stores, one tier with the quick path and one without: the same
+    results and the same counters (but the quick path's own)."""
+    keys = [f"c{i}" for i in range(6)]
+    calls = [keys[:1], keys[1:4], ["missing", keys[4]], keys]
+    stats = []
+    for quick in (True, False):
+        (tmp_path / str(quick)).mkdir()
+        with Tier(LAYOUT, config(tmp_path / str(quick)), device="cpu") as tier:
+            if not quick:
+                tier._quick = None  # the general path for every call (white box)
+            assert all(put(tier, keys))
+            for c in calls:
+                hits, out = get(tier, c)
+                assert hits == [k in keys for k in c]
+                assert all(torch.equal(o, content(k)) for k, o, h in zip(c, out, hits) if h)
+            s = tier.stats()
+            stats.append({k: v for k, v in s.items() if k in (
+                "get_pages", "hits", "misses", "bytes_read", "pages_read_in_place",
+                "read_failed", "corrupt_pages", "unreadable_pages", "read_calls")})
+            assert s.get("quick_restores", 0) == (len(calls) if quick else 0)
+    assert stats[0] == stats[1] and stats[0]["hits"] == 11 and stats[0]["misses"] == 1
+
+
+def test_calls_that_do_not_qualify_go_the_general_way(tmp_path):
+    keys = ["a", "b"]
+    with Tier(LAYOUT, config(tmp_path), device="cpu") as tier:
+        assert all(put(tier, keys))
+        # a page in two regions
+        halves = [region()[:PAGE // 2], region()[:PAGE // 2]]
+        assert tier.get_pages(["a"], [halves]) == [True]
+        assert torch.equal(torch.cat(halves), content("a"))
+        # more pages than one on-caller read takes
+        many = [f"m{i}" for i in range(tier._quick.max_pages + 1)]
+        assert all(put(tier, many))
+        hits, out = get(tier, many)
+        assert all(hits) and torch.equal(out[-1], content(many[-1]))
+        assert quick_counts(tier) == (0, 0)
+        # bad arguments get the general path's errors
+        shared = region()
+        with pytest.raises(ValueError, match="overlap|share"):
+            tier.get_pages(keys, [[shared], [shared]])
+        with pytest.raises(ValueError, match="page 0: regions hold"):
+            tier.get_pages(["a"], [[region()[:100]]])
+        with pytest.raises(TypeError, match="1-D uint8"):
+            tier.get_pages(["a"], [[torch.zeros(PAGE // 4, dtype=torch.int32)]])
+        assert quick_counts(tier) == (0, 0)
+
+
+def test_a_corrupt_page_is_handed_on_and_dropped(tmp_path):
+    keys = ["x0", "x1", "x2"]
+    with Tier(LAYOUT, config(tmp_path), device="cpu") as tier:
+        assert all(put(tier, keys))
+        f, off = tier.store.location(tier.directory._index["x1"])
+        with open(tier.store.files[f].path, "r+b") as fh:
+            fh.seek(off + 100)
+            b = fh.read(1)
+            fh.seek(off + 100)
+            fh.write(bytes([b[0] ^ 0x10]))
+        hits, out = get(tier, keys)
+        assert hits == [True, False, True]
+        assert torch.equal(out[0], content("x0")) and torch.equal(out[2], content("x2"))
+        s = tier.stats()
+        assert s["corrupt_pages"] == 1 and not tier.contains("x1")
+        assert quick_counts(tier) == (0, 1)
+        assert get(tier, ["x0", "x2"])[0] == [True, True]  # the rest: quick again
+        assert quick_counts(tier) == (1, 1)
+
+
+def test_a_truncated_slab_is_handed_on(tmp_path):
+    keys = [f"t{i}" for i in range(4)]
+    with Tier(LAYOUT, config(tmp_path), device="cpu") as tier:
+        assert all(put(tier, keys))
+        slots = [tier.directory._index[k] for k in keys]
+        f, off = tier.store.location(slots[2])
+        assert [tier.store.location(s) for s in slots] == [(f, i * SLOT) for i in range(4)]
+        os.truncate(tier.store.files[f].path, off + 100)
+        hits, out = get(tier, keys)
+        assert hits == [True, True, False, False]
+        assert all(torch.equal(o, content(k)) for k, o in zip(keys[:2], out))
+        assert [tier.contains(k) for k in keys] == hits
+        assert tier.stats()["unreadable_pages"] == 2
+
+
+@pytest.mark.parametrize("fails", [Tier.READ_RETRIES, Tier.READ_RETRIES + 1])
+def test_transient_eio_is_tried_as_often_as_before(tmp_path, monkeypatch, fails):
+    """The first ``fails`` reads of the file fail with EIO; the quick read is the first try,
+    so a page is read READ_RETRIES more times in all, as on the general path, then dropped."""
+    keys = ["e0", "e1"]
+    with Tier(LAYOUT, config(tmp_path), device="cpu") as tier:
+        assert all(put(tier, keys))
+        fd = tier.store.files[0].fd
+        seen = []  # offsets of the file's segments read; a read of the file starts at seen[0]
+
+        def attempts() -> int:
+            return seen.count(seen[0]) if seen else 0
+
+        def flaky(seg_fd, offset):
+            if seg_fd != fd:
+                return False
+            seen.append(offset)
+            return attempts() <= fails
+
+        fail_io(monkeypatch, tier.backend, "read", flaky)
+        hits, out = get(tier, keys)
+        if fails <= Tier.READ_RETRIES:
+            assert hits == [True, True] and all(torch.equal(o, content(k))
+                                                for k, o in zip(keys, out))
+            assert attempts() == fails + 1
+        else:
+            assert hits == [False, False] and not any(tier.contains(k) for k in keys)
+            assert attempts() == Tier.READ_RETRIES + 1  # bounded, as on the general path
+            assert tier.stats()["unreadable_pages"] == 2
+        assert quick_counts(tier) == (0, 1)
+
+
+def test_a_file_gone_is_read_once_more_then_dropped(tmp_path, monkeypatch):
+    """ESTALE lasts: the general path reads once (after the quick read) and drops, no retry."""
+    with Tier(LAYOUT, config(tmp_path), device="cpu") as tier:
+        assert all(put(tier, ["g"]))
+        fd = tier.store.files[0].fd
+        seen = fail_io(monkeypatch, tier.backend, "read", lambda f, _: f == fd, errno.ESTALE)
+        assert get(tier, ["g"])[0] == [False]
+        first = seen[0]
+        assert seen.count(first) == 2 and not tier.contains("g")
+
+
+def test_pages_of_another_checksum_go_the_general_way(tmp_path):
+    """A store another configuration wrote (xxh3 pages): verified with the algorithm that
+    made each page, by the general path."""
+    keys = ["old0", "old1"]
+    with Tier(LAYOUT, config(tmp_path, in_place=False), device="cpu") as tier:
+        tier._checksums = checksum.checksummer(checksum.XXH3, LAYOUT)  # (through staging)
+        assert all(put(tier, keys))
+    with Tier(LAYOUT, config(tmp_path), device="cpu") as tier:
+        assert tier.directory.algorithms([tier.directory._index[k] for k in keys]).tolist() \
+            == [checksum.XXH3] * 2
+        hits, out = get(tier, keys)
+        assert hits == [True, True] and all(torch.equal(o, content(k))
+                                            for k, o in zip(keys, out))
+        assert quick_counts(tier) == (0, 1)
+
+
+def test_threads_restore_concurrently_bit_exact(tmp_path):
+    keys = [f"p{i}" for i in range(32)]
+    errors = []
+    with Tier(LAYOUT, config(tmp_path), device="cpu") as tier:
+        assert all(put(tier, keys))
+
+        def worker(k: int) -> None:
+            try:
+                for i in range(60):
+                    key = keys[(k * 7 + i) % len(keys)]
+                    hits, out = get(tier, [key])
+                    assert hits == [True] and torch.equal(out[0], content(key)), key
+            except BaseException as exc:  # noqa: BLE001 - raised below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=worker, args=(k,)) for k in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors[0]
+        s = tier.stats()
+        assert s["hits"] == 360 and s["misses"] == 0
+        assert s["quick_restores"] >= 1 and s.get("quick_restores_handed_on", 0) == 0
+
+
+@pytest.mark.parametrize("why, overrides", [
+    ("verify=false", dict(verify=False)),
+    ("io_on_caller=false", dict(io_on_caller=False)),
+    ("in_place=false", dict(in_place=False)),
+])
+def test_tiers_without_the_quick_path_say_why(tmp_path, why, overrides):
+    with Tier(LAYOUT, config(tmp_path, **overrides), device="cpu") as tier:
+        q = tier.stats()["quick_restore"]
+        assert not q["enabled"] and why in q["reason"]
+        assert all(put(tier, ["w"])) and get(tier, ["w"])[0] == [True]
