@@ -31,7 +31,8 @@ time, 2 MiB buffer): the native engine, the crc32c package, xxh3.
     python bench/experiments/host_page_engine.py --dirs /dev/shm/hpe --page-sizes 64KiB \
         --profile profile.txt     # where a 1-page call's host time goes (cProfile)
 
-Results it produced: ``cpu-2026-11-27/native/`` and ``h100-2026-11-27/native/``.
+Results it produced: ``cpu-2026-11-27/native/``, ``h100-2026-11-27/native/`` and
+``h100-2026-11-28/quick-restore/``.
 """
 
 from __future__ import annotations
