@@ -15,9 +15,12 @@ slot in one call of the page engine on the calling thread (the payload into the 
 region, the rest of the slot into a scratch row) with each page's CRC-32C compared to its
 stored one in the same call, unpin. When anything goes wrong -- a page read short, an I/O
 error, a checksum that differs -- it unpins and hands the whole call to the general path, which
-reads again and settles misses, drops and retries as ever; this call's read counts as the
-first of its tries (``RestoreCall(reads_done=1)``), so a failing read is tried as often as
-before. Either way the caller sees the same results, counters and journal.
+reads again and settles misses, drops and retries as ever. This call's read counts as the
+first of its tries (``RestoreCall(reads_done=1)``), so a read that may pass (EIO) is tried as
+often as before; a lasting failure (a file gone, a truncated slab, a damaged page), which the
+general path drops after one read, is read once more. Either way the caller gets the same
+results, and the same counters and journal records but the quick path's own counts
+(``quick_restores``, ``quick_restores_handed_on``).
 
 Quick restores are not combined with others in flight (:mod:`gdskv.call_combiner`): each
 releases the GIL for its read, so calls from several threads overlap their I/O, where a batch
@@ -119,11 +122,15 @@ class QuickRestore:
             return self._done(keys, [False] * len(keys), 0, 0.0)
         slots = [s for _, s, _ in todo]
         status = None
+        tried = False
         try:
             if directory.all_use(slots, checksum.CRC32C):
+                tried = True
                 t0 = time.perf_counter()
                 status = self._read(todo, regions)
                 seconds = time.perf_counter() - t0
+        except Exception:  # noqa: BLE001 - the general path reads again and settles it
+            status = None
         finally:
             ctx.persist.journal_evictions(directory.unpin(slots))
         if status is None or np.count_nonzero(status):
@@ -131,7 +138,7 @@ class QuickRestore:
             # general path settles it (reading again; this read was the first try)
             ctx.ledger.record({"quick_restores_handed_on": 1}, None)
             return RestoreCall(ctx, keys, self.host_pages.call(pages), stream,
-                               reads_done=0 if status is None else 1).run()
+                               reads_done=int(tried)).run()
         results = [False] * len(keys)
         for pos, _, _ in todo:
             results[pos] = True

@@ -367,8 +367,8 @@ class Tier:
         """:meth:`get_pages` on the tier's workers (see :meth:`put_pages_async`)."""
         self._check_open()
         regions = self._quick.regions(pages) if self._quick is not None else None
-        if regions is not None:  # a quick restore (checked by regions(); not combined: see
-            keys = self._check_keys(keys)  # _pages_call)
+        if regions is not None:  # a quick restore, checked by regions() (see _pages_call)
+            keys = self._check_keys(keys)
             return self._worker.submit(self._run, self._quick_get, keys, (regions, pages),
                                        self._engine_event(), op="get")
         keys, parts = self._region_calls(keys, pages, to_staging=False)

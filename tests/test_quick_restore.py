@@ -5,6 +5,7 @@ engine's native and Python paths (``--data-path python``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 import threading
@@ -204,6 +205,26 @@ def test_transient_eio_is_tried_as_often_as_before(tmp_path, monkeypatch, fails)
             assert attempts() == Tier.READ_RETRIES + 1  # bounded, as on the general path
             assert tier.stats()["unreadable_pages"] == 2
         assert quick_counts(tier) == (0, 1)
+
+
+def test_an_exception_in_the_quick_read_is_handed_on(tmp_path, monkeypatch):
+    """Not an answer of the engine (a bug, a closed file): the general path reads again."""
+    with Tier(LAYOUT, config(tmp_path), device="cpu") as tier:
+        assert all(put(tier, ["r"]))
+        engine = tier.backend._engine
+        calls = []
+
+        def once_broken(*args):
+            calls.append(1)
+            if len(calls) == 1:
+                raise RuntimeError("broken once")
+            return engine.read_pages(*args)
+
+        monkeypatch.setattr(tier.backend, "_engine",
+                            dataclasses.replace(engine, read_pages=once_broken))
+        hits, out = get(tier, ["r"])
+        assert hits == [True] and torch.equal(out[0], content("r")) and len(calls) == 2
+        assert quick_counts(tier) == (0, 1) and tier.contains("r")
 
 
 def test_a_file_gone_is_read_once_more_then_dropped(tmp_path, monkeypatch):
