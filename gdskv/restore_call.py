@@ -59,7 +59,7 @@ class RestoreCall:
                  reads_done: int = 0) -> None:
         self.ctx = ctx
         #: reads of these pages this call made already (a quick read that failed,
-        #: :mod:`.quick_restore`): they count among its tries of a read that may pass
+        #: :mod:`.quick_calls`): they count among its tries of a read that may pass
         self.reads_done = reads_done
         self.keys = keys
         self.drain = drain

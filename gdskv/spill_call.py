@@ -80,6 +80,50 @@ class WriteChunk:
     lost: bool
 
 
+def reserve_slots(ctx: CallContext, keys: list[Hashable], admitted: list[int],
+                  results: list[bool], tally: dict) -> tuple[list, list[int]]:
+    """Reserve slots for the ``admitted`` positions of ``keys`` (evicting, and journaling the
+    evictions, where the store is full). Returns the pages to write, ``(position, slot)`` in
+    slot order (adjacent slots coalesce into one I/O), and the positions of keys another call
+    is writing now (its outcome is theirs); keys already stored are hits in ``results``. The
+    counts go into ``tally``."""
+    res = ctx.directory.reserve(keys if len(admitted) == len(keys)
+                                else [keys[i] for i in admitted])
+    if res.evicted:
+        ctx.persist.journal_evictions(res.evicted)
+    tally.update(not_admitted=len(keys) - len(admitted), evictions=len(res.evicted))
+    todo: list[tuple[int, int]] = []
+    waiting: list[int] = []
+    no_room = 0
+    for i, slot, found in zip(admitted, res.slots, res.found):
+        if slot is not None:
+            todo.append((i, slot))
+        elif found == _READY:
+            results[i] = True
+        elif found == _WRITING:
+            waiting.append(i)
+        elif found == _FREE:
+            no_room += 1
+        # (EVICTING: asked to go while a reader holds it; it is not stored for this put)
+    if no_room:
+        ctx.log_once("full", "store full and eviction cannot make room: %d pages not stored",
+                     no_room)
+    if len(todo) > 1:
+        todo.sort(key=lambda t: t[1])
+    return todo, waiting
+
+
+def encode_trailers(ctx: CallContext, keys: list[Hashable], chunk, sums
+                    ) -> tuple[list[int], list[bytes]]:
+    """Each page's slot trailer (written beside its payload, in the same I/O) and sequence
+    number, which the journal's COMMITs carry too; ``chunk``: ``(position, slot)`` pairs."""
+    seqs = ctx.persist.next_seqs(len(chunk))
+    algo, store_id = ctx.checksums.algorithm, ctx.store.store_id
+    return seqs, [slot_trailer.encode(FORMAT_VERSION, store_id, slot, keys[i], seq, int(csum),
+                                      algo)
+                  for (i, slot), seq, csum in zip(chunk, seqs, sums)]
+
+
 class SpillCall:
     """One spill's state, from reservation to its last commit (:meth:`run`)."""
 
@@ -100,29 +144,7 @@ class SpillCall:
     def run(self) -> list[bool]:
         ctx, keys, results, tally = self.ctx, self.keys, self.results, self.tally
         admitted = ctx.admission.admit(keys)
-        res = ctx.directory.reserve(keys if len(admitted) == len(keys)
-                                    else [keys[i] for i in admitted])
-        if res.evicted:
-            ctx.persist.journal_evictions(res.evicted)
-        tally.update(not_admitted=len(keys) - len(admitted), evictions=len(res.evicted))
-        todo: list[tuple[int, int]] = []
-        waiting: list[int] = []  # keys another call is writing now: its outcome is theirs
-        no_room = 0
-        for i, slot, found in zip(admitted, res.slots, res.found):
-            if slot is not None:
-                todo.append((i, slot))
-            elif found == _READY:
-                results[i] = True
-            elif found == _WRITING:
-                waiting.append(i)
-            elif found == _FREE:
-                no_room += 1
-            # (EVICTING: asked to go while a reader holds it; it is not stored for this put)
-        if no_room:
-            ctx.log_once("full", "store full and eviction cannot make room: %d pages not "
-                         "stored", no_room)
-        if len(todo) > 1:
-            todo.sort(key=lambda t: t[1])  # adjacent slots coalesce into one I/O
+        todo, waiting = reserve_slots(ctx, keys, admitted, results, tally)
         chunks = [todo] if 0 < len(todo) <= ctx.chunk_pages else ctx.chunked(todo)
         fill, pending, parts_out = self.fill, self.pending, self.parts_out
         held = None  # a part taken for the current chunk, not yet handed to the backend
@@ -230,14 +252,7 @@ class SpillCall:
             waited = True
 
     def _trailers(self, chunk, sums) -> tuple[list[int], list[bytes]]:
-        """Each page's slot trailer (written beside its payload, in the same I/O) and sequence
-        number, which the journal's COMMITs carry too."""
-        ctx, keys = self.ctx, self.keys
-        seqs = ctx.persist.next_seqs(len(chunk))
-        algo, store_id = ctx.checksums.algorithm, ctx.store.store_id
-        return seqs, [slot_trailer.encode(FORMAT_VERSION, store_id, slot, keys[i], seq,
-                                          int(csum), algo)
-                      for (i, slot), seq, csum in zip(chunk, seqs, sums)]
+        return encode_trailers(self.ctx, self.keys, chunk, sums)
 
     def _write_in_place(self, chunk, on_caller: bool) -> WriteChunk:
         """Start writing a chunk straight from the caller's regions (checksummed there)."""

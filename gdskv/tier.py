@@ -73,7 +73,7 @@ from .memory import check_device, cuda_available
 from .metrics import TierMetrics
 from .persistence import PersistentDirectory
 from .pool import KVPool, PoolCache
-from .quick_restore import QuickRestore
+from .quick_calls import QuickCall, QuickRestore, QuickSpill
 from .restore_call import RestoreCall
 from .spill_call import SpillCall
 from .staging import StagingParts, staging_part_pages
@@ -174,7 +174,8 @@ class Tier:
         self._persist: PersistentDirectory | None = None
         self.backend = None
         self._host_pages: HostPagePath | None = None
-        self._quick: QuickRestore | None = None
+        #: "get"/"put": the tier's quick path for small in-place host calls, where it has one
+        self._quick: dict[str, QuickCall] = {}
         self._worker: ThreadPoolExecutor | None = None
         self.store = SlabStore(layout, self.config)
         try:  # whatever fails from here releases all it acquired: lock, files, threads
@@ -205,10 +206,12 @@ class Tier:
                 layout, self._in_place_why_not(),
                 any(f.direct for f in self.store.files) or bool(self._direct_io()[0]),
                 self.config.io_threads, self._engine)
-            # small in-place restores in one engine call (None: this tier has none, and why)
-            self._quick_why_not = QuickRestore.why_not(self._calls, self._host_pages)
-            self._quick = None if self._quick_why_not else \
-                QuickRestore(self._calls, self._host_pages)
+            # small in-place restores and spills in one engine call each (and why not)
+            self._quick_why_not = {}
+            for kind in (QuickRestore, QuickSpill):
+                why = self._quick_why_not[kind.op] = kind.why_not(self._calls, self._host_pages)
+                if not why:
+                    self._quick[kind.op] = kind(self._calls, self._host_pages)
             # A call whose GPU work cannot go on its caller's stream takes a stream of its own
             # from this pool (:class:`CallStream`): calls in flight never queue behind each
             # other's copies and kernels, nor wait for each other's syncs.
@@ -357,24 +360,27 @@ class Tier:
             fut: Future = Future()
             fut.set_result(self._refuse_put(keys))
             return fut
-        keys, parts = self._region_calls(keys, pages, to_staging=True)
-        event = self._engine_event()
-        return self._worker.submit(self._combined, ("put_pages",), keys, lambda: pages,
-                                   lambda: self._run_parts(self._put, keys, parts, event), event)
+        return self._pages_async("put", keys, pages)
 
     def get_pages_async(self, keys: Sequence[Hashable],
                         pages: Sequence[Sequence[torch.Tensor]]) -> Future:
         """:meth:`get_pages` on the tier's workers (see :meth:`put_pages_async`)."""
         self._check_open()
-        regions = self._quick.regions(pages) if self._quick is not None else None
-        if regions is not None:  # a quick restore, checked by regions() (see _pages_call)
+        return self._pages_async("get", keys, pages)
+
+    def _pages_async(self, op: str, keys, pages) -> Future:
+        """A put_pages/get_pages call (``op``: "put"/"get") submitted to the tier's workers,
+        its arguments checked now."""
+        quick = self._quick_regions(op, pages)
+        if quick is not None:  # checked by QuickCall.regions() (see _pages_call)
             keys = self._check_keys(keys)
-            return self._worker.submit(self._run, self._quick_get, keys, (regions, pages),
-                                       self._engine_event(), op="get")
-        keys, parts = self._region_calls(keys, pages, to_staging=False)
+            return self._worker.submit(self._run, self._quick_call, keys, quick,
+                                       self._engine_event(), op=op)
+        fn = self._put if op == "put" else self._get
+        keys, parts = self._region_calls(keys, pages, to_staging=op == "put")
         event = self._engine_event()
-        return self._worker.submit(self._combined, ("get_pages",), keys, lambda: pages,
-                                   lambda: self._run_parts(self._get, keys, parts, event), event)
+        return self._worker.submit(self._combined, (op + "_pages",), keys, lambda: pages,
+                                   lambda: self._run_parts(fn, keys, parts, event), event)
 
     def pin(self, keys: Sequence[Hashable]) -> list[int | None]:
         """Hold stored pages for a later read: per key a handle (its slot) or None (not
@@ -458,8 +464,8 @@ class Tier:
                  o_direct=o_direct, o_direct_reason=o_direct_reason,
                  device=str(self.device), fingerprint=self.layout.fingerprint,
                  in_place=self._host_pages.describe(),
-                 quick_restore=self._quick.describe() if self._quick is not None else
-                 {"enabled": False, "reason": self._quick_why_not},
+                 quick_restore=self._quick_describe("get"),
+                 quick_spill=self._quick_describe("put"),
                  page_engine=self._engine.path, page_engine_detail=self._engine.describe(),
                  read_only=self.read_only, state=self._state())
         c = self._combiner
@@ -628,13 +634,12 @@ class Tier:
         """A synchronous put_pages/get_pages call (``op``: "put"/"get"), combined with others
         in flight where it waits (:mod:`.call_combiner`)."""
         keys = self._check_keys(keys)
-        if op == "get" and self._quick is not None:
-            # A quick restore is not combined: its read releases the GIL, so calls in flight
-            # overlap their I/O, and a batch would read on one thread (16 threads of 2 MiB
-            # restores, H100 host: 0.24-0.28x raw alone, 0.13-0.16x combined)
-            regions = self._quick.regions(pages)
-            if regions is not None:
-                return self._run(self._quick_get, keys, (regions, pages), op="get")
+        # A quick call is not combined: its I/O releases the GIL, so calls in flight overlap
+        # it, where a batch would do it on one thread (16 threads of 2 MiB restores, H100
+        # host: 0.24-0.28x raw alone, 0.13-0.16x combined)
+        quick = self._quick_regions(op, pages)
+        if quick is not None:
+            return self._run(self._quick_call, keys, quick, op=op)
 
         fn, to_staging = (self._put, True) if op == "put" else (self._get, False)
 
@@ -644,9 +649,24 @@ class Tier:
         return self._combined((op + "_pages",), keys, checked, lambda: self._run_parts(
             fn, keys, self._region_parts(checked(), to_staging=to_staging)))
 
-    def _quick_get(self, keys: list, call: tuple, stream: CallStream | None) -> list[bool]:
-        regions, pages = call
-        return self._quick.run(keys, regions, pages, stream)
+    def _quick_regions(self, op: str, pages) -> tuple | None:
+        """(quick path, the call's regions, its pages) where a put_pages/get_pages call
+        (``op``: "put"/"get") can take the tier's quick path (:mod:`.quick_calls`), else None."""
+        quick = self._quick.get(op)
+        if quick is None:
+            return None
+        regions = quick.regions(pages)
+        return None if regions is None else (quick, regions, pages)
+
+    @staticmethod
+    def _quick_call(keys: list, call: tuple, stream: CallStream | None) -> list[bool]:
+        quick, regions, pages = call
+        return quick.run(keys, regions, pages, stream)
+
+    def _quick_describe(self, op: str) -> dict:
+        quick = self._quick.get(op)
+        return quick.describe() if quick is not None else \
+            {"enabled": False, "reason": self._quick_why_not.get(op, "")}
 
     def _in_place_why_not(self) -> str:
         """Why host regions cannot move in place on this tier ("" when they can)."""

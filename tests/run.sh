@@ -26,7 +26,7 @@ fi
 .venv/bin/python -m pytest -q -rs -m "not slow" --data-path python tests/test_native.py \
   tests/test_tier.py tests/test_host_pages.py tests/test_byte_pages.py tests/test_io_on_caller.py \
   tests/test_concurrency.py tests/test_corruption.py tests/test_crash.py tests/test_fault_table.py \
-  tests/test_store_safety.py tests/test_follower.py tests/test_metrics.py tests/test_quick_restore.py \
+  tests/test_store_safety.py tests/test_follower.py tests/test_metrics.py tests/test_quick_calls.py \
   "$@"
 # The SGLang adapter against the real sglang package, in its own venv (torch 2.14.1; see there).
 bash tests/run_sglang.sh

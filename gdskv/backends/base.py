@@ -261,8 +261,9 @@ class Backend(abc.ABC):
     #: whether extents carrying their own host memory (``Extent.memory``) are supported; a
     #: backend without it is only ever given the call's buffer
     in_place_host_memory: bool = False
-    #: the most bytes :meth:`read_checked_on_caller` takes (0: this backend has no such read)
-    checked_read_bytes: int = 0
+    #: the most bytes :meth:`read_checked_on_caller` and :meth:`write_on_caller` take (0: this
+    #: backend has neither)
+    caller_io_bytes: int = 0
 
     @classmethod
     def unavailable_reason(cls, device: torch.device) -> str | None:
@@ -307,13 +308,21 @@ class Backend(abc.ABC):
                                slot_bytes: int, page_bytes: int, want: np.ndarray
                                ) -> np.ndarray:
         """Read whole slots into host memory on the calling thread, comparing each page's
-        CRC-32C with its stored one in the same pass (:mod:`gdskv.quick_restore`), at most
-        :attr:`checked_read_bytes`. ``places``: (file index, byte offset) of each slot;
+        CRC-32C with its stored one in the same pass (:mod:`gdskv.quick_calls`), at most
+        :attr:`caller_io_bytes`. ``places``: (file index, byte offset) of each slot;
         ``memory``: two buffers a slot, where its first ``page_bytes`` (the payload) go, then
         the rest of it; ``want``: each payload's CRC-32C (uint64). Returns each page's status
         (uint8): 0 read whole and equal, 1 its checksum differs, 2 not read whole (an I/O
-        error, the file's end). Only backends with ``checked_read_bytes`` implement it."""
-        raise NotImplementedError(f"backend {self.name} has no checked read on the caller")
+        error, the file's end). Only backends with ``caller_io_bytes`` implement it."""
+        raise NotImplementedError(f"backend {self.name} moves no slots on the caller")
+
+    def write_on_caller(self, places: Sequence[tuple[int, int]], memory: Sequence,
+                        slot_bytes: int, page_bytes: int) -> bool:
+        """Write whole slots from host memory on the calling thread (:mod:`gdskv.quick_calls`),
+        at most :attr:`caller_io_bytes`; ``places`` and ``memory`` as
+        :meth:`read_checked_on_caller` takes them. Whether every byte was written (nothing
+        is made durable here). Only backends with ``caller_io_bytes`` implement it."""
+        raise NotImplementedError(f"backend {self.name} moves no slots on the caller")
 
     def start(self, op: str, buffer: torch.Tensor | None, extents: Sequence[Extent],
               on_caller: bool = False):

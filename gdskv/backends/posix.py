@@ -46,9 +46,9 @@ IOV_MAX = native.fallback.IOV_MAX
 class PosixBackend(Backend):
     name = "posix"
     in_place_host_memory = True
-    #: a checked read on the caller is one engine call of at most what the pool would move as
+    #: slots moved on the caller are one engine call of at most what the pool would move as
     #: one piece anyway
-    checked_read_bytes = MIN_PIECE_BYTES
+    caller_io_bytes = MIN_PIECE_BYTES
 
     def __init__(self, config: TierConfig, device: torch.device | str = "cpu") -> None:
         self._threads = config.io_threads
@@ -126,6 +126,26 @@ class PosixBackend(Backend):
         """One call of the page engine on this thread (the GIL released): consecutive slots of
         a file in one ``preadv``, each page's CRC-32C compared with ``want`` (see
         :meth:`Backend.read_checked_on_caller`)."""
+        segments, result = self._slot_segments(places, slot_bytes, page_bytes)
+        sums = np.empty(len(places), dtype=np.uint64)
+        status = np.empty(len(places), dtype=np.uint8)
+        readahead = 0 if self._files[places[0][0]].direct else READAHEAD_HINT_BYTES
+        self._engine.read_pages(segments, memory, result, slot_bytes, page_bytes, want, sums,
+                                status, readahead)
+        return status
+
+    def write_on_caller(self, places: Sequence[tuple[int, int]], memory: Sequence,
+                        slot_bytes: int, page_bytes: int) -> bool:
+        """One call of the page engine on this thread (the GIL released): consecutive slots of
+        a file in one ``pwritev`` (see :meth:`Backend.write_on_caller`)."""
+        segments, result = self._slot_segments(places, slot_bytes, page_bytes)
+        self._engine.write_pages(segments, memory, result)
+        return not np.count_nonzero(result[:, 1])
+
+    def _slot_segments(self, places: Sequence[tuple[int, int]], slot_bytes: int,
+                       page_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+        """The engine's segments for whole slots at ``places`` (each slot's payload, then its
+        rest), and the result rows for them."""
         if self._pool is None:
             raise RuntimeError("posix backend is closed")
         files, rest = self._files, slot_bytes - page_bytes
@@ -134,13 +154,7 @@ class PosixBackend(Backend):
             fd = files[f].fd
             segments[2 * j] = (fd, offset, page_bytes)
             segments[2 * j + 1] = (fd, offset + page_bytes, rest)
-        result = np.empty((len(segments), 2), dtype=np.int64)
-        sums = np.empty(len(places), dtype=np.uint64)
-        status = np.empty(len(places), dtype=np.uint8)
-        readahead = 0 if files[places[0][0]].direct else READAHEAD_HINT_BYTES
-        self._engine.read_pages(segments, memory, result, slot_bytes, page_bytes, want, sums,
-                                status, readahead)
-        return status
+        return segments, np.empty((len(segments), 2), dtype=np.int64)
 
     def _submit(self, op: str, host: torch.Tensor | None, extents: Sequence[Extent],
                 after=None) -> Future:

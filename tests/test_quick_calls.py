@@ -1,7 +1,7 @@
-"""Small in-place restores of host regions in one page-engine call (gdskv/quick_restore.py):
-which calls take the quick path, that they answer, count and journal as the general path does,
-and that every failure is handed to the general path, which settles it as before. On the page
-engine's native and Python paths (``--data-path python``)."""
+"""Small in-place restores and spills of host regions in one page-engine call each
+(gdskv/quick_calls.py): which calls take the quick paths, that they answer, count and journal
+as the general path does, and that every failure is handed to the general path, which settles
+it as before. On the page engine's native and Python paths (``--data-path python``)."""
 
 from __future__ import annotations
 
@@ -56,15 +56,15 @@ def get(tier, keys) -> tuple[list[bool], list[torch.Tensor]]:
     return tier.get_pages(list(keys), [[o] for o in out]), out
 
 
-def quick_counts(tier) -> tuple[int, int]:
+def quick_counts(tier, what: str = "quick_restores") -> tuple[int, int]:
     s = tier.stats()
-    return s.get("quick_restores", 0), s.get("quick_restores_handed_on", 0)
+    return s.get(what, 0), s.get("quick_calls_handed_on", 0)
 
 
 def test_small_restores_take_the_quick_path_bit_exact(tmp_path):
     keys = [f"q{i}" for i in range(8)]
     with Tier(LAYOUT, config(tmp_path), device="cpu") as tier:
-        assert tier.stats()["quick_restore"]["enabled"] and tier._quick.max_pages == 8
+        assert tier.stats()["quick_restore"]["enabled"] and tier._quick["get"].max_pages == 8
         assert all(put(tier, keys))
         for n in (1, 3, 8):
             hits, out = get(tier, keys[:n])
@@ -101,7 +101,7 @@ def test_counters_are_the_general_paths(tmp_path):
         (tmp_path / str(quick)).mkdir()
         with Tier(LAYOUT, config(tmp_path / str(quick)), device="cpu") as tier:
             if not quick:
-                tier._quick = None  # the general path for every call (white box)
+                tier._quick = {}  # the general path for every call (white box)
             assert all(put(tier, keys))
             for c in calls:
                 hits, out = get(tier, c)
@@ -110,9 +110,13 @@ def test_counters_are_the_general_paths(tmp_path):
             s = tier.stats()
             stats.append({k: v for k, v in s.items() if k in (
                 "get_pages", "hits", "misses", "bytes_read", "pages_read_in_place",
-                "read_failed", "corrupt_pages", "unreadable_pages", "read_calls")})
+                "read_failed", "corrupt_pages", "unreadable_pages", "read_calls", "put_pages",
+                "put_stored", "bytes_written", "pages_written_in_place", "evictions",
+                "not_admitted", "write_failed")})
             assert s.get("quick_restores", 0) == (len(calls) if quick else 0)
+            assert s.get("quick_spills", 0) == (1 if quick else 0)
     assert stats[0] == stats[1] and stats[0]["hits"] == 11 and stats[0]["misses"] == 1
+    assert stats[0]["put_stored"] == 6 and stats[0]["pages_written_in_place"] == 6
 
 
 def test_calls_that_do_not_qualify_go_the_general_way(tmp_path):
@@ -124,7 +128,7 @@ def test_calls_that_do_not_qualify_go_the_general_way(tmp_path):
         assert tier.get_pages(["a"], [halves]) == [True]
         assert torch.equal(torch.cat(halves), content("a"))
         # more pages than one on-caller read takes
-        many = [f"m{i}" for i in range(tier._quick.max_pages + 1)]
+        many = [f"m{i}" for i in range(tier._quick["get"].max_pages + 1)]
         assert all(put(tier, many))
         hits, out = get(tier, many)
         assert all(hits) and torch.equal(out[-1], content(many[-1]))
@@ -279,7 +283,7 @@ def test_threads_restore_concurrently_bit_exact(tmp_path):
         assert s["hits"] == 360 and s["misses"] == 0
         # every call took the quick path: quick restores are not combined (their reads
         # overlap), so none waited for a batch
-        assert s["quick_restores"] == 360 and s.get("quick_restores_handed_on", 0) == 0
+        assert s["quick_restores"] == 360 and s.get("quick_calls_handed_on", 0) == 0
         assert s["calls_combined"] == 0
 
 
@@ -293,3 +297,139 @@ def test_tiers_without_the_quick_path_say_why(tmp_path, why, overrides):
         q = tier.stats()["quick_restore"]
         assert not q["enabled"] and why in q["reason"]
         assert all(put(tier, ["w"])) and get(tier, ["w"])[0] == [True]
+
+
+# -- spills -------------------------------------------------------------------------------------
+def test_small_spills_take_the_quick_path_and_survive_a_restart(tmp_path):
+    keys = [f"s{i}" for i in range(8)]
+    with Tier(LAYOUT, config(tmp_path), device="cpu") as tier:
+        assert tier.stats()["quick_spill"]["enabled"]
+        assert put(tier, keys[:1]) == [True]
+        assert put(tier, keys[1:4]) == [True] * 3
+        assert put(tier, keys[2:8]) == [True] * 6  # two of them stored already: hits
+        assert quick_counts(tier, "quick_spills") == (3, 0)
+        s = tier.stats()
+        assert s["put_stored"] == 10 and s["pages_written_in_place"] == 8
+        hits, out = get(tier, keys)
+        assert all(hits) and all(torch.equal(o, content(k)) for k, o in zip(keys, out))
+    with Tier(LAYOUT, config(tmp_path), device="cpu") as tier:  # the journal has them
+        hits, out = get(tier, keys)
+        assert all(hits) and all(torch.equal(o, content(k)) for k, o in zip(keys, out))
+    with Tier(LAYOUT, config(tmp_path), device="cpu", scan_headers=True) as tier:
+        # and so do their slot trailers: a directory rebuilt from them finds every page
+        hits, out = get(tier, keys)
+        assert all(hits) and all(torch.equal(o, content(k)) for k, o in zip(keys, out))
+
+
+def test_a_full_store_evicts_and_journals_it(tmp_path):
+    cfg = config(tmp_path, capacity=16 * SLOT)
+    with Tier(LAYOUT, cfg, device="cpu") as tier:
+        n = tier.store.num_slots
+        keys = [f"f{i}" for i in range(n + 5)]
+        for k in keys:
+            assert put(tier, [k]) == [True]
+        assert tier.stats()["evictions"] == 5
+        assert quick_counts(tier, "quick_spills") == (n + 5, 0)
+        assert [tier.contains(k) for k in keys] == [False] * 5 + [True] * n
+    with Tier(LAYOUT, cfg, device="cpu") as tier:  # the evictions were journaled
+        assert [tier.contains(k) for k in keys] == [False] * 5 + [True] * n
+        hits, out = get(tier, keys[5:9])
+        assert all(hits) and all(torch.equal(o, content(k)) for k, o in zip(keys[5:9], out))
+
+
+def test_a_failed_write_is_handed_on_and_not_acknowledged(tmp_path, monkeypatch):
+    with Tier(LAYOUT, config(tmp_path), device="cpu") as tier:
+        assert put(tier, ["ok"]) == [True]
+        failed = fail_io(monkeypatch, tier.backend, "write")  # every write: EIO
+        assert put(tier, ["w0", "w1"]) == [False, False]
+        assert failed  # the quick write and the general path's both failed
+        assert not tier.contains("w0") and not tier.contains("w1")
+        s = tier.stats()
+        assert s["write_failed"] == 2 and s["quick_calls_handed_on"] == 1
+        monkeypatch.undo()
+        assert put(tier, ["w0", "w1"]) == [True, True]  # the slots were given back
+        hits, out = get(tier, ["ok", "w0", "w1"])
+        assert all(hits) and torch.equal(out[1], content("w0"))
+    with Tier(LAYOUT, config(tmp_path), device="cpu") as tier:
+        assert get(tier, ["ok", "w0", "w1"])[0] == [True] * 3
+
+
+def test_a_failed_fdatasync_is_handed_on(tmp_path, monkeypatch):
+    """The quick spill's fdatasync fails once (EIO): nothing of it was journaled, the general
+    path writes and syncs again."""
+    with Tier(LAYOUT, config(tmp_path), device="cpu") as tier:
+        real = tier.store.sync
+        calls = []
+
+        def sync_once_broken(files=None):
+            calls.append(files)
+            if len(calls) == 1:
+                raise OSError(errno.EIO, "fdatasync failed")
+            return real(files)
+
+        monkeypatch.setattr(tier.store, "sync", sync_once_broken)
+        assert put(tier, ["d"]) == [True] and len(calls) == 2
+        assert quick_counts(tier, "quick_spills") == (0, 1)
+        assert get(tier, ["d"])[0] == [True]
+    with Tier(LAYOUT, config(tmp_path), device="cpu") as tier:
+        hits, out = get(tier, ["d"])
+        assert hits == [True] and torch.equal(out[0], content("d"))
+
+
+def test_a_removed_store_file_refuses_quick_spills(tmp_path):
+    with Tier(LAYOUT, config(tmp_path), device="cpu") as tier:
+        assert put(tier, ["before"]) == [True]
+        os.unlink(tier.store.files[0].path)
+        assert put(tier, ["after"]) == [False] and not tier.contains("after")
+        assert put(tier, ["later"]) == [False]  # refused from now on
+
+
+def test_async_spills_take_the_quick_path(tmp_path):
+    with Tier(LAYOUT, config(tmp_path), device="cpu") as tier:
+        pages = []
+        for k in ("a0", "a1"):
+            r = region()
+            r.copy_(content(k))
+            pages.append([r])
+        assert tier.put_pages_async(["a0", "a1"], pages).result() == [True, True]
+        assert quick_counts(tier, "quick_spills") == (1, 0)
+        # a spill's regions may be one buffer twice (it only reads them)
+        assert tier.put_pages(["b0", "b1"], [pages[0], pages[0]]) == [True, True]
+        hits, out = get(tier, ["a1", "b1"])
+        assert hits == [True, True] and torch.equal(out[0], content("a1")) \
+            and torch.equal(out[1], content("a0"))
+
+
+def test_admission_keeps_spills_on_the_general_path(tmp_path):
+    with Tier(LAYOUT, config(tmp_path, admit_after=2), device="cpu") as tier:
+        q = tier.stats()["quick_spill"]
+        assert not q["enabled"] and "admit_after=2" in q["reason"]
+        assert tier.stats()["quick_restore"]["enabled"]
+        assert put(tier, ["x"]) == [False] and put(tier, ["x"]) == [True]
+
+
+def test_threads_spill_and_restore_concurrently_bit_exact(tmp_path):
+    errors = []
+    with Tier(LAYOUT, config(tmp_path, capacity=256 * SLOT), device="cpu") as tier:
+        def worker(k: int) -> None:
+            try:
+                assert put(tier, [f"c{k}-0"]) == [True]
+                for i in range(1, 40):
+                    key = f"c{k}-{i}"
+                    assert put(tier, [key]) == [True], key
+                    hits, out = get(tier, [key, f"c{k}-{i // 2}"])
+                    assert hits == [True, True], key
+                    assert torch.equal(out[0], content(key))
+                    assert torch.equal(out[1], content(f"c{k}-{i // 2}"))
+            except BaseException as exc:  # noqa: BLE001 - raised below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=worker, args=(k,)) for k in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors[0]
+        s = tier.stats()
+        assert s["quick_spills"] == 240 and s["quick_restores"] == 234
+        assert s.get("quick_calls_handed_on", 0) == 0

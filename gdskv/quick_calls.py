@@ -1,0 +1,273 @@
+"""Small restores and spills of host regions in one page-engine call each (issue 47).
+
+``get_pages`` / ``put_pages`` on a CPU tier, where each page is one host region that moves in
+place, is how the engines' host pools call gdskv (SGLang's host pool, vLLM's secondary tier,
+LMCache's L2 adapter, LightLLM's disk cache), often one page at a time from several threads.
+The general path (:class:`gdskv.restore_call.RestoreCall` / :class:`gdskv.spill_call.SpillCall`
+over :class:`gdskv.host_pages.InPlacePages`) handles every case -- any regions, staging, the
+backend's pool, partial failures, retries -- and a 1-page call pays for it: a restore made
+about 240 Python function calls and took 119-122 µs at p50 for a 64 KiB page from /dev/shm on
+the H100 host, where a raw ``preadv`` of it takes 8-10 µs. Under the interpreter lock that
+cost is what caps many threads' pages/s. A quick restore makes about 100 calls and takes
+45-68 µs (``bench/results/h100-2026-11-28/quick-restore/``).
+
+These paths do only what a small call that goes right needs, the slots' I/O in one call of the
+page engine on the calling thread (the payload to or from the caller's region, the rest of the
+slot -- padding and trailer -- through a scratch row):
+
+- :class:`QuickRestore`: pin the pages, read them with each page's CRC-32C compared to its
+  stored one in the same engine call, unpin.
+- :class:`QuickSpill`: reserve slots (evicting as ever), CRC-32C of the regions, trailers, the
+  write, fdatasync (``sync=data``), the journal's COMMITs, READY.
+
+When anything goes wrong, the call goes the general way, which settles it as ever:
+
+- a restore unpins and hands the whole call on (a page read short, an I/O error, a checksum that
+  differs, an exception, pages of another checksum algorithm). Its read counts as the first
+  of the call's tries (``RestoreCall(reads_done=1)``), so a read that may pass (EIO) is tried
+  as often as before; a lasting failure (a file gone, a truncated slab, a damaged page), which
+  the general path drops after one read, is read once more.
+- a spill whose write, fdatasync or journal fails, or that finds a store file removed, gives
+  its slots back (nothing of it was acknowledged or journaled) and hands the whole call on:
+  the general path reserves and writes again, and settles what fails.
+
+Either way the caller gets the same results, counters and journal records, but the quick
+paths' own counts (``quick_restores``, ``quick_spills``, ``quick_calls_handed_on``).
+
+Quick calls are not combined with others in flight (:mod:`gdskv.call_combiner`): each
+releases the GIL for its I/O, so calls from several threads overlap it, where a batch would do
+it on one thread (16 threads of 2 MiB /dev/shm restores on the H100 host: 0.24-0.28x raw
+``preadv`` threads alone, 0.13-0.16x combined; 64 KiB alike either way).
+
+A call takes a quick path (:meth:`QuickCall.regions`) when the tier's backend moves slots on
+the calling thread (posix), verification and ``io_on_caller`` are on, host regions move in
+place, every page is one contiguous uint8 tensor of ``page_bytes`` in host memory (4 KiB
+aligned, and the page whole 4 KiB blocks, under O_DIRECT), a restore's regions do not overlap,
+and the call fits one on-caller I/O (``Backend.caller_io_bytes``) and one staging chunk's
+pages. A spill also needs ``admit_after=1`` (every page admitted at once). Any other call goes
+the general way, which also raises the errors a bad argument gets.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Hashable, Sequence
+
+import numpy as np
+import torch
+
+from . import checksum
+from .data_call import CallContext
+from .host_pages import HostPagePath
+from .layout import ALIGNMENT
+from .memory import host_numpy
+from .restore_call import RestoreCall
+from .slot_trailer import TRAILER_BYTES
+from .spill_call import SpillCall, encode_trailers, reserve_slots
+from .streams import CallStream
+
+
+class QuickCall:
+    """What one tier's quick restores and spills share: when a call qualifies."""
+
+    #: the operation, as the tier's metrics name it
+    op = ""
+    #: whether a call's regions may overlap (a spill only reads them)
+    overlap = False
+
+    def __init__(self, ctx: CallContext, host_pages: HostPagePath) -> None:
+        self.ctx = ctx
+        self.host_pages = host_pages
+        lay = ctx.layout
+        self.page_bytes = lay.page_bytes
+        self.slot_bytes = lay.slot_bytes
+        # the most pages a call may have: one on-caller I/O, one staging chunk
+        self.max_pages = min(ctx.chunk_pages, ctx.backend.caller_io_bytes // lay.slot_bytes)
+        # under O_DIRECT a region must start on a 4 KiB boundary (the page is whole blocks)
+        self._align = ALIGNMENT if host_pages.direct else 1
+
+    @classmethod
+    def why_not(cls, ctx: CallContext, host_pages: HostPagePath) -> str:
+        """Why a tier has no such quick calls ("" when it has)."""
+        if not host_pages.enabled:
+            return f"host regions do not move in place ({host_pages.why_not})"
+        if not ctx.backend.caller_io_bytes:
+            return f"backend {ctx.backend.name} moves no slots on the calling thread"
+        if not ctx.verify:
+            return "verify=false"
+        if not ctx.io_on_caller:
+            return "io_on_caller=false"
+        if host_pages.direct and ctx.layout.page_bytes % ALIGNMENT:
+            return "pages are not whole 4 KiB blocks (O_DIRECT)"
+        if ctx.backend.caller_io_bytes < ctx.layout.slot_bytes:
+            return "a slot is larger than one I/O on the calling thread"
+        return ""
+
+    def describe(self) -> dict:
+        return {"enabled": True, "reason": f"{self.op}_pages of up to {self.max_pages} pages, "
+                "one host region each: one engine call on the calling thread"}
+
+    def regions(self, pages: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor] | None:
+        """The call's regions, one per page, where the call can take this path; else None
+        (the general path then checks the arguments and says what is wrong with them)."""
+        n = len(pages)
+        if not 0 < n <= self.max_pages:
+            return None
+        out = []
+        pb, align, uint8 = self.page_bytes, self._align, torch.uint8
+        for regions in pages:
+            if len(regions) != 1:
+                return None
+            r = regions[0]
+            if not (isinstance(r, torch.Tensor) and r.dtype is uint8 and r.dim() == 1
+                    and r.is_cpu and r.is_contiguous() and r.numel() == pb
+                    and r.data_ptr() % align == 0):
+                return None
+            out.append(r)
+        if n > 1 and not self.overlap:  # one page's bytes would land in another's
+            starts = sorted(r.data_ptr() for r in out)
+            if any(b - a < pb for a, b in zip(starts, starts[1:])):
+                return None
+        return out
+
+    def _frame(self, todo: list, regions: list[torch.Tensor]) -> tuple[list, list, np.ndarray]:
+        """The slots ``todo`` (``(position, slot, ...)``, in slot order) as the backend moves
+        them: their places, and their memory -- each region, then its scratch row."""
+        n, tail = len(todo), self.slot_bytes - self.page_bytes
+        rows = self.host_pages.scratch(n * tail).reshape(n, tail)
+        location = self.ctx.store.location
+        places, memory = [], []
+        for j, item in enumerate(todo):
+            places.append(location(item[1]))
+            memory.append(host_numpy(regions[item[0]]))
+            memory.append(rows[j])
+        return places, memory, rows
+
+    def _hand_on(self, **counts) -> None:
+        self.ctx.ledger.record({"quick_calls_handed_on": 1, **counts}, None)
+
+
+class QuickRestore(QuickCall):
+    """One tier's quick path for small in-place restores (see the module)."""
+
+    op = "get"
+
+    def run(self, keys: list[Hashable], regions: list[torch.Tensor],
+            pages: Sequence[Sequence[torch.Tensor]], stream: CallStream | None) -> list[bool]:
+        """Restore ``keys`` into ``regions`` (from :meth:`regions` of ``pages``): per page a
+        hit or a miss, as :class:`RestoreCall` answers."""
+        ctx = self.ctx
+        directory = ctx.directory
+        todo = directory.pin_for_read(keys)
+        if not todo:
+            return self._done(keys, [False] * len(keys), 0, 0.0)
+        slots = [s for _, s, _ in todo]
+        status = None
+        tried = False
+        try:
+            if directory.all_use(slots, checksum.CRC32C):
+                tried = True
+                t0 = time.perf_counter()
+                places, memory, _ = self._frame(todo, regions)
+                status = ctx.backend.read_checked_on_caller(
+                    places, memory, self.slot_bytes, self.page_bytes,
+                    np.fromiter((want for _, _, want in todo), np.uint64, len(todo)))
+                seconds = time.perf_counter() - t0
+        except Exception:  # noqa: BLE001 - the general path reads again and settles it
+            status = None
+        finally:
+            ctx.persist.journal_evictions(directory.unpin(slots))
+        if status is None or np.count_nonzero(status):
+            # another tier's checksums, or a page that did not read back whole and equal: the
+            # general path settles it (reading again; this read was the first try)
+            self._hand_on()
+            return RestoreCall(ctx, keys, self.host_pages.call(pages), stream,
+                               reads_done=int(tried)).run()
+        results = [False] * len(keys)
+        for pos, _, _ in todo:
+            results[pos] = True
+        return self._done(keys, results, len(todo), seconds)
+
+    def _done(self, keys: list, results: list[bool], hits: int, seconds: float) -> list[bool]:
+        """The call's counters, as a :class:`RestoreCall` that read ``hits`` pages whole
+        would record them."""
+        self.ctx.ledger.record({"bytes_read": hits * self.page_bytes, "read_seconds": seconds,
+                                "read_failed": 0, "corrupt_pages": 0, "unreadable_pages": 0,
+                                "pages_read_in_place": hits, "get_pages": len(keys),
+                                "hits": hits, "misses": len(keys) - hits,
+                                "quick_restores": 1}, None)
+        return results
+
+
+class QuickSpill(QuickCall):
+    """One tier's quick path for small in-place spills (see the module)."""
+
+    op = "put"
+    overlap = True
+
+    @classmethod
+    def why_not(cls, ctx: CallContext, host_pages: HostPagePath) -> str:
+        if ctx.config.admit_after > 1:
+            return f"admit_after={ctx.config.admit_after}"
+        return super().why_not(ctx, host_pages)
+
+    def run(self, keys: list[Hashable], regions: list[torch.Tensor],
+            pages: Sequence[Sequence[torch.Tensor]], stream: CallStream | None) -> list[bool]:
+        """Store ``keys`` from ``regions`` (from :meth:`regions` of ``pages``): per page
+        whether it is stored, as :class:`SpillCall` answers."""
+        ctx = self.ctx
+        results = [False] * len(keys)
+        tally = {"bytes_written": 0, "write_seconds": 0.0, "write_failed": 0}
+        todo, waiting = reserve_slots(ctx, keys, list(range(len(keys))), results, tally)
+        if todo:
+            slots = [s for _, s in todo]
+            try:
+                t0 = time.perf_counter()
+                written = self._write(keys, todo, regions)
+                seconds = time.perf_counter() - t0
+            except BaseException:
+                ctx.directory.abort(slots)
+                raise
+            if written is None:  # nothing acknowledged: the general path writes them again
+                ctx.directory.abort(slots)
+                self._hand_on(evictions=tally["evictions"])  # (they made room: they count)
+                return SpillCall(ctx, keys, self.host_pages.call(pages), stream).run()
+            ctx.directory.commit(slots, written, checksum.CRC32C)
+            for pos, _ in todo:
+                results[pos] = True
+            tally.update(bytes_written=len(todo) * self.page_bytes, write_seconds=seconds)
+        if waiting:  # keys another call was writing: its outcome is theirs
+            for i, ok in zip(waiting, ctx.directory.wait_written([keys[i] for i in waiting])):
+                results[i] = ok
+        tally.update(pages_written_in_place=len(todo), put_pages=len(keys),
+                     put_stored=sum(results), quick_spills=1)
+        ctx.ledger.record(tally, None)
+        return results
+
+    def _write(self, keys: list, todo: list, regions: list[torch.Tensor]) -> np.ndarray | None:
+        """Checksum, trailer, write, fdatasync and journal the reserved slots ``todo``
+        (``(position, slot)``, in slot order); their checksums, or None where any of it failed
+        (nothing journaled: the slots can be given back)."""
+        ctx = self.ctx
+        places, memory, rows = self._frame(todo, regions)
+        sums = np.empty(len(todo), dtype=np.uint64)
+        self.host_pages.page_sums([memory[2 * j:2 * j + 1] for j in range(len(todo))], sums)
+        seqs, trailers = encode_trailers(ctx, keys, todo, sums)
+        for row, trailer in zip(rows, trailers):
+            row[:-TRAILER_BYTES] = 0  # (a reused row: no earlier call's bytes)
+            row.data[-TRAILER_BYTES:] = trailer
+        # a page written to a removed file would be acknowledged and then gone
+        if ctx.lost_files():
+            return None
+        try:
+            if not ctx.backend.write_on_caller(places, memory, self.slot_bytes,
+                                               self.page_bytes):
+                return None
+            if ctx.sync_data:
+                ctx.store.sync({f for f, _ in places})
+            ctx.persist.journal_commits(ctx.persist.encode_commits(
+                [keys[i] for i, _ in todo], [s for _, s in todo], sums.tolist(),
+                checksum.CRC32C, seqs))
+        except OSError:
+            return None
+        return sums
