@@ -431,5 +431,7 @@ def test_threads_spill_and_restore_concurrently_bit_exact(tmp_path):
             t.join()
         assert not errors, errors[0]
         s = tier.stats()
-        assert s["quick_spills"] == 240 and s["quick_restores"] == 234
-        assert s.get("quick_calls_handed_on", 0) == 0
+        # restores are never combined; spills that find calls_at_once others running wait and
+        # are combined (group commit), the others take the quick path
+        assert s["quick_restores"] == 234 and s["put_stored"] == 240
+        assert 1 <= s["quick_spills"] <= 240 and s.get("quick_calls_handed_on", 0) == 0
