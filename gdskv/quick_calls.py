@@ -9,7 +9,7 @@ backend's pool, partial failures, retries -- and a 1-page call pays for it: a re
 about 240 Python function calls and took 119-122 µs at p50 for a 64 KiB page from /dev/shm on
 the H100 host, where a raw ``preadv`` of it takes 8-10 µs. Under the interpreter lock that
 cost is what caps many threads' pages/s. A quick restore makes about 100 calls and takes
-45-68 µs (``bench/results/h100-2026-11-28/quick-restore/``).
+45-68 µs (``bench/results/h100-2026-11-28/quick-calls/``).
 
 These paths do only what a small call that goes right needs, the slots' I/O in one call of the
 page engine on the calling thread (the payload to or from the caller's region, the rest of the
@@ -34,10 +34,13 @@ When anything goes wrong, the call goes the general way, which settles it as eve
 Either way the caller gets the same results, counters and journal records, but the quick
 paths' own counts (``quick_restores``, ``quick_spills``, ``quick_calls_handed_on``).
 
-Quick calls are not combined with others in flight (:mod:`gdskv.call_combiner`): each
-releases the GIL for its I/O, so calls from several threads overlap it, where a batch would do
-it on one thread (16 threads of 2 MiB /dev/shm restores on the H100 host: 0.24-0.28x raw
-``preadv`` threads alone, 0.13-0.16x combined; 64 KiB alike either way).
+Quick restores are not combined with others in flight (:mod:`gdskv.call_combiner`): each
+releases the GIL for its read, so calls from several threads overlap it, where a batch would
+read on one thread (16 threads of 2 MiB /dev/shm restores on the H100 host: 0.24-0.28x raw
+``preadv`` threads alone, 0.13-0.16x combined; 64 KiB alike either way). A quick spill runs
+where a spill would run alone; spills that wait are combined as before, so a batch shares one
+fdatasync and journal append (16 threads of 64 KiB quick spills each on its own ran at 0.4-0.5x
+the pages/s of the combined path).
 
 A call takes a quick path (:meth:`QuickCall.regions`) when the tier's backend moves slots on
 the calling thread (posix), verification and ``io_on_caller`` are on, host regions move in

@@ -87,6 +87,25 @@ def fail_io(monkeypatch, backend, op: str, fails=lambda fd, offset: True,
     return failed
 
 
+def fail_first_reads(monkeypatch, backend, fd: int, fails: int):
+    """Make the first ``fails`` reads of the file ``fd`` fail with EIO (through
+    :func:`fail_io`; a read of the file starts where its first one started). Returns a function
+    counting its reads so far."""
+    seen: list[int] = []  # offsets of the file's segments read
+
+    def attempts() -> int:
+        return seen.count(seen[0]) if seen else 0
+
+    def flaky(seg_fd, offset):
+        if seg_fd != fd:
+            return False
+        seen.append(offset)
+        return attempts() <= fails
+
+    fail_io(monkeypatch, backend, "read", flaky)
+    return attempts
+
+
 def _backend_params():
     yield pytest.param("posix", id="posix")
     yield pytest.param("nixl", id="nixl", marks=NEEDS_NIXL)

@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from conftest import NEEDS_NIXL, fail_io
+from conftest import NEEDS_NIXL, fail_first_reads, fail_io
 from gdskv.tier import Tier
 from reliability_helpers import (LAYOUT, SLOT, check_pages, put, read_back, ready_keys,
                                  slot_location, small_config)
@@ -60,19 +60,7 @@ def test_transient_eio_is_tried_again_then_dropped(tmp_path, monkeypatch, fails,
     keys = [f"e{i}" for i in range(6)]
     with Tier(LAYOUT, config(tmp_path, "posix"), device="cpu") as tier:
         assert all(put(tier, keys, aligned=aligned))
-        bad_fd = tier.store.files[0].fd
-        seen = []  # offsets of the file's segments read; a read of the file starts at seen[0]
-
-        def attempts() -> int:
-            return seen.count(seen[0]) if seen else 0
-
-        def flaky(fd, offset):
-            if fd != bad_fd:
-                return False
-            seen.append(offset)
-            return attempts() <= fails  # EIO
-
-        fail_io(monkeypatch, tier.backend, "read", flaky)  # through the page engine
+        attempts = fail_first_reads(monkeypatch, tier.backend, tier.store.files[0].fd, fails)
         res = check_pages(tier, keys)
         calls = [None] * attempts()
         assert not res["wrong"]

@@ -13,7 +13,7 @@ import threading
 import pytest
 import torch
 
-from conftest import fail_io
+from conftest import fail_first_reads, fail_io
 from gdskv import checksum
 from gdskv.config import TierConfig
 from gdskv.layout import BytePageLayout
@@ -54,6 +54,25 @@ def put(tier, keys) -> list[bool]:
 def get(tier, keys) -> tuple[list[bool], list[torch.Tensor]]:
     out = [region() for _ in keys]
     return tier.get_pages(list(keys), [[o] for o in out]), out
+
+
+def on_threads(worker, n: int) -> None:
+    """``worker(k)`` on ``n`` threads at once; the first one's exception is raised here."""
+    errors = []
+
+    def run(k: int) -> None:
+        try:
+            worker(k)
+        except BaseException as exc:  # noqa: BLE001 - raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
 
 
 def quick_counts(tier, what: str = "quick_restores") -> tuple[int, int]:
@@ -186,19 +205,7 @@ def test_transient_eio_is_tried_as_often_as_before(tmp_path, monkeypatch, fails)
     keys = ["e0", "e1"]
     with Tier(LAYOUT, config(tmp_path), device="cpu") as tier:
         assert all(put(tier, keys))
-        fd = tier.store.files[0].fd
-        seen = []  # offsets of the file's segments read; a read of the file starts at seen[0]
-
-        def attempts() -> int:
-            return seen.count(seen[0]) if seen else 0
-
-        def flaky(seg_fd, offset):
-            if seg_fd != fd:
-                return False
-            seen.append(offset)
-            return attempts() <= fails
-
-        fail_io(monkeypatch, tier.backend, "read", flaky)
+        attempts = fail_first_reads(monkeypatch, tier.backend, tier.store.files[0].fd, fails)
         hits, out = get(tier, keys)
         if fails <= Tier.READ_RETRIES:
             assert hits == [True, True] and all(torch.equal(o, content(k))
@@ -260,25 +267,16 @@ def test_pages_of_another_checksum_go_the_general_way(tmp_path):
 
 def test_threads_restore_concurrently_bit_exact(tmp_path):
     keys = [f"p{i}" for i in range(32)]
-    errors = []
     with Tier(LAYOUT, config(tmp_path), device="cpu") as tier:
         assert all(put(tier, keys))
 
         def worker(k: int) -> None:
-            try:
-                for i in range(60):
-                    key = keys[(k * 7 + i) % len(keys)]
-                    hits, out = get(tier, [key])
-                    assert hits == [True] and torch.equal(out[0], content(key)), key
-            except BaseException as exc:  # noqa: BLE001 - raised below
-                errors.append(exc)
+            for i in range(60):
+                key = keys[(k * 7 + i) % len(keys)]
+                hits, out = get(tier, [key])
+                assert hits == [True] and torch.equal(out[0], content(key)), key
 
-        threads = [threading.Thread(target=worker, args=(k,)) for k in range(6)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert not errors, errors[0]
+        on_threads(worker, 6)
         s = tier.stats()
         assert s["hits"] == 360 and s["misses"] == 0
         # every call took the quick path: quick restores are not combined (their reads
@@ -409,27 +407,18 @@ def test_admission_keeps_spills_on_the_general_path(tmp_path):
 
 
 def test_threads_spill_and_restore_concurrently_bit_exact(tmp_path):
-    errors = []
     with Tier(LAYOUT, config(tmp_path, capacity=256 * SLOT), device="cpu") as tier:
         def worker(k: int) -> None:
-            try:
-                assert put(tier, [f"c{k}-0"]) == [True]
-                for i in range(1, 40):
-                    key = f"c{k}-{i}"
-                    assert put(tier, [key]) == [True], key
-                    hits, out = get(tier, [key, f"c{k}-{i // 2}"])
-                    assert hits == [True, True], key
-                    assert torch.equal(out[0], content(key))
-                    assert torch.equal(out[1], content(f"c{k}-{i // 2}"))
-            except BaseException as exc:  # noqa: BLE001 - raised below
-                errors.append(exc)
+            assert put(tier, [f"c{k}-0"]) == [True]
+            for i in range(1, 40):
+                key = f"c{k}-{i}"
+                assert put(tier, [key]) == [True], key
+                hits, out = get(tier, [key, f"c{k}-{i // 2}"])
+                assert hits == [True, True], key
+                assert torch.equal(out[0], content(key))
+                assert torch.equal(out[1], content(f"c{k}-{i // 2}"))
 
-        threads = [threading.Thread(target=worker, args=(k,)) for k in range(6)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert not errors, errors[0]
+        on_threads(worker, 6)
         s = tier.stats()
         # restores are never combined; spills that find calls_at_once others running wait and
         # are combined (group commit), the others take the quick path

@@ -32,7 +32,7 @@ time, 2 MiB buffer): the native engine, the crc32c package, xxh3.
         --profile profile.txt     # where a 1-page call's host time goes (cProfile)
 
 Results it produced: ``cpu-2026-11-27/native/``, ``h100-2026-11-27/native/`` and
-``h100-2026-11-28/quick-restore/``.
+``h100-2026-11-28/quick-calls/``.
 """
 
 from __future__ import annotations
