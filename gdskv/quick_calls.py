@@ -254,7 +254,7 @@ class QuickSpill(QuickCall):
         ctx = self.ctx
         places, memory, rows = self._frame(todo, regions)
         sums = np.empty(len(todo), dtype=np.uint64)
-        self.host_pages.page_sums([memory[2 * j:2 * j + 1] for j in range(len(todo))], sums)
+        self.host_pages.page_sums([[region] for region in memory[::2]], sums)
         seqs, trailers = encode_trailers(ctx, keys, todo, sums)
         for row, trailer in zip(rows, trailers):
             row[:-TRAILER_BYTES] = 0  # (a reused row: no earlier call's bytes)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import errno
 import os
-import threading
 
 import pytest
 import torch
@@ -19,6 +18,7 @@ from gdskv.config import TierConfig
 from gdskv.layout import BytePageLayout
 from gdskv.memory import alloc_host
 from gdskv.tier import Tier
+from reliability_helpers import run_in_threads
 
 #: whole 4 KiB blocks: a page moves in place under O_DIRECT too
 LAYOUT = BytePageLayout(page_bytes=8192, kind="test/quick-restore")
@@ -54,25 +54,6 @@ def put(tier, keys) -> list[bool]:
 def get(tier, keys) -> tuple[list[bool], list[torch.Tensor]]:
     out = [region() for _ in keys]
     return tier.get_pages(list(keys), [[o] for o in out]), out
-
-
-def on_threads(worker, n: int) -> None:
-    """``worker(k)`` on ``n`` threads at once; the first one's exception is raised here."""
-    errors = []
-
-    def run(k: int) -> None:
-        try:
-            worker(k)
-        except BaseException as exc:  # noqa: BLE001 - raised below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(k,)) for k in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
 
 
 def quick_counts(tier, what: str = "quick_restores") -> tuple[int, int]:
@@ -276,7 +257,8 @@ def test_threads_restore_concurrently_bit_exact(tmp_path):
                 hits, out = get(tier, [key])
                 assert hits == [True] and torch.equal(out[0], content(key)), key
 
-        on_threads(worker, 6)
+        problems = run_in_threads(worker, 6)
+        assert not problems, problems[0]
         s = tier.stats()
         assert s["hits"] == 360 and s["misses"] == 0
         # every call took the quick path: quick restores are not combined (their reads
@@ -418,7 +400,8 @@ def test_threads_spill_and_restore_concurrently_bit_exact(tmp_path):
                 assert torch.equal(out[0], content(key))
                 assert torch.equal(out[1], content(f"c{k}-{i // 2}"))
 
-        on_threads(worker, 6)
+        problems = run_in_threads(worker, 6)
+        assert not problems, problems[0]
         s = tier.stats()
         # restores are never combined; spills that find calls_at_once others running wait and
         # are combined (group commit), the others take the quick path
