@@ -181,10 +181,11 @@ class TierConfig:
     #: (kvikio: one extent of GPU memory within a task; posix: one piece) moves its bytes on
     #: the calling thread, with no hand-off to the pool and back; off: always through the pool
     io_on_caller: bool = True
-    #: GPU tiers whose slab files are on a file system held in memory (tmpfs, ramfs:
-    #: /dev/shm): read them by one GPU copy from the files' own pages, mapped and registered
-    #: with CUDA in the background once the store opens (``gdskv.backends.memory_files``),
-    #: instead of through kvikio's bounce buffers; false: kvikio reads them
+    #: slab files on a file system held in memory (tmpfs, ramfs: /dev/shm) are read from
+    #: their own pages, mapped: GPU tiers on kvikio by one GPU copy, once registered with CUDA
+    #: in the background (``gdskv.backends.memory_files``), instead of through kvikio's bounce
+    #: buffers; the posix backend by one copy-and-checksum pass from the mapping instead of
+    #: ``preadv`` and a checksum pass (``gdskv.backends.posix``); false: both read by I/O calls
     map_memory_files: bool = True
     #: data calls (``put``/``get``, ``put_pages``/``get_pages``, sync or async) that arrive
     #: while another of their kind (operation, pool) runs wait and are then run as one call,
@@ -402,8 +403,9 @@ FIELD_DOCS: dict[str, str] = {
     "io_chunk_size": "stripe unit and largest I/O, a multiple of 4096",
     "io_poll_us": "poll an I/O's completion up to this many µs before sleeping on it (0: off)",
     "io_on_caller": "a one-chunk call whose I/O is one pool task moves it on the calling thread",
-    "map_memory_files": "kvikio backend, store on tmpfs/ramfs: reads are GPU copies from the "
-                        "slab files' own pages (mapped, registered with CUDA); false: kvikio",
+    "map_memory_files": "store on tmpfs/ramfs: reads copy from the slab files' own pages "
+                        "(mapped; kvikio: GPU copies, registered with CUDA; posix: one "
+                        "copy-and-checksum pass); false: read by I/O calls",
     "combine_calls": "data calls arriving while another of their kind runs wait, run as one",
     "calls_at_once": "calls of one kind that run at once before more wait to be combined",
     "direct_io": "auto (O_DIRECT where accepted, else buffered and said so), on or off",

@@ -59,18 +59,17 @@ def data_path(request) -> str:
 def fail_io(monkeypatch, backend, op: str, fails=lambda fd, offset: True,
             error: int = 5) -> list[int]:
     """Make ``backend``'s page engine (posix) fail ``op`` ("read" or "write") with errno
-    ``error`` for every segment where ``fails(fd, offset)`` holds, on either path: the other
-    segments move as ever, a failed one reports no bytes moved. Returns the file offsets it
-    failed, as they fail."""
+    ``error`` for every segment where ``fails(fd, offset)`` holds, on either path, and for
+    reads from files' mappings (``copy_pages``, a store on tmpfs) as for ``read_pages``: the
+    other segments move as ever, a failed one reports no bytes moved. Returns the file offsets
+    it failed, as they fail."""
     failed: list[int] = []
     engine = backend._engine
-    real = engine.read_pages if op == "read" else engine.write_pages
 
-    def call(segments, memory, result, *rest):
-        moved = real(segments, memory, result, *rest)
+    def spoil(moved, rows, result, rest):
         result = result.reshape(-1, 2)
         frame = 0
-        for k, (fd, offset, length) in enumerate(np.asarray(segments).reshape(-1, 3).tolist()):
+        for k, (fd, offset, length) in enumerate(rows):
             if fails(fd, offset):
                 failed.append(offset)
                 moved -= int(result[k, 0])
@@ -82,8 +81,20 @@ def fail_io(monkeypatch, backend, op: str, fails=lambda fd, offset: True,
             frame += length
         return moved
 
-    field = "read_pages" if op == "read" else "write_pages"
-    monkeypatch.setattr(backend, "_engine", dataclasses.replace(engine, **{field: call}))
+    def rows_of(segments):
+        return np.asarray(segments).reshape(-1, 3).tolist()
+
+    def move(segments, memory, result, *rest):
+        real = engine.read_pages if op == "read" else engine.write_pages
+        return spoil(real(segments, memory, result, *rest), rows_of(segments), result, rest)
+
+    def copy(sources, segments, memory, result, *rest):  # rows name sources: give their fds
+        moved = engine.copy_pages(sources, segments, memory, result, *rest)
+        rows = [(sources[i][0], offset, n) for i, offset, n in rows_of(segments)]
+        return spoil(moved, rows, result, rest)
+
+    fields = {"read_pages": move, "copy_pages": copy} if op == "read" else {"write_pages": move}
+    monkeypatch.setattr(backend, "_engine", dataclasses.replace(engine, **fields))
     return failed
 
 

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import errno
 import logging
+import mmap
 import os
+import shutil
+import tempfile
 import threading
 import time
 
@@ -22,6 +25,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gdskv import checksum, native
+from gdskv import store as store_mod
 from gdskv.config import TierConfig
 from gdskv.layout import BytePageLayout, KVLayout
 from gdskv.memory import alloc_host
@@ -214,6 +218,92 @@ def test_failures_are_reported_per_segment_and_page(tmp_path, engine):
         os.close(ro)
 
 
+def _mapped(path: str, size: int) -> tuple[int, mmap.mmap]:
+    """(fd, read-only shared mapping of its first ``size`` bytes), as the posix backend maps a
+    slab file held in memory."""
+    fd = os.open(path, os.O_RDONLY)
+    return fd, mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+
+
+@needs_native
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 5), st.sampled_from([1, 777, 4096, 30000, 3 * 8192 * 2 + 40]),
+       st.integers(0, 8), st.integers(0, 2**32))
+def test_copies_from_mappings_equal_reads(tmp_path_factory, pages, slot, cuts, seed):
+    """copy_pages from two mapped files against read_pages of the same segments: the same
+    bytes, results, checksums and statuses, on both paths (slots long enough for the
+    interleaved streams of the fused copy, 3 x 8 KiB, and payloads cut anywhere)."""
+    tmp = tmp_path_factory.mktemp("map")
+    rng = np.random.default_rng(seed)
+    raw, memory = _frame(rng, pages, slot, cuts)
+    layout = _segments(rng, memory, 2)
+    size = max(o + n for _, o, n in layout) + 4096
+    fds = _files(tmp, 2, size, "m")
+    page = slot - slot // 3
+    try:
+        segs = np.array([(fds[f], o, n) for f, o, n in layout], np.int64).reshape(-1, 3)
+        assert NATIVE.write_pages(segs, memory, np.zeros((len(memory), 2), np.int64)) == len(raw)
+        sources = [_mapped(str(tmp / f"m{i}"), size) for i in range(2)]
+        want = np.array([crc32c.crc32c(raw[k * slot:k * slot + page]) for k in range(pages)],
+                        np.uint64)
+        want[-1] ^= 4  # the last page: a stored checksum that does not match
+        outcomes = []
+        for engine, call in ((NATIVE, "read"), (NATIVE, "copy"), (PYTHON, "copy")):
+            back = [np.zeros(len(b), np.uint8) for b in memory]
+            res = np.full((len(memory), 2), 7, np.int64)
+            sums, status = np.zeros(pages, np.uint64), np.full(pages, 9, np.uint8)
+            if call == "read":
+                n = engine.read_pages(segs, back, res, slot, page, want, sums, status, 0)
+            else:
+                rows = np.array([(f, o, n) for f, o, n in layout], np.int64).reshape(-1, 3)
+                n = engine.copy_pages(sources, rows, back, res, slot, page, want, sums, status)
+            assert n == len(raw)
+            assert np.array_equal(np.concatenate(back + [np.zeros(0, np.uint8)]), raw)
+            assert list(status) == [0] * (pages - 1) + [1]
+            outcomes.append((res, sums, status))
+        for other in outcomes[1:]:
+            for x, y in zip(outcomes[0], other):
+                assert np.array_equal(x, y)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+@needs_native
+@pytest.mark.parametrize("engine", [NATIVE, PYTHON], ids=["native", "python"])
+def test_copies_stop_at_the_files_end(tmp_path, engine):
+    """A file cut shorter than its mapping: bytes past its end are not touched (they would
+    fault) and report the end, per segment and page, as read_pages reports them; a source
+    whose fd is closed reports EBADF; a bad source index is a ValueError."""
+    path = str(tmp_path / "f")
+    with open(path, "wb") as fh:
+        fh.write(bytes(range(250)) * 16)  # 4000 bytes
+    fd, mapping = _mapped(path, 4000)
+    try:
+        os.truncate(path, 2500)
+        back = [np.full(1000, 9, np.uint8) for _ in range(4)]
+        rows = np.array([[0, i * 1000, 1000] for i in range(4)], np.int64)
+        res = np.zeros((4, 2), np.int64)
+        sums, status = np.zeros(4, np.uint64), np.zeros(4, np.uint8)
+        assert engine.copy_pages([(fd, mapping)], rows, back, res, 1000, 1000, None, sums,
+                                 status) == 2500
+        assert res.tolist() == [[1000, 0], [1000, 0], [500, -1], [0, -1]]
+        assert list(status) == [0, 0, 2, 2] and list(sums[2:]) == [0, 0]
+        assert back[0].tobytes() == (bytes(range(250)) * 4) and set(back[3]) == {9}
+        closed = os.dup(fd)
+        os.close(closed)
+        res[:] = 0
+        assert engine.copy_pages([(closed, mapping)], rows[:1], back[:1], res[:1], 1, 0, None,
+                                 None, None) == 0
+        assert res[0].tolist() == [0, errno.EBADF]
+        with pytest.raises(ValueError, match="segment 0"):
+            engine.copy_pages([(fd, mapping)], np.array([[1, 0, 1000]], np.int64), back[:1],
+                              res[:1], 1, 0, None, None, None)
+    finally:
+        mapping.close()
+        os.close(fd)
+
+
 @needs_native
 def test_runs_longer_than_iov_max(tmp_path):
     """3000 buffers of one run: several preadv/pwritev calls, the same bytes on both paths."""
@@ -231,7 +321,8 @@ def test_runs_longer_than_iov_max(tmp_path):
 @needs_native
 def test_calls_release_the_gil(tmp_path):
     """While one thread is inside a call, another runs Python: checksums of 1 GiB (one 64 MiB
-    buffer 16 times), then a read of 64 MiB 8 times."""
+    buffer 16 times), then a read of 64 MiB 8 times, then 8 checked copies of it from its
+    mapping."""
     buf = np.ones(64 << 20, np.uint8)
     path = str(tmp_path / "big")
     with open(path, "wb") as fh:
@@ -240,8 +331,12 @@ def test_calls_release_the_gil(tmp_path):
     sums = np.zeros(16, np.uint64)
     res = np.zeros((8, 2), np.int64)
     segs = np.array([[fd, 0, 64 << 20]] * 8, np.int64)
+    mapping = mmap.mmap(fd, 64 << 20, mmap.MAP_SHARED, mmap.PROT_READ)
+    rows = np.array([[0, 0, 64 << 20]] * 8, np.int64)
     calls = [lambda: NATIVE.page_sums([buf] * 16, 64 << 20, 64 << 20, sums),
-             lambda: NATIVE.read_pages(segs, [buf] * 8, res, 1, 0, None, None, None, 0)]
+             lambda: NATIVE.read_pages(segs, [buf] * 8, res, 1, 0, None, None, None, 0),
+             lambda: NATIVE.copy_pages([(fd, mapping)], rows, [buf] * 8, res, 64 << 20,
+                                       64 << 20, None, sums, np.zeros(8, np.uint8))]
     try:
         for call in calls:
             for _attempt in range(3):  # a loaded machine may not run the other thread at once
@@ -258,6 +353,7 @@ def test_calls_release_the_gil(tmp_path):
             else:
                 pytest.fail(f"no Python ran while {call} ran: the GIL was held")
     finally:
+        mapping.close()
         os.close(fd)
 
 
@@ -385,11 +481,82 @@ def test_in_place_reads_checksum_in_the_call_that_reads(tmp_path, page_bytes):
                                          for d in data]))
         reads, sums = [], []
         engine = tier.backend._engine
-        tier.backend._engine = dataclasses.replace(
-            engine, read_pages=lambda *a: reads.append(a[4]) or engine.read_pages(*a))
+        tier.backend._engine = dataclasses.replace(  # (copy_pages: a store on tmpfs)
+            engine, read_pages=lambda *a: reads.append(a[4]) or engine.read_pages(*a),
+            copy_pages=lambda *a: reads.append(a[5]) or engine.copy_pages(*a))
         tier._host_pages.engine = dataclasses.replace(
             engine, page_sums=lambda *a: sums.append(a) or engine.page_sums(*a))
         out = [[alloc_host(page_bytes, pin=False)] for _ in data]
         assert all(tier.get_pages(keys, out))
         assert all(torch.equal(d, o[0]) for d, o in zip(data, out))
         assert reads and set(reads) == {page_bytes} and not sums
+
+
+# -- a store held in memory, read from its files' mappings --------------------------------------
+SHM = "/dev/shm"
+on_tmpfs = pytest.mark.skipif(
+    not os.path.isdir(SHM) or store_mod.file_system_type(SHM) not in store_mod.MEMORY_FILE_SYSTEMS,
+    reason="/dev/shm is not a file system held in memory here")
+
+
+@on_tmpfs
+@pytest.mark.parametrize("mapped", [True, False], ids=["mapped", "map_memory_files=false"])
+def test_a_store_in_memory_is_read_from_its_mappings(tmp_path_factory, mapped, data_path):
+    """A posix store on /dev/shm maps its slab files and reads by copy_pages (said in
+    stats), bit-exact, staged and in place, 1 page and many; a damaged page is a miss. A slab
+    file cut shorter under the running tier: the pages past its end are misses, never read
+    from the mapping (which would fault), and the rest still hit. With map_memory_files=false
+    the same calls go through preadv."""
+    import dataclasses
+
+    d = tempfile.mkdtemp(dir=SHM, prefix="gdskv-test-mapped-")
+    try:
+        layout = BytePageLayout(page_bytes=20000, kind="test/mapped")
+        cfg = TierConfig(directories=(d,), capacity="4MiB", staging_size="256KiB",
+                         io_chunk_size="64KiB", io_threads=3, backend="posix", files_per_dir=2,
+                         map_memory_files=mapped)
+        data = [torch.randint(0, 256, (20000,), dtype=torch.uint8,
+                              generator=torch.Generator().manual_seed(i)) for i in range(40)]
+        keys = [f"m{i}" for i in range(40)]
+        with Tier(layout, cfg, device="cpu") as tier:
+            state = tier.stats()["backend_detail"]["memory_files"]
+            assert state["state"].startswith("mapped" if mapped else "off: map_memory_files")
+            assert state["files_mapped"] == (2 if mapped else 0)
+            assert all(tier.put_pages(keys, [[alloc_host(20000, pin=False).copy_(x)]
+                                             for x in data]))
+            calls = {"copy": 0, "read": 0}
+            engine = tier.backend._engine
+            tier.backend._engine = dataclasses.replace(
+                engine,
+                copy_pages=lambda *a: calls.__setitem__("copy", calls["copy"] + 1)
+                or engine.copy_pages(*a),
+                read_pages=lambda *a: calls.__setitem__("read", calls["read"] + 1)
+                or engine.read_pages(*a))
+            for batch in (keys[:1], keys[1:3], keys):
+                out = [[alloc_host(20000, pin=False)] for _ in batch]
+                assert all(tier.get_pages(batch, out))
+                assert all(torch.equal(data[int(k[1:])], o[0]) for k, o in zip(batch, out))
+            assert (calls["copy"] > 0) == mapped and (calls["read"] > 0) != mapped
+            # a damaged payload byte: that page is a miss, the others hit
+            f, off = tier.store.location(tier.directory._index["m5"])
+            fd = os.open(tier.store.files[f].path, os.O_RDWR)
+            os.pwrite(fd, bytes([os.pread(fd, 1, off + 7)[0] ^ 1]), off + 7)
+            out = [[alloc_host(20000, pin=False)] for _ in keys]
+            hits = tier.get_pages(keys, out)
+            assert [k for k, h in zip(keys, hits) if not h] == ["m5"]
+            # file 0 cut after its third slot, under the running tier
+            path0 = tier.store.files[0].path
+            os.truncate(path0, 3 * layout.slot_bytes)
+            os.close(fd)
+            rest = [k for k in keys if k != "m5"]
+            where = {k: tier.store.location(tier.directory._index[k]) for k in rest}
+            cut = {k for k, (f, off) in where.items()
+                   if f == 0 and off + layout.slot_bytes > 3 * layout.slot_bytes}
+            assert cut
+            out = [[alloc_host(20000, pin=False)] for _ in rest]
+            hits = tier.get_pages(rest, out)
+            assert {k for k, h in zip(rest, hits) if not h} == cut
+            assert all(torch.equal(data[int(k[1:])], o[0])
+                       for k, o, h in zip(rest, out, hits) if h)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)

@@ -206,14 +206,17 @@ def test_an_exception_in_the_quick_read_is_handed_on(tmp_path, monkeypatch):
         engine = tier.backend._engine
         calls = []
 
-        def once_broken(*args):
-            calls.append(1)
-            if len(calls) == 1:
-                raise RuntimeError("broken once")
-            return engine.read_pages(*args)
+        def once_broken(real):  # (read_pages, or copy_pages where the store is on tmpfs)
+            def call(*args):
+                calls.append(1)
+                if len(calls) == 1:
+                    raise RuntimeError("broken once")
+                return real(*args)
+            return call
 
-        monkeypatch.setattr(tier.backend, "_engine",
-                            dataclasses.replace(engine, read_pages=once_broken))
+        monkeypatch.setattr(tier.backend, "_engine", dataclasses.replace(
+            engine, read_pages=once_broken(engine.read_pages),
+            copy_pages=once_broken(engine.copy_pages)))
         hits, out = get(tier, ["r"])
         assert hits == [True] and torch.equal(out[0], content("r")) and len(calls) == 2
         assert quick_counts(tier) == (0, 1) and tier.contains("r")

@@ -19,7 +19,10 @@ other on the same threads: one pass over the bytes, what any tier on memory-spee
 
 gdskv moves the primary's rows in place (``put_pages``/``get_pages`` straight between the row
 and the slab file, checksum on the row). ``gdskv-staged`` is the same tier with ``in_place=false``:
-every row through the staging buffer (the path before the in-place one).
+every row through the staging buffer (the path before the in-place one). ``gdskv-unmapped`` is
+``gdskv-sync-data`` with ``map_memory_files=false``: on tmpfs, reads by ``preadv`` and a
+checksum pass instead of one copy-and-checksum pass from the slab files' mappings (the default
+since 2026-11-28).
 
 Durability, side by side: vLLM's fs tier writes a temp file and renames it, with no fsync;
 gdskv runs twice, ``sync=data`` (fdatasync before a page is READY, the default) and
@@ -185,6 +188,10 @@ def bench(args) -> dict:
         "gdskv-sync-none": {"type": "GdskvSecondaryTier",
                             "module_path": "gdskv.adapters.vllm.secondary", "sync": "none",
                             "capacity": str(2 * args.size), "io_threads": args.threads},
+        "gdskv-unmapped": {"type": "GdskvSecondaryTier",
+                           "module_path": "gdskv.adapters.vllm.secondary", "sync": "data",
+                           "capacity": str(2 * args.size), "io_threads": args.threads,
+                           "map_memory_files": "false"},
         "gdskv-staged": {"type": "GdskvSecondaryTier",
                          "module_path": "gdskv.adapters.vllm.secondary", "sync": "data",
                          "capacity": str(2 * args.size), "io_threads": args.threads,
@@ -200,6 +207,8 @@ def bench(args) -> dict:
            "durability": {"vllm-fs": "tmp file + rename, no fsync",
                           "gdskv-sync-data": "fdatasync slab files + journal before READY",
                           "gdskv-sync-none": "no fsync (like vllm-fs)",
+                          "gdskv-unmapped": "as gdskv-sync-data, reads by preadv where the "
+                                            "store is on tmpfs (map_memory_files=false)",
                           "gdskv-staged": "as gdskv-sync-data, through the staging buffer",
                           "raw-rows": "no fsync; one file, no metadata (a ceiling, not a tier)",
                           "memcpy": "no storage: one copy of the rows (the memory ceiling)"},

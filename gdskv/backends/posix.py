@@ -8,7 +8,15 @@ moved in place) is one ``pwritev``/``preadv`` of its I/O vector per piece.
 
 A piece is one call of the page engine (:mod:`gdskv.native`): the C extension moves all its
 buffers with the GIL released (``native``), or ``os.preadv``/``os.pwritev`` do (``python``,
-``native=false`` or no extension). ``describe()`` says which. A read whose extents carry a
+``native=false`` or no extension). ``describe()`` says which.
+
+Slab files held in memory (tmpfs, ramfs: ``/dev/shm``) are also mapped (``MAP_SHARED``,
+read-only; ``map_memory_files``), and reads copy from the mappings (the engine's
+``copy_pages``): a file's pages are its storage, so a ``preadv`` is a kernel copy of them, and
+a checked read then reads its bytes again for the checksum. From the mapping each byte is
+copied and checksummed in one pass, with no system call but one ``fstat`` per file and call
+(bytes past a file's end are never touched: a mapping there faults). Writes stay ``pwritev``;
+the mapping is the file's page cache, so a copy sees every write before it. A read whose extents carry a
 page-checking hint (``Extent.moved`` with ``slot_bytes`` and ``page_bytes``: the tier's in-place
 pages) is cut into pieces of whole slots, and the same engine call checksums each page it read.
 """
@@ -16,6 +24,7 @@ pages) is cut into pieces of whole slots, and the same engine call checksums eac
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -26,6 +35,7 @@ import torch
 from .. import native
 from ..config import TierConfig
 from ..memory import host_numpy
+from ..store import MEMORY_FILE_SYSTEMS, file_system_type
 from .base import (Backend, CompletedIO, CompletionPoller, Extent, IOOutcome, ShortIOError,
                    SlabFile, combine, io_pieces, split_extents)
 from .bounce import HostMirrors
@@ -56,6 +66,10 @@ class PosixBackend(Backend):
         self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(
             self._threads, thread_name_prefix="gdskv-posix")
         self._files: list[SlabFile] = []
+        self._map_memory_files = config.map_memory_files
+        #: per slab file, its (fd, read-only mapping) where reads copy from it, else None
+        self._maps: list[tuple[int, mmap.mmap] | None] = []
+        self._maps_off = "no store attached"
         self._mirrors = HostMirrors()
         self._poller = CompletionPoller(config.io_poll_us)
         self._engine = native.engine(config.native)
@@ -66,11 +80,30 @@ class PosixBackend(Backend):
 
     def attach(self, files: Sequence[SlabFile]) -> None:
         self._files = list(files)
+        self._maps = [None] * len(self._files)
+        if not self._map_memory_files:
+            self._maps_off = "map_memory_files=false"
+            return
+        for i, f in enumerate(self._files):
+            kind = file_system_type(f.path)
+            if kind not in MEMORY_FILE_SYSTEMS:
+                self._maps_off = f"{f.path} is on {kind or 'an unknown file system'}"
+                continue
+            try:
+                self._maps[i] = (f.fd, mmap.mmap(f.fd, f.size, mmap.MAP_SHARED,
+                                                       mmap.PROT_READ))
+            except (OSError, ValueError) as exc:  # e.g. a ramfs without mmap: preadv reads it
+                self._maps_off = f"mapping {f.path} failed: {exc}"
+                log.warning("posix: %s is read by preadv (%s)", f.path, exc)
 
     def describe(self) -> dict:
+        mapped = sum(m is not None for m in self._maps)
         return {**super().describe(), "threads": self._threads, "io_chunk_size": self._chunk,
                 "gpu_buffers": "staged through a pinned host mirror",
-                "io_poll_us": self._poller.budget_us, "engine": self._engine.path}
+                "io_poll_us": self._poller.budget_us, "engine": self._engine.path,
+                "memory_files": {"state": "mapped: reads copy from the files' pages" if mapped
+                                 else f"off: {self._maps_off}",
+                                 "files_mapped": mapped, "files": len(self._maps)}}
 
     def write(self, buffer: torch.Tensor | None, extents: Sequence[Extent]) -> Future:
         host = None if buffer is None else self._mirrors.to_host(buffer, extents)
@@ -109,7 +142,7 @@ class PosixBackend(Backend):
                 iov = piece.memory or (view[piece.buffer_offset:
                                             piece.buffer_offset + piece.length],)
                 outcome.nbytes += _move_piece(self._engine, op, self._files[piece.file], iov,
-                                              piece)
+                                              piece, self._mapped(op, piece.file))
             except Exception as exc:  # noqa: BLE001 - recorded against the extent, as a pool I/O
                 outcome.fail(idx, exc, piece)
         if op == "read" and host is not None and host is not buffer:
@@ -126,12 +159,19 @@ class PosixBackend(Backend):
         """One call of the page engine on this thread (the GIL released): consecutive slots of
         a file in one ``preadv``, each page's CRC-32C compared with ``want`` (see
         :meth:`Backend.read_checked_on_caller`)."""
-        segments, result = self._slot_segments(places, slot_bytes, page_bytes)
+        sources = [self._maps[f] for f in {f: None for f, _ in places}]
+        if None in sources:
+            sources = None
+        segments, result = self._slot_segments(places, slot_bytes, page_bytes, sources)
         sums = np.empty(len(places), dtype=np.uint64)
         status = np.empty(len(places), dtype=np.uint8)
-        readahead = 0 if self._files[places[0][0]].direct else READAHEAD_HINT_BYTES
-        self._engine.read_pages(segments, memory, result, slot_bytes, page_bytes, want, sums,
-                                status, readahead)
+        if sources is not None:
+            self._engine.copy_pages(sources, segments, memory, result, slot_bytes, page_bytes,
+                                    want, sums, status)
+        else:
+            readahead = 0 if self._files[places[0][0]].direct else READAHEAD_HINT_BYTES
+            self._engine.read_pages(segments, memory, result, slot_bytes, page_bytes, want,
+                                    sums, status, readahead)
         return status
 
     def write_on_caller(self, places: Sequence[tuple[int, int]], memory: Sequence,
@@ -143,15 +183,21 @@ class PosixBackend(Backend):
         return not np.count_nonzero(result[:, 1])
 
     def _slot_segments(self, places: Sequence[tuple[int, int]], slot_bytes: int,
-                       page_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+                       page_bytes: int, sources: list | None = None
+                       ) -> tuple[np.ndarray, np.ndarray]:
         """The engine's segments for whole slots at ``places`` (each slot's payload, then its
-        rest), and the result rows for them."""
+        rest), and the result rows for them: rows of file descriptors, or of indices into
+        ``sources`` (the files' mappings, in the order of their first place) when given."""
         if self._pool is None:
             raise RuntimeError("posix backend is closed")
         files, rest = self._files, slot_bytes - page_bytes
+        if sources is None:
+            column = {f: files[f].fd for f, _ in places}
+        else:
+            column = {f: i for i, f in enumerate({f: None for f, _ in places})}
         segments = np.empty((2 * len(places), 3), dtype=np.int64)
         for j, (f, offset) in enumerate(places):
-            fd = files[f].fd
+            fd = column[f]
             segments[2 * j] = (fd, offset, page_bytes)
             segments[2 * j + 1] = (fd, offset + page_bytes, rest)
         return segments, np.empty((len(segments), 2), dtype=np.int64)
@@ -166,7 +212,7 @@ class PosixBackend(Backend):
             f = self._files[piece.file]
             iov = piece.memory or (view[piece.buffer_offset:piece.buffer_offset + piece.length],)
             futures.append((idx, piece, self._pool.submit(_move_piece, self._engine, op, f, iov,
-                                                          piece)))
+                                                          piece, self._mapped(op, piece.file))))
         return self._poller.wrap(combine(futures, after=after))
 
     def _pieces(self, op: str, extents: Sequence[Extent]) -> list[tuple[int, Extent]]:
@@ -179,11 +225,23 @@ class PosixBackend(Backend):
         size = min(self._chunk, max(MIN_PIECE_BYTES, -(-total // self._threads)))
         return split_extents(extents, max(slot, size // slot * slot))
 
+    def _mapped(self, op: str, file: int) -> tuple[int, mmap.mmap] | None:
+        """The file's (fd, mapping) where a read copies from it, else None."""
+        return self._maps[file] if op == "read" else None
+
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
         self._mirrors.clear()
+        maps, self._maps = self._maps, [None] * len(self._maps)
+        self._maps_off = "the backend is closed"
+        for m in maps:
+            if m is not None:
+                try:
+                    m[1].close()
+                except BufferError:  # a call still holds a view of it: unmapped when freed
+                    pass
 
 
 def _page_geometry(op: str, hint) -> tuple[int, int]:
@@ -195,11 +253,11 @@ def _page_geometry(op: str, hint) -> tuple[int, int]:
 
 
 def _move_piece(engine: native.Engine, op: str, f: SlabFile, iov: Sequence,
-                piece: Extent) -> int:
+                piece: Extent, mapped: tuple[int, mmap.mmap] | None = None) -> int:
     """One piece moved with :func:`_vector_io`, then its ``moved`` hint called in this thread
     (with the pages' checksums where it takes them)."""
     slot, page = _page_geometry(op, piece.moved)
-    n, sums = _vector_io(engine, op, f, iov, piece.file_offset, slot, page)
+    n, sums = _vector_io(engine, op, f, iov, piece.file_offset, slot, page, mapped)
     if piece.moved is not None:
         try:
             piece.moved(piece) if sums is None else piece.moved(piece, sums)
@@ -209,16 +267,18 @@ def _move_piece(engine: native.Engine, op: str, f: SlabFile, iov: Sequence,
 
 
 def _vector_io(engine: native.Engine, op: str, f: SlabFile, iov: Sequence, offset: int,
-               slot_bytes: int = 0, page_bytes: int = 0) -> tuple[int, np.ndarray | None]:
+               slot_bytes: int = 0, page_bytes: int = 0,
+               mapped: tuple[int, mmap.mmap] | None = None) -> tuple[int, np.ndarray | None]:
     """All of ``iov`` to or from ``f`` at ``offset``: one call of the page engine, which goes
-    on after partial transfers; with ``page_bytes``, a read also checksums each
+    on after partial transfers (a read copies from ``mapped``, the file's mapping, where
+    given); with ``page_bytes``, a read also checksums each
     ``slot_bytes`` slot of the piece (the first ``page_bytes`` of it). Returns the bytes moved
     and the checksums (or None). ShortIOError when the file gives no more, or when an error
     (e.g. ENOSPC) stops it after some bytes moved: those bytes count (a full disk fails only
     the pages past the point where it filled); the OSError of a call that moved nothing."""
-    rows, at = [], offset
+    rows, at, column = [], offset, f.fd if mapped is None else 0
     for b in iov:
-        rows.append((f.fd, at, len(b)))
+        rows.append((column, at, len(b)))
         at += len(b)
     segments = np.array(rows, dtype=np.int64)
     result = np.empty((len(iov), 2), dtype=np.int64)
@@ -234,8 +294,12 @@ def _vector_io(engine: native.Engine, op: str, f: SlabFile, iov: Sequence, offse
         # time; announcing the whole piece (POSIX_FADV_WILLNEED, a hint the engine ignores
         # failing) lets the kernel queue it at once. On the H100's virtio disk it measured the
         # same as no hint, within noise (bench/RESULTS.md, "Hybrid models").
-        done = engine.read_pages(segments, iov, result, slot_bytes or 1, page_bytes, None, sums,
-                                 status, 0 if f.direct else READAHEAD_HINT_BYTES)
+        if mapped is not None:
+            done = engine.copy_pages((mapped,), segments, iov, result, slot_bytes or 1,
+                                     page_bytes, None, sums, status)
+        else:
+            done = engine.read_pages(segments, iov, result, slot_bytes or 1, page_bytes, None,
+                                     sums, status, 0 if f.direct else READAHEAD_HINT_BYTES)
     errors = result[:, 1]
     if np.count_nonzero(errors):  # (a C-level count: ndarray.any() goes through Python)
         error = int(errors[errors != 0][0])

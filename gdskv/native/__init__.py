@@ -1,6 +1,6 @@
 """The page engine: a data call's page I/O and page checksums, one call per pool task.
 
-Two implementations with the same four functions (see ``_pages.c`` for the arguments):
+Two implementations with the same five functions (see ``_pages.c`` for the arguments):
 
 - ``native``: the C extension ``gdskv.native._pages`` (CPython limited API, built by ``pip
   install``). Each call runs with the GIL released from its first system call to its last
@@ -22,6 +22,12 @@ segment's ``(bytes moved, error)``: 0, an errno, or -1 where the file ended. A r
 ``page_bytes`` > 0 then checksums each page of the frame into ``sums`` and sets ``status``
 (uint8): 0 read whole (and equal to ``want``, where given), 1 checksum differs, 2 not read
 whole. Both return the bytes moved.
+``copy_pages(sources, segments, memory, result, slot_bytes, page_bytes, want, sums, status)``:
+``read_pages`` from files held in memory (tmpfs), copied from their mappings: ``sources`` is a
+sequence of ``(fd, mapping)`` pairs and a segment row is ``(source index, offset, length)``.
+Each payload byte is copied and checksummed in one pass (``read_pages`` makes two: the
+kernel's copy, then the checksum), and no system call runs but one ``fstat`` a file: bytes
+past a file's end are not touched and report the end (-1), as a ``preadv`` would.
 
 Whether the engine needs its own thread pool: no. A call holds no lock while it works, so the
 tier's calls from many threads and the posix backend's pool threads already run in parallel
@@ -58,6 +64,7 @@ class Engine:
     crc32c: Callable
     page_sums: Callable
     read_pages: Callable
+    copy_pages: Callable
     write_pages: Callable
 
     def describe(self) -> dict:
@@ -66,7 +73,7 @@ class Engine:
 
 def _engine(module, path: str, reason: str) -> Engine:
     return Engine(path, reason, module.implementation(), module.crc32c, module.page_sums,
-                  module.read_pages, module.write_pages)
+                  module.read_pages, module.copy_pages, module.write_pages)
 
 
 NATIVE: Engine | None = None if _pages is None else \

@@ -34,6 +34,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -184,6 +185,33 @@ crc_table_update(uint32_t r, const unsigned char *p, size_t n)
         for (; n; n--, p++)                                                                   \
             r = STEP8(r, *p);                                                                 \
         return r;                                                                             \
+    }                                                                                         \
+    /* the streams again, each word stored to `d` as it is summed: one pass over the bytes */ \
+    static attr uint32_t name##_copy_streams(uint32_t r, unsigned char *d,                    \
+                                             const unsigned char *p, size_t block,            \
+                                             uint32_t table[4][256])                          \
+    {                                                                                         \
+        uint64_t a = r, b = 0, c = 0;                                                         \
+        for (size_t i = 0; i < block; i += 8) {                                               \
+            uint64_t x = load64(p + i), y = load64(p + block + i),                            \
+                     z = load64(p + 2 * block + i);                                           \
+            a = STEP64(a, x);                                                                 \
+            b = STEP64(b, y);                                                                 \
+            c = STEP64(c, z);                                                                 \
+            memcpy(d + i, &x, 8);                                                             \
+            memcpy(d + block + i, &y, 8);                                                     \
+            memcpy(d + 2 * block + i, &z, 8);                                                 \
+        }                                                                                     \
+        return shift(table, shift(table, (uint32_t)a) ^ (uint32_t)b) ^ (uint32_t)c;           \
+    }                                                                                         \
+    static attr uint32_t name##_copy(uint32_t r, unsigned char *d, const unsigned char *p,    \
+                                     size_t n)                                                \
+    {                                                                                         \
+        for (; n >= 3 * LONG_BLOCK; n -= 3 * LONG_BLOCK, p += 3 * LONG_BLOCK,                 \
+                                    d += 3 * LONG_BLOCK)                                      \
+            r = name##_copy_streams(r, d, p, LONG_BLOCK, shift_long);                         \
+        memcpy(d, p, n);                                                                      \
+        return name(r, d, n);                                                                 \
     }
 
 #if defined(GDSKV_X86) && defined(__x86_64__)
@@ -205,8 +233,18 @@ DEFINE_HW_UPDATE(crc_armv8_update, ARM_CRC_ATTR, ARM_STEP64, ARM_STEP8)
 #define HAVE_HW_CRC 1
 #endif
 
+/* The register after `p[0:n]` copied to `d`: the copy, then its CRC (the portable form). */
+static uint32_t
+crc_table_copy(uint32_t r, unsigned char *d, const unsigned char *p, size_t n)
+{
+    memcpy(d, p, n);
+    return crc_table_update(r, d, n);
+}
+
 typedef uint32_t (*crc_update_fn)(uint32_t, const unsigned char *, size_t);
+typedef uint32_t (*crc_copy_fn)(uint32_t, unsigned char *, const unsigned char *, size_t);
 static crc_update_fn crc_update = crc_table_update;
+static crc_copy_fn crc_copy = crc_table_copy;
 static const char *crc_implementation = "table";
 
 static void
@@ -216,14 +254,17 @@ choose_crc(void)
     __builtin_cpu_init();
     if (__builtin_cpu_supports("sse4.2")) {
         crc_update = crc_sse42_update;
+        crc_copy = crc_sse42_update_copy;
         crc_implementation = "sse4.2";
     }
 #elif defined(GDSKV_ARM) && defined(__ARM_FEATURE_CRC32)
     crc_update = crc_armv8_update; /* built for CPUs that all have it (e.g. Apple's) */
+    crc_copy = crc_armv8_update_copy;
     crc_implementation = "armv8-crc";
 #elif defined(GDSKV_ARM) && defined(__linux__)
     if (getauxval(AT_HWCAP) & HWCAP_CRC32) {
         crc_update = crc_armv8_update;
+        crc_copy = crc_armv8_update_copy;
         crc_implementation = "armv8-crc";
     }
 #endif
@@ -657,6 +698,186 @@ move_pages(int write, PyObject *args)
     return failed ? NULL : PyLong_FromLongLong(moved);
 }
 
+/* ---------------------------------------------------------------------------------------- */
+/* Copies from files' mappings                                                              */
+/* ---------------------------------------------------------------------------------------- */
+
+/* `sources`: a sequence of (fd, buffer) pairs, each buffer the file's mapping from offset 0.
+ * Fills `maps` (held until release_all) and `fds` (PyMem; freed by the caller). */
+static int
+get_sources(PyObject *sources, Buffers *maps, int **fds)
+{
+    *fds = NULL;
+    PyObject *buffers = NULL;
+    Py_ssize_t n = PySequence_Size(sources);
+    if (n < 0 || (buffers = PyList_New(n)) == NULL)
+        return -1;
+    *fds = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(int));
+    if (*fds == NULL) {
+        Py_DECREF(buffers);
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *pair = PySequence_GetItem(sources, i);
+        PyObject *fd = NULL, *buffer = NULL;
+        long value = -1;
+        if (pair != NULL && PySequence_Size(pair) == 2) {
+            fd = PySequence_GetItem(pair, 0);
+            buffer = PySequence_GetItem(pair, 1);
+            if (fd != NULL)
+                value = PyLong_AsLong(fd);
+        }
+        Py_XDECREF(pair);
+        Py_XDECREF(fd);
+        if (buffer == NULL || value < 0 || value > INT_MAX) {
+            Py_XDECREF(buffer);
+            Py_DECREF(buffers);
+            if (!PyErr_Occurred())
+                PyErr_Format(PyExc_ValueError, "sources[%zd]: expected (fd, mapping)", i);
+            return -1;
+        }
+        (*fds)[i] = (int)value;
+        PyList_SetItem(buffers, i, buffer); /* steals the reference */
+    }
+    int rc = get_memory(buffers, 0, maps);
+    Py_DECREF(buffers);
+    return rc;
+}
+
+/* Segment k's bytes [0, n) from `src` to its buffer, at frame offset `at`: each part inside a
+ * page's payload copied and summed into that page's register in one pass, the rest copied. */
+static void
+copy_segment(unsigned char *dst, const unsigned char *src, long long n, long long at,
+             long long slot_bytes, long long page_bytes, uint64_t *registers)
+{
+    if (registers == NULL) {
+        memcpy(dst, src, (size_t)n);
+        return;
+    }
+    for (long long i = 0; i < n;) {
+        long long page = (at + i) / slot_bytes, in_slot = (at + i) % slot_bytes, take;
+        if (in_slot < page_bytes) {
+            take = page_bytes - in_slot < n - i ? page_bytes - in_slot : n - i;
+            registers[page] = crc_copy((uint32_t)registers[page], dst + i, src + i, (size_t)take);
+        } else {
+            take = slot_bytes - in_slot < n - i ? slot_bytes - in_slot : n - i;
+            memcpy(dst + i, src + i, (size_t)take);
+        }
+        i += take;
+    }
+}
+
+/* copy_pages: read_pages' work from files' mappings (files held in memory: tmpfs), one pass
+ * over each byte where read_pages makes two (the kernel's copy, then the checksum). A segment
+ * row is (source index, offset, length). Each file's size is taken (fstat) before the copies:
+ * bytes past its end are not touched (a mapping there would fault) and count as a read that
+ * found the end (error -1), as preadv would report them. */
+static PyObject *
+py_copy_pages(PyObject *self, PyObject *args)
+{
+    PyObject *sources_obj, *segments_obj, *memory, *result_obj, *want_obj, *sums_obj,
+        *status_obj;
+    long long slot_bytes, page_bytes, pages = 0, moved = 0;
+    if (!PyArg_ParseTuple(args, "OOOOLLOOO:copy_pages", &sources_obj, &segments_obj, &memory,
+                          &result_obj, &slot_bytes, &page_bytes, &want_obj, &sums_obj,
+                          &status_obj))
+        return NULL;
+    Buffers maps, mem;
+    int *fds = NULL;
+    if (get_sources(sources_obj, &maps, &fds) < 0) {
+        PyMem_Free(fds);
+        return NULL;
+    }
+    if (get_memory(memory, 1, &mem) < 0) {
+        release_all(&maps);
+        PyMem_Free(fds);
+        return NULL;
+    }
+    Py_buffer segs = {0}, res = {0}, want = {0}, sums = {0}, status = {0};
+    long long *limits = NULL;
+    int failed = get_array(segments_obj, "segments", 8, 0, 1, 0, 0, &segs) < 0 ||
+                 check_segments(&segs, &mem) < 0 ||
+                 get_array(result_obj, "result", 8, 2 * mem.count, 0, 1, 0, &res) < 0;
+    for (Py_ssize_t k = 0; !failed && k < mem.count; k++) {
+        const Segment *row = (const Segment *)segs.buf + k;
+        if (row->fd >= maps.count) {
+            PyErr_Format(PyExc_ValueError, "segment %zd: source %lld of %zd", k, row->fd,
+                         maps.count);
+            failed = 1;
+        }
+    }
+    if (!failed && page_bytes > 0) {
+        failed = check_pages(frame_length(&mem), slot_bytes, page_bytes, &pages) < 0 ||
+                 get_array(want_obj, "want", 8, pages, 1, 0, 1, &want) < 0 ||
+                 get_array(sums_obj, "sums", 8, pages, 1, 1, 0, &sums) < 0 ||
+                 get_array(status_obj, "status", 1, pages, 1, 1, 0, &status) < 0;
+    }
+    if (!failed && (limits = PyMem_Malloc((size_t)(maps.count ? maps.count : 1) *
+                                          sizeof(long long))) == NULL) {
+        PyErr_NoMemory();
+        failed = 1;
+    }
+    if (!failed) {
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < maps.count; i++) {
+            struct stat st;
+            /* an errno as a negative limit: nothing of that file is copied */
+            limits[i] = fstat(fds[i], &st) < 0 ? -(long long)errno
+                        : st.st_size < maps.views[i].len ? (long long)st.st_size
+                                                          : (long long)maps.views[i].len;
+        }
+        const Segment *rows = segs.buf;
+        Moved *out = res.buf;
+        uint64_t *registers = pages ? sums.buf : NULL;
+        for (long long k = 0; k < pages; k++)
+            registers[k] = 0xFFFFFFFFu;
+        long long at = 0;
+        for (Py_ssize_t k = 0; k < mem.count; k++) {
+            long long limit = limits[rows[k].fd], n = 0, error = 0;
+            if (limit < 0)
+                error = -limit;
+            else if ((n = limit - rows[k].offset) < rows[k].length)
+                error = -1;
+            n = n < 0 ? 0 : n > rows[k].length ? rows[k].length : n;
+            if (n > 0)
+                copy_segment(mem.views[k].buf,
+                             (const unsigned char *)maps.views[rows[k].fd].buf + rows[k].offset,
+                             n, at, slot_bytes, page_bytes, registers);
+            out[k].done = n;
+            out[k].error = n < rows[k].length ? error : 0;
+            moved += n;
+            at += rows[k].length;
+        }
+        if (pages) {
+            Cursor gaps = {mem.views, mem.count, 0, 0};
+            const uint64_t *expect = want.buf;
+            unsigned char *state = status.buf;
+            for (long long k = 0; k < pages; k++) {
+                long long start = k * slot_bytes;
+                if (missing(&mem, res.buf, &gaps, start, start + slot_bytes)) {
+                    registers[k] = 0;
+                    state[k] = 2;
+                    continue;
+                }
+                registers[k] = ~(uint32_t)registers[k];
+                state[k] = expect != NULL && registers[k] != expect[k];
+            }
+        }
+        Py_END_ALLOW_THREADS
+    }
+    PyMem_Free(limits);
+    release_array(&status);
+    release_array(&sums);
+    release_array(&want);
+    release_array(&res);
+    release_array(&segs);
+    release_all(&mem);
+    release_all(&maps);
+    PyMem_Free(fds);
+    return failed ? NULL : PyLong_FromLongLong(moved);
+}
+
 static PyObject *
 py_read_pages(PyObject *self, PyObject *args)
 {
@@ -685,6 +906,9 @@ static PyMethodDef methods[] = {
     {"read_pages", py_read_pages, METH_VARARGS,
      "read_pages(segments, memory, result, slot_bytes, page_bytes, want, sums, status, "
      "readahead) -> bytes read; each page's CRC-32C and status (0 ok, 1 mismatch, 2 not read)."},
+    {"copy_pages", py_copy_pages, METH_VARARGS,
+     "copy_pages(sources, segments, memory, result, slot_bytes, page_bytes, want, sums, status)"
+     " -> bytes copied; read_pages from (fd, mapping) sources, rows (source, offset, length)."},
     {"write_pages", py_write_pages, METH_VARARGS,
      "write_pages(segments, memory, result) -> bytes written."},
     {"implementation", py_implementation, METH_NOARGS,

@@ -129,18 +129,57 @@ def read_pages(segments: np.ndarray, memory: Sequence, result: np.ndarray, slot_
     pages = _pages(sum(len(v) for v in views), slot_bytes, page_bytes) if page_bytes > 0 else 0
     result = result.reshape(-1, 2)
     moved = _move(os.preadv, segments, views, result, readahead)
-    if pages:
-        starts = _starts(views)
-        gaps = [(starts[k] + int(result[k, 0]), starts[k + 1]) for k in range(len(views))
-                if result[k, 0] < len(views[k])]
-        for k in range(pages):
-            start, end = k * slot_bytes, (k + 1) * slot_bytes
-            if any(a < end and b > start for a, b in gaps):
-                sums[k], status[k] = 0, 2
-                continue
-            sums[k] = _frame_crc(views, starts, start, page_bytes)
-            status[k] = want is not None and int(sums[k]) != int(want[k])
+    _check_pages(views, result, pages, slot_bytes, page_bytes, want, sums, status)
     return moved
+
+
+def copy_pages(sources: Sequence, segments: np.ndarray, memory: Sequence, result: np.ndarray,
+               slot_bytes: int, page_bytes: int, want: np.ndarray | None,
+               sums: np.ndarray | None, status: np.ndarray | None) -> int:
+    views = _bytes(memory)
+    maps = [(fd, memoryview(m).cast("B")) for fd, m in sources]
+    pages = _pages(sum(len(v) for v in views), slot_bytes, page_bytes) if page_bytes > 0 else 0
+    segs = np.asarray(segments).reshape(-1, 3).tolist()
+    if len(segs) != len(views):
+        raise ValueError(f"memory: {len(views)} buffers for {len(segs)} segments")
+    for k, ((source, offset, length), v) in enumerate(zip(segs, views)):
+        if not 0 <= source < len(maps) or offset < 0 or length != len(v):
+            raise ValueError(f"segment {k}: (source {source}, offset {offset}, length {length})"
+                             f" for a buffer of {len(v)} bytes and {len(maps)} sources")
+    limits = []
+    for fd, m in maps:  # bytes past a file's end are not touched: the mapping would fault
+        try:
+            limits.append(min(os.fstat(fd).st_size, len(m)))
+        except OSError as exc:
+            limits.append(-exc.errno)
+    result = result.reshape(-1, 2)
+    moved = 0
+    for k, ((source, offset, length), v) in enumerate(zip(segs, views)):
+        limit = limits[source]
+        n = 0 if limit < 0 else max(0, min(length, limit - offset))
+        v[:n] = maps[source][1][offset:offset + n]
+        result[k] = (n, 0 if n == length else -limit if limit < 0 else -1)
+        moved += n
+    _check_pages(views, result, pages, slot_bytes, page_bytes, want, sums, status)
+    return moved
+
+
+def _check_pages(views: list[memoryview], result: np.ndarray, pages: int, slot_bytes: int,
+                 page_bytes: int, want: np.ndarray | None, sums: np.ndarray | None,
+                 status: np.ndarray | None) -> None:
+    """Each page's checksum and status once its bytes moved (see :func:`read_pages`)."""
+    if not pages:
+        return
+    starts = _starts(views)
+    gaps = [(starts[k] + int(result[k, 0]), starts[k + 1]) for k in range(len(views))
+            if result[k, 0] < len(views[k])]
+    for k in range(pages):
+        start, end = k * slot_bytes, (k + 1) * slot_bytes
+        if any(a < end and b > start for a, b in gaps):
+            sums[k], status[k] = 0, 2
+            continue
+        sums[k] = _frame_crc(views, starts, start, page_bytes)
+        status[k] = want is not None and int(sums[k]) != int(want[k])
 
 
 def write_pages(segments: np.ndarray, memory: Sequence, result: np.ndarray) -> int:
