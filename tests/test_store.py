@@ -182,6 +182,51 @@ def test_io_pieces_spread_a_small_call_over_the_threads():
     assert sum(p.length for _, p in odd) == 10 * mib + 4096
 
 
+def test_posix_cuts_a_call_for_the_threads_left_idle(tmp_path):
+    """A call alone is cut for every pool thread; one that finds pieces of other calls in the
+    pool is cut for the threads left (pieces beyond them would only queue), at most
+    io_chunk_size each, and the count of pieces in the pool is back to 0 when all are done."""
+    import threading
+
+    from gdskv.backends.base import SlabFile
+    from gdskv.backends.posix import PosixBackend
+
+    mib = 1 << 20
+    path = tmp_path / "slab"
+    with open(path, "wb") as fh:
+        fh.truncate(64 * mib)
+    fd = os.open(path, os.O_RDWR)
+    backend = PosixBackend(TierConfig(directories=(str(tmp_path),), backend="posix",
+                                      io_threads=8, io_chunk_size="16MiB"))
+    try:
+        backend.attach([SlabFile(0, str(path), fd, False, 64 * mib)])
+        buffer = np.zeros(32 * mib, np.uint8)
+        extents = [Extent(0, 0, 32 * mib, 0, (buffer,))]
+        seen = []
+        real = backend._pieces
+        backend._pieces = lambda *a: seen.append(real(*a)) or seen[-1]
+        assert backend._submit("read", None, extents).result().nbytes == 32 * mib
+        assert [p.length for _, p in seen[-1]] == [4 * mib] * 8      # alone: every thread
+        gate = threading.Event()
+        blockers = [backend._pool.submit(gate.wait) for _ in range(6)]
+        backend._in_pool += 6                                        # 6 of 8 threads busy
+        future = backend._submit("read", None, extents)
+        assert [p.length for _, p in seen[-1]] == [16 * mib] * 2    # for the 2 left idle
+        backend._in_pool += 2                                        # all 8 busy: chunk-sized
+        backend._submit("read", None, extents)
+        assert [p.length for _, p in seen[-1]] == [16 * mib] * 2
+        backend._in_pool -= 8
+        gate.set()
+        for b in blockers:
+            b.result()
+        future.result()
+        backend._pool.shutdown(wait=True)
+        assert backend._in_pool == 0
+    finally:
+        backend._pool = None
+        os.close(fd)
+
+
 @settings(max_examples=200, deadline=None)
 @given(sizes=st.lists(st.integers(0, 9000), min_size=1, max_size=12),
        piece=st.integers(1, 20000))

@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -71,6 +72,9 @@ class PosixBackend(Backend):
         self._maps: list[tuple[int, mmap.mmap] | None] = []
         self._maps_off = "no store attached"
         self._mirrors = HostMirrors()
+        #: pieces handed to the pool and not finished: a call is cut for the threads left idle
+        self._in_pool = 0
+        self._in_pool_lock = threading.Lock()
         self._poller = CompletionPoller(config.io_poll_us)
         self._engine = native.engine(config.native)
 
@@ -207,22 +211,39 @@ class PosixBackend(Backend):
         if self._pool is None:
             raise RuntimeError("posix backend is closed")
         view = None if host is None else host_numpy(host)
+        # Cut for the threads that are idle now: pieces beyond them only wait in the queue,
+        # each one more hand-off and more Python under the GIL. 16 jobs at once of 16 blocks
+        # of 2 MiB (vLLM's secondary tier) read 2x as fast from /dev/shm in 16 MiB pieces as
+        # in 4 MiB ones (H100 host, bench/RESULTS.md, "Reads from the files' mappings"); a
+        # call alone is cut for every thread, as before.
+        with self._in_pool_lock:
+            pieces = self._pieces(op, extents, max(1, self._threads - self._in_pool))
+            self._in_pool += len(pieces)
         futures = []
-        for idx, piece in self._pieces(op, extents):
+        for idx, piece in pieces:
             f = self._files[piece.file]
             iov = piece.memory or (view[piece.buffer_offset:piece.buffer_offset + piece.length],)
-            futures.append((idx, piece, self._pool.submit(_move_piece, self._engine, op, f, iov,
-                                                          piece, self._mapped(op, piece.file))))
+            future = self._pool.submit(_move_piece, self._engine, op, f, iov, piece,
+                                       self._mapped(op, piece.file))
+            future.add_done_callback(self._piece_done)
+            futures.append((idx, piece, future))
         return self._poller.wrap(combine(futures, after=after))
 
-    def _pieces(self, op: str, extents: Sequence[Extent]) -> list[tuple[int, Extent]]:
-        """The call's pieces (:func:`io_pieces`); reads whose pages are checksummed as they are
-        read (a ``moved`` hint with ``slot_bytes``) in pieces of whole slots."""
+    def _piece_done(self, _future) -> None:
+        with self._in_pool_lock:
+            self._in_pool -= 1
+
+    def _pieces(self, op: str, extents: Sequence[Extent],
+                threads: int | None = None) -> list[tuple[int, Extent]]:
+        """The call's pieces for ``threads`` threads (default: all of them; :func:`io_pieces`);
+        reads whose pages are checksummed as they are read (a ``moved`` hint with
+        ``slot_bytes``) in pieces of whole slots."""
+        threads = threads or self._threads
         slot = _page_geometry(op, extents[0].moved)[0] if extents else 0
         if not slot:
-            return io_pieces(extents, self._threads, self._chunk, MIN_PIECE_BYTES)
+            return io_pieces(extents, threads, self._chunk, MIN_PIECE_BYTES)
         total = sum(e.length for e in extents)
-        size = min(self._chunk, max(MIN_PIECE_BYTES, -(-total // self._threads)))
+        size = min(self._chunk, max(MIN_PIECE_BYTES, -(-total // threads)))
         return split_extents(extents, max(slot, size // slot * slot))
 
     def _mapped(self, op: str, file: int) -> tuple[int, mmap.mmap] | None:
