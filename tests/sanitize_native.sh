@@ -9,7 +9,8 @@
 #
 #   bash tests/sanitize_native.sh [PYTHON] [-- PYTEST_ARGS...]    (PYTHON: default python3)
 #
-# Its output, packed: bench/results/cpu-2026-11-27/native-sanitizer/.
+# Its output, packed: bench/results/cpu-2026-11-28/native-sanitizer/ (with the tests' stores on
+# /dev/shm too, where slab files are read from their mappings: -- --basetemp=/dev/shm/DIR).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=python3
@@ -34,7 +35,7 @@ export ASAN_OPTIONS=detect_leaks=0:halt_on_error=1:abort_on_error=1:alloc_deallo
 export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 "$py" -c 'import gdskv.native as n; assert n.NATIVE is not None, n.LOAD_ERROR; print("+ engine:", n._pages.__file__, n.NATIVE.checksum)'
 files=(tests/test_native.py tests/test_host_pages.py tests/test_io_on_caller.py
-       tests/test_corruption.py tests/test_byte_pages.py)
+       tests/test_corruption.py tests/test_byte_pages.py tests/test_quick_calls.py)
 echo "+ pytest ${files[*]} $*"
 "$py" -m pytest -q -p no:cacheprovider -m "not slow and not gpu" "${files[@]}" "$@"
 echo "+ sanitizers: no report"
