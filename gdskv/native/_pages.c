@@ -570,6 +570,43 @@ missing(const Buffers *mem, const Moved *res, Cursor *c, long long start, long l
     return 0;
 }
 
+/* A read's page arrays (with page_bytes > 0): `pages` from the frame's length, `want` (or
+ * None), `sums` and `status`, each at least `pages` items. */
+static int
+get_page_arrays(const Buffers *mem, long long slot_bytes, long long page_bytes, PyObject *want_obj,
+                PyObject *sums_obj, PyObject *status_obj, long long *pages, Py_buffer *want,
+                Py_buffer *sums, Py_buffer *status)
+{
+    return check_pages(frame_length(mem), slot_bytes, page_bytes, pages) < 0 ||
+                   get_array(want_obj, "want", 8, *pages, 1, 0, 1, want) < 0 ||
+                   get_array(sums_obj, "sums", 8, *pages, 1, 1, 0, sums) < 0 ||
+                   get_array(status_obj, "status", 1, *pages, 1, 1, 0, status) < 0
+               ? -1
+               : 0;
+}
+
+/* Each page's checksum and status once the I/O is done: status 2 (sum 0) where some of its bytes
+ * did not move, else its CRC-32C -- taken here from the frame, or (`summed`) finished from the
+ * register the copy left in `sums` -- and 1 where it differs from `want`, 0 where not. */
+static void
+settle_pages(const Buffers *mem, const Moved *res, long long pages, long long slot_bytes,
+             long long page_bytes, const uint64_t *want, uint64_t *sums, unsigned char *status,
+             int summed)
+{
+    Cursor c = {mem->views, mem->count, 0, 0}, gaps = {mem->views, mem->count, 0, 0};
+    for (long long k = 0; k < pages; k++) {
+        long long start = k * slot_bytes;
+        if (missing(mem, res, &gaps, start, start + slot_bytes)) {
+            sums[k] = 0;
+            status[k] = 2;
+            continue;
+        }
+        sums[k] = summed ? (uint64_t)(uint32_t)~(uint32_t)sums[k]
+                         : frame_crc(&c, start, page_bytes);
+        status[k] = want != NULL && sums[k] != want[k];
+    }
+}
+
 /* ---------------------------------------------------------------------------------------- */
 /* Module functions                                                                         */
 /* ---------------------------------------------------------------------------------------- */
@@ -662,31 +699,14 @@ move_pages(int write, PyObject *args)
     int failed = get_array(segments_obj, "segments", 8, 0, 1, 0, 0, &segs) < 0 ||
                  check_segments(&segs, &mem) < 0 ||
                  get_array(result_obj, "result", 8, 2 * mem.count, 0, 1, 0, &res) < 0;
-    if (!failed && page_bytes > 0) {
-        failed = check_pages(frame_length(&mem), slot_bytes, page_bytes, &pages) < 0 ||
-                 get_array(want_obj, "want", 8, pages, 1, 0, 1, &want) < 0 ||
-                 get_array(sums_obj, "sums", 8, pages, 1, 1, 0, &sums) < 0 ||
-                 get_array(status_obj, "status", 1, pages, 1, 1, 0, &status) < 0;
-    }
+    if (!failed && page_bytes > 0)
+        failed = get_page_arrays(&mem, slot_bytes, page_bytes, want_obj, sums_obj, status_obj,
+                                 &pages, &want, &sums, &status) < 0;
     if (!failed) {
         Py_BEGIN_ALLOW_THREADS
         moved = move_all(write, segs.buf, mem.views, res.buf, mem.count, readahead);
-        if (pages) {
-            Cursor c = {mem.views, mem.count, 0, 0}, gaps = {mem.views, mem.count, 0, 0};
-            uint64_t *out = sums.buf;
-            const uint64_t *expect = want.buf;
-            unsigned char *state = status.buf;
-            for (long long k = 0; k < pages; k++) {
-                long long start = k * slot_bytes;
-                if (missing(&mem, res.buf, &gaps, start, start + slot_bytes)) {
-                    out[k] = 0;
-                    state[k] = 2;
-                    continue;
-                }
-                out[k] = frame_crc(&c, start, page_bytes);
-                state[k] = expect != NULL && out[k] != expect[k];
-            }
-        }
+        settle_pages(&mem, res.buf, pages, slot_bytes, page_bytes, want.buf, sums.buf,
+                     status.buf, 0);
         Py_END_ALLOW_THREADS
     }
     release_array(&status);
@@ -807,12 +827,9 @@ py_copy_pages(PyObject *self, PyObject *args)
             failed = 1;
         }
     }
-    if (!failed && page_bytes > 0) {
-        failed = check_pages(frame_length(&mem), slot_bytes, page_bytes, &pages) < 0 ||
-                 get_array(want_obj, "want", 8, pages, 1, 0, 1, &want) < 0 ||
-                 get_array(sums_obj, "sums", 8, pages, 1, 1, 0, &sums) < 0 ||
-                 get_array(status_obj, "status", 1, pages, 1, 1, 0, &status) < 0;
-    }
+    if (!failed && page_bytes > 0)
+        failed = get_page_arrays(&mem, slot_bytes, page_bytes, want_obj, sums_obj, status_obj,
+                                 &pages, &want, &sums, &status) < 0;
     if (!failed && (limits = PyMem_Malloc((size_t)(maps.count ? maps.count : 1) *
                                           sizeof(long long))) == NULL) {
         PyErr_NoMemory();
@@ -849,21 +866,8 @@ py_copy_pages(PyObject *self, PyObject *args)
             moved += n;
             at += rows[k].length;
         }
-        if (pages) {
-            Cursor gaps = {mem.views, mem.count, 0, 0};
-            const uint64_t *expect = want.buf;
-            unsigned char *state = status.buf;
-            for (long long k = 0; k < pages; k++) {
-                long long start = k * slot_bytes;
-                if (missing(&mem, res.buf, &gaps, start, start + slot_bytes)) {
-                    registers[k] = 0;
-                    state[k] = 2;
-                    continue;
-                }
-                registers[k] = ~(uint32_t)registers[k];
-                state[k] = expect != NULL && registers[k] != expect[k];
-            }
-        }
+        settle_pages(&mem, res.buf, pages, slot_bytes, page_bytes, want.buf, sums.buf,
+                     status.buf, 1);
         Py_END_ALLOW_THREADS
     }
     PyMem_Free(limits);
