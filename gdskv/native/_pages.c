@@ -570,19 +570,41 @@ missing(const Buffers *mem, const Moved *res, Cursor *c, long long start, long l
     return 0;
 }
 
-/* A read's page arrays (with page_bytes > 0): `pages` from the frame's length, `want` (or
- * None), `sums` and `status`, each at least `pages` items. */
-static int
-get_page_arrays(const Buffers *mem, long long slot_bytes, long long page_bytes, PyObject *want_obj,
-                PyObject *sums_obj, PyObject *status_obj, long long *pages, Py_buffer *want,
-                Py_buffer *sums, Py_buffer *status)
+/* The arrays of one read_pages, write_pages or copy_pages call, released together. */
+typedef struct {
+    Py_buffer segs, res, want, sums, status;
+} CallArrays;
+
+static void
+release_call_arrays(CallArrays *a)
 {
-    return check_pages(frame_length(mem), slot_bytes, page_bytes, pages) < 0 ||
-                   get_array(want_obj, "want", 8, *pages, 1, 0, 1, want) < 0 ||
-                   get_array(sums_obj, "sums", 8, *pages, 1, 1, 0, sums) < 0 ||
-                   get_array(status_obj, "status", 1, *pages, 1, 1, 0, status) < 0
-               ? -1
-               : 0;
+    release_array(&a->status);
+    release_array(&a->sums);
+    release_array(&a->want);
+    release_array(&a->res);
+    release_array(&a->segs);
+}
+
+/* A call's arrays: `segments` (rows for the buffers of `mem`, checked against them), `result`
+ * and, for a read with page_bytes > 0, `pages` from the frame's length and `want` (or None),
+ * `sums` and `status`, each at least `pages` items. On failure, what was got is released. */
+static int
+get_call_arrays(const Buffers *mem, PyObject *segments_obj, PyObject *result_obj,
+                long long slot_bytes, long long page_bytes, PyObject *want_obj, PyObject *sums_obj,
+                PyObject *status_obj, long long *pages, CallArrays *a)
+{
+    *pages = 0;
+    int failed = get_array(segments_obj, "segments", 8, 0, 1, 0, 0, &a->segs) < 0 ||
+                 check_segments(&a->segs, mem) < 0 ||
+                 get_array(result_obj, "result", 8, 2 * mem->count, 0, 1, 0, &a->res) < 0;
+    if (!failed && page_bytes > 0)
+        failed = check_pages(frame_length(mem), slot_bytes, page_bytes, pages) < 0 ||
+                 get_array(want_obj, "want", 8, *pages, 1, 0, 1, &a->want) < 0 ||
+                 get_array(sums_obj, "sums", 8, *pages, 1, 1, 0, &a->sums) < 0 ||
+                 get_array(status_obj, "status", 1, *pages, 1, 1, 0, &a->status) < 0;
+    if (failed)
+        release_call_arrays(a);
+    return failed ? -1 : 0;
 }
 
 /* Each page's checksum and status once the I/O is done: status 2 (sum 0) where some of its bytes
@@ -695,25 +717,18 @@ move_pages(int write, PyObject *args)
     Buffers mem;
     if (get_memory(memory, !write, &mem) < 0)
         return NULL;
-    Py_buffer segs = {0}, res = {0}, want = {0}, sums = {0}, status = {0};
-    int failed = get_array(segments_obj, "segments", 8, 0, 1, 0, 0, &segs) < 0 ||
-                 check_segments(&segs, &mem) < 0 ||
-                 get_array(result_obj, "result", 8, 2 * mem.count, 0, 1, 0, &res) < 0;
-    if (!failed && page_bytes > 0)
-        failed = get_page_arrays(&mem, slot_bytes, page_bytes, want_obj, sums_obj, status_obj,
-                                 &pages, &want, &sums, &status) < 0;
+    CallArrays a;
+    memset(&a, 0, sizeof a);
+    int failed = get_call_arrays(&mem, segments_obj, result_obj, slot_bytes, page_bytes, want_obj,
+                                 sums_obj, status_obj, &pages, &a) < 0;
     if (!failed) {
         Py_BEGIN_ALLOW_THREADS
-        moved = move_all(write, segs.buf, mem.views, res.buf, mem.count, readahead);
-        settle_pages(&mem, res.buf, pages, slot_bytes, page_bytes, want.buf, sums.buf,
-                     status.buf, 0);
+        moved = move_all(write, a.segs.buf, mem.views, a.res.buf, mem.count, readahead);
+        settle_pages(&mem, a.res.buf, pages, slot_bytes, page_bytes, a.want.buf, a.sums.buf,
+                     a.status.buf, 0);
         Py_END_ALLOW_THREADS
+        release_call_arrays(&a);
     }
-    release_array(&status);
-    release_array(&sums);
-    release_array(&want);
-    release_array(&res);
-    release_array(&segs);
     release_all(&mem);
     return failed ? NULL : PyLong_FromLongLong(moved);
 }
@@ -814,22 +829,20 @@ py_copy_pages(PyObject *self, PyObject *args)
         PyMem_Free(fds);
         return NULL;
     }
-    Py_buffer segs = {0}, res = {0}, want = {0}, sums = {0}, status = {0};
+    CallArrays a;
+    memset(&a, 0, sizeof a);
     long long *limits = NULL;
-    int failed = get_array(segments_obj, "segments", 8, 0, 1, 0, 0, &segs) < 0 ||
-                 check_segments(&segs, &mem) < 0 ||
-                 get_array(result_obj, "result", 8, 2 * mem.count, 0, 1, 0, &res) < 0;
+    int got = get_call_arrays(&mem, segments_obj, result_obj, slot_bytes, page_bytes, want_obj,
+                              sums_obj, status_obj, &pages, &a) == 0;
+    int failed = !got;
     for (Py_ssize_t k = 0; !failed && k < mem.count; k++) {
-        const Segment *row = (const Segment *)segs.buf + k;
+        const Segment *row = (const Segment *)a.segs.buf + k;
         if (row->fd >= maps.count) {
             PyErr_Format(PyExc_ValueError, "segment %zd: source %lld of %zd", k, row->fd,
                          maps.count);
             failed = 1;
         }
     }
-    if (!failed && page_bytes > 0)
-        failed = get_page_arrays(&mem, slot_bytes, page_bytes, want_obj, sums_obj, status_obj,
-                                 &pages, &want, &sums, &status) < 0;
     if (!failed && (limits = PyMem_Malloc((size_t)(maps.count ? maps.count : 1) *
                                           sizeof(long long))) == NULL) {
         PyErr_NoMemory();
@@ -844,9 +857,9 @@ py_copy_pages(PyObject *self, PyObject *args)
                         : st.st_size < maps.views[i].len ? (long long)st.st_size
                                                           : (long long)maps.views[i].len;
         }
-        const Segment *rows = segs.buf;
-        Moved *out = res.buf;
-        uint64_t *registers = pages ? sums.buf : NULL;
+        const Segment *rows = a.segs.buf;
+        Moved *out = a.res.buf;
+        uint64_t *registers = pages ? a.sums.buf : NULL;
         for (long long k = 0; k < pages; k++)
             registers[k] = 0xFFFFFFFFu;
         long long at = 0;
@@ -866,16 +879,13 @@ py_copy_pages(PyObject *self, PyObject *args)
             moved += n;
             at += rows[k].length;
         }
-        settle_pages(&mem, res.buf, pages, slot_bytes, page_bytes, want.buf, sums.buf,
-                     status.buf, 1);
+        settle_pages(&mem, a.res.buf, pages, slot_bytes, page_bytes, a.want.buf, a.sums.buf,
+                     a.status.buf, 1);
         Py_END_ALLOW_THREADS
     }
     PyMem_Free(limits);
-    release_array(&status);
-    release_array(&sums);
-    release_array(&want);
-    release_array(&res);
-    release_array(&segs);
+    if (got)
+        release_call_arrays(&a);
     release_all(&mem);
     release_all(&maps);
     PyMem_Free(fds);
