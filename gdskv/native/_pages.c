@@ -2,13 +2,16 @@
  *
  * Plain C on the CPython limited API (one abi3 module for every CPython >= 3.11; built
  * without the limited API on 3.10, whose limited API lacks the buffer protocol). gdskv/native/
- * __init__.py loads it, or falls back to gdskv/native/fallback.py, which has the same four
+ * __init__.py loads it, or falls back to gdskv/native/fallback.py, which has the same five
  * functions in Python and is the test oracle:
  *
  *   crc32c(data, value=0)                            CRC-32C of a buffer, continuing `value`
  *   page_sums(memory, slot_bytes, page_bytes, sums)  CRC-32C of each page of a frame
  *   read_pages(segments, memory, result, slot_bytes, page_bytes, want, sums, status,
  *              readahead)                            preadv, then each page's CRC-32C checked
+ *   copy_pages(sources, segments, memory, result, slot_bytes, page_bytes, want, sums,
+ *              status)                               read_pages from (fd, mapping) sources:
+ *                                                    one copy-and-CRC pass, no preadv
  *   write_pages(segments, memory, result)            pwritev
  *
  * A call's memory is a sequence of buffers laid end to end: its "frame". Page k of a frame is
@@ -23,7 +26,9 @@
  *
  * Checksums are CRC-32C (Castagnoli, the crc32c package's values): SSE4.2 or ARMv8 CRC
  * instructions where the CPU has them (checked at import), three interleaved streams combined
- * by a multiplication in GF(2)[x] / P, else a slicing-by-8 table.
+ * by a multiplication in GF(2)[x] / P, else a slicing-by-8 table. copy_pages stores each word
+ * as it sums it: the bytes of a file held in memory (tmpfs) are loaded once, where a preadv
+ * (the kernel's copy) and then the checksum load them twice.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
