@@ -37,7 +37,11 @@ if [ "$(stat -f -c %T /dev/shm 2>/dev/null)" = tmpfs ]; then
   .venv/bin/python -m pytest -q -rs -m "not slow" --basetemp="$shm/b" tests/test_native.py \
     tests/test_tier.py tests/test_host_pages.py tests/test_byte_pages.py tests/test_io_on_caller.py \
     tests/test_concurrency.py tests/test_corruption.py tests/test_failed_reads.py \
-    tests/test_resources.py tests/test_quick_calls.py "$@"
+    tests/test_resources.py tests/test_quick_calls.py tests/test_follower.py "$@"
+  # (and on the Python path, whose copy_pages is the oracle)
+  .venv/bin/python -m pytest -q -rs -m "not slow" --data-path python --basetemp="$shm/p" \
+    tests/test_native.py tests/test_host_pages.py tests/test_io_on_caller.py \
+    tests/test_corruption.py tests/test_failed_reads.py tests/test_quick_calls.py "$@"
   rm -rf "$shm"
 fi
 # The SGLang adapter against the real sglang package, in its own venv (torch 2.14.1; see there).

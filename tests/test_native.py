@@ -247,24 +247,39 @@ def test_copies_from_mappings_equal_reads(tmp_path_factory, pages, slot, cuts, s
         want = np.array([crc32c.crc32c(raw[k * slot:k * slot + page]) for k in range(pages)],
                         np.uint64)
         want[-1] ^= 4  # the last page: a stored checksum that does not match
-        outcomes = []
-        for engine, call in ((NATIVE, "read"), (NATIVE, "copy"), (PYTHON, "copy")):
-            back = [np.zeros(len(b), np.uint8) for b in memory]
-            res = np.full((len(memory), 2), 7, np.int64)
-            sums, status = np.zeros(pages, np.uint64), np.full(pages, 9, np.uint8)
-            if call == "read":
-                n = engine.read_pages(segs, back, res, slot, page, want, sums, status, 0)
-            else:
-                rows = np.array([(f, o, n) for f, o, n in layout], np.int64).reshape(-1, 3)
-                n = engine.copy_pages(sources, rows, back, res, slot, page, want, sums, status)
-            assert n == len(raw)
-            assert np.array_equal(np.concatenate(back + [np.zeros(0, np.uint8)]), raw)
-            assert list(status) == [0] * (pages - 1) + [1]
-            outcomes.append((res, sums, status))
-        for other in outcomes[1:]:
-            for x, y in zip(outcomes[0], other):
-                assert np.array_equal(x, y)
+        rows = np.array([(f, o, n) for f, o, n in layout], np.int64).reshape(-1, 3)
+
+        def outcomes(expect):
+            got = []
+            for engine, call in ((NATIVE, "read"), (NATIVE, "copy"), (PYTHON, "copy")):
+                back = [np.zeros(len(b), np.uint8) for b in memory]
+                res = np.full((len(memory), 2), 7, np.int64)
+                sums, status = np.zeros(pages, np.uint64), np.full(pages, 9, np.uint8)
+                if call == "read":
+                    n = engine.read_pages(segs, back, res, slot, page, expect, sums, status, 0)
+                else:
+                    n = engine.copy_pages(sources, rows, back, res, slot, page, expect, sums,
+                                          status)
+                got.append((n, np.concatenate(back + [np.zeros(0, np.uint8)]), res, sums,
+                            status))
+            for other in got[1:]:
+                for x, y in zip(got[0], other):
+                    assert np.array_equal(x, y)
+            return got[0]
+
+        n, back, _res, _sums, status = outcomes(want)
+        assert n == len(raw) and np.array_equal(back, raw)
+        assert list(status) == [0] * (pages - 1) + [1]
+        outcomes(None)  # no stored checksums: every page read whole is 0
+        # file 1 cut at a random place (mid-page, mid-segment, or before its first byte): the
+        # same bytes moved, end-of-file rows and not-read pages on all three
+        os.truncate(str(tmp / "m1"), int(rng.integers(0, size)))
+        n, _back, res, _sums, status = outcomes(want)
+        assert n <= len(raw) and set(res[:, 1].tolist()) <= {0, -1}
     finally:
+        for fd, mapping in locals().get("sources", []):
+            mapping.close()
+            os.close(fd)
         for fd in fds:
             os.close(fd)
 
@@ -299,6 +314,9 @@ def test_copies_stop_at_the_files_end(tmp_path, engine):
         with pytest.raises(ValueError, match="segment 0"):
             engine.copy_pages([(fd, mapping)], np.array([[1, 0, 1000]], np.int64), back[:1],
                               res[:1], 1, 0, None, None, None)
+        for bad in ((-1, mapping), (fd,), (1 << 40, mapping)):
+            with pytest.raises(ValueError, match=r"sources\[0\]: expected \(fd, mapping\)"):
+                engine.copy_pages([bad], rows[:1], back[:1], res[:1], 1, 0, None, None, None)
     finally:
         mapping.close()
         os.close(fd)
@@ -558,5 +576,69 @@ def test_a_store_in_memory_is_read_from_its_mappings(tmp_path_factory, mapped, d
             assert {k for k, h in zip(rest, hits) if not h} == cut
             assert all(torch.equal(data[int(k[1:])], o[0])
                        for k, o, h in zip(rest, out, hits) if h)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@on_tmpfs
+def test_quick_restores_across_files_copy_from_each_files_mapping(tmp_path_factory, data_path):
+    """Quick restores (one engine call on the calling thread) of pages on three slab files,
+    in an order that alternates between them: each row names its file's mapping; bit-exact,
+    and a damaged page among them is a miss while the others hit."""
+    d = tempfile.mkdtemp(dir=SHM, prefix="gdskv-test-mapped-")
+    try:
+        layout = BytePageLayout(page_bytes=16384, kind="test/mapped")
+        cfg = TierConfig(directories=(d,), capacity="4MiB", staging_size="1MiB",
+                         io_chunk_size="64KiB", backend="posix", files_per_dir=3)
+        data = {f"q{i}": torch.randint(0, 256, (16384,), dtype=torch.uint8,
+                                       generator=torch.Generator().manual_seed(i))
+                for i in range(60)}
+        with Tier(layout, cfg, device="cpu") as tier:
+            assert tier.stats()["backend_detail"]["memory_files"]["files_mapped"] == 3
+            assert all(tier.put_pages(list(data), [[alloc_host(16384, pin=False).copy_(x)]
+                                                   for x in data.values()]))
+            by_file: dict[int, list[str]] = {}
+            for k in data:
+                by_file.setdefault(tier.store.location(tier.directory._index[k])[0], []).append(k)
+            assert len(by_file) == 3
+            keys = [k for group in zip(*by_file.values()) for k in group][:9]  # f0 f1 f2 f0...
+            before = tier.stats().get("quick_restores", 0)
+            out = [[alloc_host(16384, pin=False)] for _ in keys]
+            assert all(tier.get_pages(keys, out))
+            assert tier.stats().get("quick_restores", 0) == before + 1
+            assert all(torch.equal(data[k], o[0]) for k, o in zip(keys, out))
+            f, off = tier.store.location(tier.directory._index[keys[4]])
+            fd = os.open(tier.store.files[f].path, os.O_RDWR)
+            os.pwrite(fd, bytes([os.pread(fd, 1, off + 99)[0] ^ 0x10]), off + 99)
+            os.close(fd)
+            out = [[alloc_host(16384, pin=False)] for _ in keys]
+            hits = tier.get_pages(keys, out)
+            assert [k for k, h in zip(keys, hits) if not h] == [keys[4]]
+            assert all(torch.equal(data[k], o[0]) for k, o, h in zip(keys, out, hits) if h)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@on_tmpfs
+def test_files_a_tier_does_not_own_whole_are_not_mapped(tmp_path_factory):
+    """Not mapped, and stats say why: files not preallocated (a read of a hole through a
+    mapping would allocate it, and fault on a full tmpfs) and a read-only follower's (the
+    files are another process's); both still read by preadv, bit-exact."""
+    d = tempfile.mkdtemp(dir=SHM, prefix="gdskv-test-mapped-")
+    try:
+        layout = BytePageLayout(page_bytes=20000, kind="test/mapped")
+        base = dict(directories=(d,), capacity="1MiB", backend="posix", files_per_dir=2)
+        page = torch.randint(0, 256, (20000,), dtype=torch.uint8)
+        with Tier(layout, TierConfig(**base, preallocate=False), device="cpu") as tier:
+            state = tier.stats()["backend_detail"]["memory_files"]
+            assert state["files_mapped"] == 0 and "not preallocated" in state["state"]
+            assert all(tier.put_pages(["a"], [[alloc_host(20000, pin=False).copy_(page)]]))
+            with Tier(layout, TierConfig(**base, read_only=True), device="cpu") as follower:
+                state = follower.stats()["backend_detail"]["memory_files"]
+                assert state["files_mapped"] == 0 and state["state"] == (
+                    "off: a read-only follower (the slab files are another process's)")
+                out = [[alloc_host(20000, pin=False)]]
+                assert follower.get_pages(["a"], out) == [True]
+                assert torch.equal(out[0][0], page)
     finally:
         shutil.rmtree(d, ignore_errors=True)

@@ -197,7 +197,11 @@ def test_posix_cuts_a_call_for_the_threads_left_idle(tmp_path):
         fh.truncate(64 * mib)
     fd = os.open(path, os.O_RDWR)
     backend = PosixBackend(TierConfig(directories=(str(tmp_path),), backend="posix",
-                                      io_threads=8, io_chunk_size="16MiB"))
+                                      io_threads=8, io_chunk_size="32MiB"))
+
+    def busy(n: int) -> None:  # pieces of other calls, as the pool's counter sees them
+        with backend._in_pool_lock:
+            backend._in_pool += n
     try:
         backend.attach([SlabFile(0, str(path), fd, False, 64 * mib)])
         buffer = np.zeros(32 * mib, np.uint8)
@@ -207,20 +211,30 @@ def test_posix_cuts_a_call_for_the_threads_left_idle(tmp_path):
         backend._pieces = lambda *a: seen.append(real(*a)) or seen[-1]
         assert backend._submit("read", None, extents).result().nbytes == 32 * mib
         assert [p.length for _, p in seen[-1]] == [4 * mib] * 8      # alone: every thread
+        assert backend._in_pool == 0
         gate = threading.Event()
         blockers = [backend._pool.submit(gate.wait) for _ in range(6)]
-        backend._in_pool += 6                                        # 6 of 8 threads busy
-        future = backend._submit("read", None, extents)
+        busy(6)                                                      # 6 of 8 threads busy
+        futures = [backend._submit("read", None, extents)]
         assert [p.length for _, p in seen[-1]] == [16 * mib] * 2    # for the 2 left idle
-        backend._in_pool += 2                                        # all 8 busy: chunk-sized
-        backend._submit("read", None, extents)
-        assert [p.length for _, p in seen[-1]] == [16 * mib] * 2
-        backend._in_pool -= 8
+        busy(1)                                                      # 1 idle: one piece
+        futures.append(backend._submit("read", None, extents))
+        assert [p.length for _, p in seen[-1]] == [32 * mib]
+        busy(-7)
         gate.set()
-        for b in blockers:
-            b.result()
-        future.result()
+        for f in blockers + futures:
+            f.result()
         backend._pool.shutdown(wait=True)
+        assert backend._in_pool == 0
+        # a submit that fails gives back the pieces it did not hand over
+
+        class Refusing:
+            def submit(self, *args, **kwargs):
+                raise RuntimeError("can't start new thread")
+
+        backend._pool = Refusing()
+        with pytest.raises(RuntimeError, match="new thread"):
+            backend._submit("read", None, extents)
         assert backend._in_pool == 0
     finally:
         backend._pool = None

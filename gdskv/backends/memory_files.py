@@ -49,18 +49,28 @@ def why_not(files: Sequence[SlabFile], device: torch.device) -> str | None:
     if not files:
         return "no slab files"
     for f in files:
-        kind = file_system_type(f.path)
-        if kind not in MEMORY_FILE_SYSTEMS:
-            return f"{f.path} is on {kind or 'an unknown file system'}, not one held in memory"
-        try:
-            st = os.stat(f.path)
-        except OSError as exc:
-            return f"{f.path}: {exc.strerror}"
-        # registering locks every page of the range: a file not yet grown to its size (no
-        # preallocate, or another writer's) would be allocated whole in memory, or fail
-        if st.st_size < f.size or st.st_blocks * 512 < f.size:
-            return (f"{f.path} is not preallocated to its {f.size} bytes (registering it would "
-                    "allocate them all now)")
+        why = why_not_file(f)
+        if why is not None:
+            return why
+    return None
+
+
+def why_not_file(f: SlabFile) -> str | None:
+    """None where slab file ``f`` may be read from a mapping of it (by the GPU, registered, or
+    by the posix backend's copies), else why not: it must be on a file system held in memory
+    and preallocated to its size. (Registering locks every page of the range, so a file not
+    yet grown to its size -- no preallocate, or another writer's -- would be allocated whole;
+    and a read of a hole through a mapping allocates the page, which faults where the file
+    system is full.)"""
+    kind = file_system_type(f.path)
+    if kind not in MEMORY_FILE_SYSTEMS:
+        return f"{f.path} is on {kind or 'an unknown file system'}, not one held in memory"
+    try:
+        st = os.stat(f.path)
+    except OSError as exc:
+        return f"{f.path}: {exc.strerror}"
+    if st.st_size < f.size or st.st_blocks * 512 < f.size:
+        return f"{f.path} is not preallocated to its {f.size} bytes"
     return None
 
 

@@ -38,10 +38,10 @@ import torch
 from .. import native
 from ..config import TierConfig
 from ..memory import host_numpy
-from ..store import MEMORY_FILE_SYSTEMS, file_system_type
 from .base import (Backend, CompletedIO, CompletionPoller, Extent, IOOutcome, ShortIOError,
                    SlabFile, combine, io_pieces, split_extents)
 from .bounce import HostMirrors
+from .memory_files import why_not_file as why_not_mapped
 
 log = logging.getLogger("gdskv.posix")
 
@@ -69,7 +69,10 @@ class PosixBackend(Backend):
         self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(
             self._threads, thread_name_prefix="gdskv-posix")
         self._files: list[SlabFile] = []
-        self._map_memory_files = config.map_memory_files
+        # a follower's files are another process's, which may recreate or cut them
+        self._map_memory_files = config.map_memory_files and not config.read_only
+        self._maps_why = "map_memory_files=false" if not config.map_memory_files else \
+            "a read-only follower (the slab files are another process's)"
         #: per slab file, its (fd, read-only mapping) where reads copy from it, else None
         self._maps: list[tuple[int, mmap.mmap] | None] = []
         self._maps_off = "no store attached"
@@ -88,12 +91,12 @@ class PosixBackend(Backend):
         self._files = list(files)
         self._maps = [None] * len(self._files)
         if not self._map_memory_files:
-            self._maps_off = "map_memory_files=false"
+            self._maps_off = self._maps_why
             return
         for i, f in enumerate(self._files):
-            kind = file_system_type(f.path)
-            if kind not in MEMORY_FILE_SYSTEMS:
-                self._maps_off = f"{f.path} is on {kind or 'an unknown file system'}"
+            why = why_not_mapped(f)
+            if why is not None:
+                self._maps_off = why
                 continue
             try:
                 self._maps[i] = (f.fd, mmap.mmap(f.fd, f.size, mmap.MAP_SHARED,
@@ -104,12 +107,14 @@ class PosixBackend(Backend):
 
     def describe(self) -> dict:
         mapped = sum(m is not None for m in self._maps)
+        state = ("mapped: reads copy from the files' pages" if mapped == len(self._maps)
+                 else f"partly mapped ({mapped} of {len(self._maps)} files): {self._maps_off}"
+                 ) if mapped else f"off: {self._maps_off}"
         return {**super().describe(), "threads": self._threads, "io_chunk_size": self._chunk,
                 "gpu_buffers": "staged through a pinned host mirror",
                 "io_poll_us": self._poller.budget_us, "engine": self._engine.path,
-                "memory_files": {"state": "mapped: reads copy from the files' pages" if mapped
-                                 else f"off: {self._maps_off}",
-                                 "files_mapped": mapped, "files": len(self._maps)}}
+                "memory_files": {"state": state, "files_mapped": mapped,
+                                 "files": len(self._maps)}}
 
     def write(self, buffer: torch.Tensor | None, extents: Sequence[Extent]) -> Future:
         host = None if buffer is None else self._mirrors.to_host(buffer, extents)
@@ -222,13 +227,19 @@ class PosixBackend(Backend):
             pieces = self._pieces(op, extents, max(1, self._threads - self._in_pool))
             self._in_pool += len(pieces)
         futures = []
-        for idx, piece in pieces:
-            f = self._files[piece.file]
-            iov = piece.memory or (view[piece.buffer_offset:piece.buffer_offset + piece.length],)
-            future = self._pool.submit(_move_piece, self._engine, op, f, iov, piece,
-                                       self._mapped(op, piece.file))
-            future.add_done_callback(self._piece_done)
-            futures.append((idx, piece, future))
+        try:
+            for idx, piece in pieces:
+                f = self._files[piece.file]
+                iov = piece.memory or (view[piece.buffer_offset:
+                                            piece.buffer_offset + piece.length],)
+                future = self._pool.submit(_move_piece, self._engine, op, f, iov, piece,
+                                           self._mapped(op, piece.file))
+                future.add_done_callback(self._piece_done)
+                futures.append((idx, piece, future))
+        except BaseException:  # (e.g. no thread could start): the pieces not handed over
+            with self._in_pool_lock:
+                self._in_pool -= len(pieces) - len(futures)
+            raise
         return self._poller.wrap(combine(futures, after=after))
 
     def _piece_done(self, _future) -> None:

@@ -27,7 +27,9 @@ whole. Both return the bytes moved.
 sequence of ``(fd, mapping)`` pairs and a segment row is ``(source index, offset, length)``.
 Each payload byte is copied and checksummed in one pass (``read_pages`` makes two: the
 kernel's copy, then the checksum), and no system call runs but one ``fstat`` a file: bytes
-past a file's end are not touched and report the end (-1), as a ``preadv`` would.
+past a file's end are not touched and report the end (-1), as a ``preadv`` would. The
+checksums are of the bytes as copied, so the buffers of ``memory`` must not overlap (the tier
+refuses restores into overlapping regions).
 
 Whether the engine needs its own thread pool: no. A call holds no lock while it works, so the
 tier's calls from many threads and the posix backend's pool threads already run in parallel

@@ -137,7 +137,12 @@ def copy_pages(sources: Sequence, segments: np.ndarray, memory: Sequence, result
                slot_bytes: int, page_bytes: int, want: np.ndarray | None,
                sums: np.ndarray | None, status: np.ndarray | None) -> int:
     views = _bytes(memory)
-    maps = [(fd, memoryview(m).cast("B")) for fd, m in sources]
+    maps = []
+    for i, pair in enumerate(sources):  # (the extension's checks and messages)
+        fd, m = pair if len(pair) == 2 else (-1, None)
+        if not isinstance(fd, int) or not 0 <= fd <= 0x7FFFFFFF or m is None:
+            raise ValueError(f"sources[{i}]: expected (fd, mapping)")
+        maps.append((fd, memoryview(m).cast("B")))
     pages = _pages(sum(len(v) for v in views), slot_bytes, page_bytes) if page_bytes > 0 else 0
     segs = np.asarray(segments).reshape(-1, 3).tolist()
     if len(segs) != len(views):
