@@ -323,6 +323,79 @@ def test_copies_stop_at_the_files_end(tmp_path, engine):
 
 
 @needs_native
+def test_a_file_cut_during_a_copy_reports_its_end(tmp_path):
+    """A file cut shorter after copy_pages took its size (here: with the size not taken, the
+    test hook) faults the copy (SIGBUS); the copying thread comes back out, the segment reports
+    the file's end (-1, nothing of it counted) and so does the rest of that file, its pages are
+    not read whole (2), the other file's are; and the process goes on (a second call too)."""
+    page = 65536
+    paths = [str(tmp_path / f"f{i}") for i in range(2)]
+    for path in paths:
+        with open(path, "wb") as fh:
+            fh.write(os.urandom(4 * page))
+    sources = [_mapped(path, 4 * page) for path in paths]
+    try:
+        os.truncate(paths[0], page + 30000)  # faults past the 4 KiB page holding byte 95,535
+        rows = np.array([[0, i * page, page] for i in range(4)] + [[1, 0, page]], np.int64)
+        native._pages._take_sizes(False)
+        for _ in range(2):
+            back = [np.zeros(page, np.uint8) for _ in range(5)]
+            res = np.zeros((5, 2), np.int64)
+            sums, status = np.zeros(5, np.uint64), np.full(5, 9, np.uint8)
+            n = NATIVE.copy_pages(sources, rows, back, res, page, page, None, sums, status)
+            assert n == 2 * page
+            assert res.tolist() == [[page, 0], [0, -1], [0, -1], [0, -1], [page, 0]]
+            assert status.tolist() == [0, 2, 2, 2, 0]
+            with open(paths[1], "rb") as fh:
+                assert back[4].tobytes() == fh.read(page)
+    finally:
+        native._pages._take_sizes(True)
+        for fd, mapping in sources:
+            mapping.close()
+            os.close(fd)
+
+
+@needs_native
+@pytest.mark.parametrize("faulthandler_on", [False, True], ids=["default", "faulthandler"])
+def test_a_bus_error_outside_a_copy_goes_to_the_previous_handler(tmp_path, faulthandler_on):
+    """Once copy_pages installed its SIGBUS handler, a fault elsewhere (Python reading a cut
+    file's mapping) is not swallowed: the process dies of SIGBUS, through faulthandler where it
+    was on before (its report on stderr), else by the default action (under the sanitizers:
+    through AddressSanitizer's handler, which reports it and aborts)."""
+    import signal
+    import subprocess
+    import sys
+
+    script = f"""
+import faulthandler, mmap, os, numpy as np
+if {faulthandler_on}:
+    faulthandler.enable()
+from gdskv import native
+path = {str(tmp_path / "f")!r}
+with open(path, "wb") as fh:
+    fh.write(bytes(3 * 65536))
+fd = os.open(path, os.O_RDONLY)
+m = mmap.mmap(fd, 3 * 65536, mmap.MAP_SHARED, mmap.PROT_READ)
+res = np.zeros((1, 2), np.int64)
+native.NATIVE.copy_pages([(fd, m)], np.array([[0, 0, 4096]], np.int64),
+                         [np.zeros(4096, np.uint8)], res, 1, 0, None, None, None)
+assert res.tolist() == [[4096, 0]]
+os.truncate(path, 4096)
+print("copied", flush=True)
+m[65536 + 7]
+print("not reached", flush=True)
+"""
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=60)
+    assert run.stdout == "copied\n"
+    if "libasan" in os.environ.get("LD_PRELOAD", ""):  # (tests/sanitize_native.sh) ASan's own
+        assert run.returncode == -signal.SIGABRT and "AddressSanitizer: BUS" in run.stderr
+    else:
+        assert run.returncode == -signal.SIGBUS
+        assert ("Bus error" in run.stderr) == faulthandler_on
+
+
+@needs_native
 def test_runs_longer_than_iov_max(tmp_path):
     """3000 buffers of one run: several preadv/pwritev calls, the same bytes on both paths."""
     rng = np.random.default_rng(3)

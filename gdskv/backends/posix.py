@@ -15,8 +15,10 @@ read-only; ``map_memory_files``), and reads copy from the mappings (the engine's
 ``copy_pages``): a file's pages are its storage, so a ``preadv`` is a kernel copy of them, and
 a checked read then reads its bytes again for the checksum. From the mapping each byte is
 copied and checksummed in one pass, with no system call but one ``fstat`` per file and call
-(bytes past a file's end are never touched: a mapping there faults). Writes stay ``pwritev``;
-the mapping is the file's page cache, so a copy sees every write before it.
+(bytes past a file's end are never touched: a mapping there faults; a file cut during a copy
+faults it, and the engine reports the file's end). Only files the tier owns and preallocated
+are mapped. Writes stay ``pwritev``; the mapping is the file's page cache, so a copy sees every
+write before it.
 
 A read whose extents carry a page-checking hint (``Extent.moved`` with ``slot_bytes`` and
 ``page_bytes``: the tier's in-place pages) is cut into pieces of whole slots, and the same

@@ -27,7 +27,8 @@ whole. Both return the bytes moved.
 sequence of ``(fd, mapping)`` pairs and a segment row is ``(source index, offset, length)``.
 Each payload byte is copied and checksummed in one pass (``read_pages`` makes two: the
 kernel's copy, then the checksum), and no system call runs but one ``fstat`` a file: bytes
-past a file's end are not touched and report the end (-1), as a ``preadv`` would. The
+past a file's end are not touched and report the end (-1), as a ``preadv`` would, and so does
+a segment whose file was cut during the copy (the extension catches the copy's ``SIGBUS``). The
 checksums are of the bytes as copied, so the buffers of ``memory`` must not overlap (the tier
 refuses restores into overlapping regions).
 

@@ -36,6 +36,8 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
+#include <setjmp.h>
+#include <signal.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -808,6 +810,80 @@ copy_segment(unsigned char *dst, const unsigned char *src, long long n, long lon
     }
 }
 
+/* A copy from a mapping faults (SIGBUS) where another process cut the file after the call took
+ * its size. The copying thread's fault jumps back out of its copy (guarded_copy), which is then
+ * reported as a read that found the file's end, as preadv would; a SIGBUS anywhere else goes to
+ * the handler that was there before (or the default action). Installed by the first
+ * copy_pages call. SA_NODEFER: the jump leaves the handler with SIGBUS not blocked. */
+/* initial-exec: the handler reads it without a first-use allocation of the thread's TLS */
+static __thread sigjmp_buf *copy_fault __attribute__((tls_model("initial-exec")));
+static struct sigaction previous_bus;
+static int bus_handler_installed;
+static int take_sizes = 1; /* 0 only in tests (_take_sizes): so that a cut file faults */
+
+static void
+on_bus(int sig, siginfo_t *info, void *context)
+{
+    sigjmp_buf *jump = copy_fault;
+    if (jump != NULL) {
+        copy_fault = NULL;
+        siglongjmp(*jump, 1);
+    }
+    if (previous_bus.sa_flags & SA_SIGINFO) {
+        previous_bus.sa_sigaction(sig, info, context);
+    } else if (previous_bus.sa_handler != SIG_DFL && previous_bus.sa_handler != SIG_IGN) {
+        previous_bus.sa_handler(sig);
+    } else { /* the default action, once the faulting access runs again */
+        struct sigaction dfl;
+        memset(&dfl, 0, sizeof dfl);
+        dfl.sa_handler = SIG_DFL;
+        sigemptyset(&dfl.sa_mask);
+        sigaction(SIGBUS, &dfl, NULL);
+    }
+}
+
+/* With the GIL held: the handler, once. */
+static int
+install_bus_handler(void)
+{
+    if (bus_handler_installed)
+        return 0;
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_sigaction = on_bus;
+    sa.sa_flags = SA_SIGINFO | SA_NODEFER | SA_ONSTACK;
+    sigemptyset(&sa.sa_mask);
+    if (sigaction(SIGBUS, &sa, &previous_bus) < 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    bus_handler_installed = 1;
+    return 0;
+}
+
+/* One segment's copy (copy_segment's arguments). */
+typedef struct {
+    unsigned char *dst;
+    const unsigned char *src;
+    long long n, at, slot_bytes, page_bytes;
+    uint64_t *registers;
+} CopyJob;
+
+/* copy_segment, left where its source faults: 0, or -1 after a fault. (Nothing local changes
+ * between the sigsetjmp and a jump back to it: the job is read through a pointer.) */
+static int
+guarded_copy(const CopyJob *job)
+{
+    sigjmp_buf jump;
+    if (sigsetjmp(jump, 0))
+        return -1;
+    copy_fault = &jump;
+    copy_segment(job->dst, job->src, job->n, job->at, job->slot_bytes, job->page_bytes,
+                 job->registers);
+    copy_fault = NULL;
+    return 0;
+}
+
 /* copy_pages: read_pages' work from files' mappings (files held in memory: tmpfs), one pass
  * over each byte where read_pages makes two (the kernel's copy, then the checksum). A segment
  * row is (source index, offset, length). Each file's size is taken (fstat) before the copies:
@@ -848,6 +924,8 @@ py_copy_pages(PyObject *self, PyObject *args)
             failed = 1;
         }
     }
+    if (!failed && install_bus_handler() < 0)
+        failed = 1;
     if (!failed && (limits = PyMem_Malloc((size_t)(maps.count ? maps.count : 1) *
                                           sizeof(long long))) == NULL) {
         PyErr_NoMemory();
@@ -858,7 +936,8 @@ py_copy_pages(PyObject *self, PyObject *args)
         for (Py_ssize_t i = 0; i < maps.count; i++) {
             struct stat st;
             /* an errno as a negative limit: nothing of that file is copied */
-            limits[i] = fstat(fds[i], &st) < 0 ? -(long long)errno
+            limits[i] = !take_sizes ? (long long)maps.views[i].len
+                        : fstat(fds[i], &st) < 0 ? -(long long)errno
                         : st.st_size < maps.views[i].len ? (long long)st.st_size
                                                           : (long long)maps.views[i].len;
         }
@@ -875,10 +954,18 @@ py_copy_pages(PyObject *self, PyObject *args)
             else if ((n = limit - rows[k].offset) < rows[k].length)
                 error = -1;
             n = n < 0 ? 0 : n > rows[k].length ? rows[k].length : n;
-            if (n > 0)
-                copy_segment(mem.views[k].buf,
-                             (const unsigned char *)maps.views[rows[k].fd].buf + rows[k].offset,
-                             n, at, slot_bytes, page_bytes, registers);
+            CopyJob job = {mem.views[k].buf,
+                           n > 0 ? (const unsigned char *)maps.views[rows[k].fd].buf +
+                                       rows[k].offset
+                                 : NULL,
+                           n, at, slot_bytes, page_bytes, registers};
+            if (n > 0 && guarded_copy(&job) < 0) {
+                /* the file was cut during the copy: nothing of this segment counts, and the
+                 * rest of that file is past its end */
+                n = 0;
+                error = -1;
+                limits[rows[k].fd] = 0;
+            }
             out[k].done = n;
             out[k].error = n < rows[k].length ? error : 0;
             moved += n;
@@ -910,6 +997,16 @@ py_write_pages(PyObject *self, PyObject *args)
 }
 
 static PyObject *
+py_take_sizes(PyObject *self, PyObject *args)
+{
+    int on;
+    if (!PyArg_ParseTuple(args, "p:_take_sizes", &on))
+        return NULL;
+    take_sizes = on;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
 py_implementation(PyObject *self, PyObject *unused)
 {
     return PyUnicode_FromString(crc_implementation);
@@ -930,6 +1027,9 @@ static PyMethodDef methods[] = {
      " -> bytes copied; read_pages from (fd, mapping) sources, rows (source, offset, length)."},
     {"write_pages", py_write_pages, METH_VARARGS,
      "write_pages(segments, memory, result) -> bytes written."},
+    {"_take_sizes", py_take_sizes, METH_VARARGS,
+     "_take_sizes(on): for tests only; off, copy_pages does not take files' sizes first, so "
+     "a file cut shorter faults the copy, which must then report the file's end."},
     {"implementation", py_implementation, METH_NOARGS,
      "implementation() -> str: the CRC-32C instructions in use (sse4.2, armv8-crc or table)."},
     {NULL, NULL, 0, NULL},
