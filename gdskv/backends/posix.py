@@ -170,15 +170,18 @@ class PosixBackend(Backend):
                                slot_bytes: int, page_bytes: int, want: np.ndarray
                                ) -> np.ndarray:
         """One call of the page engine on this thread (the GIL released): consecutive slots of
-        a file in one ``preadv``, each page's CRC-32C compared with ``want`` (see
+        a file in one ``preadv`` (or one copy from the files' mappings, where they are mapped),
+        each page's CRC-32C compared with ``want`` (see
         :meth:`Backend.read_checked_on_caller`)."""
-        sources = [self._maps[f] for f in {f: None for f, _ in places}]
-        if None in sources:
-            sources = None
-        segments, result = self._slot_segments(places, slot_bytes, page_bytes, sources)
+        order = dict.fromkeys(f for f, _ in places)  # the call's files, each once
+        sources = [self._maps[f] for f in order]
+        mapped = None not in sources
+        segments, result = self._slot_segments(
+            places, slot_bytes, page_bytes,
+            {f: i for i, f in enumerate(order)} if mapped else self._fds(order))
         sums = np.empty(len(places), dtype=np.uint64)
         status = np.empty(len(places), dtype=np.uint8)
-        if sources is not None:
+        if mapped:
             self._engine.copy_pages(sources, segments, memory, result, slot_bytes, page_bytes,
                                     want, sums, status)
         else:
@@ -191,23 +194,24 @@ class PosixBackend(Backend):
                         slot_bytes: int, page_bytes: int) -> bool:
         """One call of the page engine on this thread (the GIL released): consecutive slots of
         a file in one ``pwritev`` (see :meth:`Backend.write_on_caller`)."""
-        segments, result = self._slot_segments(places, slot_bytes, page_bytes)
+        segments, result = self._slot_segments(places, slot_bytes, page_bytes,
+                                               self._fds(f for f, _ in places))
         self._engine.write_pages(segments, memory, result)
         return not np.count_nonzero(result[:, 1])
 
+    def _fds(self, files) -> dict[int, int]:
+        """Each of these slab files' descriptor, by file index."""
+        return {f: self._files[f].fd for f in files}
+
     def _slot_segments(self, places: Sequence[tuple[int, int]], slot_bytes: int,
-                       page_bytes: int, sources: list | None = None
+                       page_bytes: int, column: dict[int, int]
                        ) -> tuple[np.ndarray, np.ndarray]:
         """The engine's segments for whole slots at ``places`` (each slot's payload, then its
-        rest), and the result rows for them: rows of file descriptors, or of indices into
-        ``sources`` (the files' mappings, in the order of their first place) when given."""
+        rest), and the result rows for them; a row's first field is ``column[file]``: the file's
+        descriptor, or the index of its mapping among the call's sources."""
         if self._pool is None:
             raise RuntimeError("posix backend is closed")
-        files, rest = self._files, slot_bytes - page_bytes
-        if sources is None:
-            column = {f: files[f].fd for f, _ in places}
-        else:
-            column = {f: i for i, f in enumerate({f: None for f, _ in places})}
+        rest = slot_bytes - page_bytes
         segments = np.empty((2 * len(places), 3), dtype=np.int64)
         for j, (f, offset) in enumerate(places):
             fd = column[f]
