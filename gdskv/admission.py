@@ -9,9 +9,9 @@ table, so a flood of one-off keys cannot grow it without limit.
 from __future__ import annotations
 
 import collections
-import threading
 from collections.abc import Callable, Hashable, Sequence
 
+from .yielding_lock import YieldingLock
 
 class AdmissionFilter:
     """``stored(key)``: whether the key is stored already; ``max_tracked``: how many keys' offer
@@ -23,7 +23,7 @@ class AdmissionFilter:
         self._stored = stored
         self._max_tracked = max_tracked
         self._offers: collections.OrderedDict = collections.OrderedDict()
-        self._lock = threading.Lock()  # puts from several threads
+        self._lock = YieldingLock()  # puts from several threads
 
     def admit(self, keys: Sequence[Hashable]) -> list[int]:
         """Indices of ``keys`` to write now (all of them when ``admit_after`` is 1)."""

@@ -30,11 +30,11 @@ from __future__ import annotations
 
 import _thread
 import dataclasses
-import threading
 import time
 from collections.abc import Callable, Hashable
 from typing import Any
 
+from .yielding_lock import YieldingLock
 #: the most pages one combined call takes (more wait for the next): a batch is one call's
 #: latency for every caller in it
 MAX_BATCH_PAGES = 256
@@ -103,7 +103,7 @@ class CallCombiner:
         self._max_pages = max_batch_pages
         self.running = running
         self.rounds = rounds
-        self._lock = threading.Lock()
+        self._lock = YieldingLock()
         self._groups: dict[Hashable, _Group] = {}  # groups with calls running or waiting
         #: batches of more than one call run, and the calls they served
         self.batches = 0

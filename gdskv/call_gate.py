@@ -11,10 +11,11 @@ from __future__ import annotations
 import contextlib
 import threading
 
+from .yielding_lock import YieldingLock
 
 class CallGate:
     def __init__(self) -> None:
-        self._cond = threading.Condition()
+        self._cond = threading.Condition(YieldingLock())
         self._active = 0
         self._alone = False
         self._waiting = 0

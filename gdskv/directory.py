@@ -36,6 +36,7 @@ import numpy as np
 
 from .config import ConfigError
 from .memory import available_host_memory
+from .yielding_lock import YieldingLock
 
 
 class PageState(enum.IntEnum):
@@ -104,7 +105,7 @@ class PageDirectory:
         #: a read-only follower's directory: filled by place()/drop() from another process's
         #: journal, never reserves, so it keeps no free list (place() stays O(1))
         self.follower = follower
-        self._lock = threading.Lock()
+        self._lock = YieldingLock()
         #: notified when WRITING slots are committed or given back, while a put waits for
         #: another call's write of the same key (:meth:`wait_written`)
         self._written = threading.Condition(self._lock)

@@ -46,6 +46,7 @@ from .backends.base import Extent, slice_memory
 from .layout import ALIGNMENT, PageLayout
 from .memory import alloc_host, host_numpy
 from .slot_trailer import TRAILER_BYTES
+from .yielding_lock import YieldingLock
 
 #: least bytes one hashing task takes: a call below it is hashed on the calling thread, a larger
 #: one in tasks of at least this many bytes (a hand-off to a thread costs more than it saves
@@ -120,10 +121,16 @@ class HostPagePath:
         long as into pinned memory, so the indexer's bytes read through pageable rows cost
         +15 % for +11.5 % of the bytes, +10 % through pinned ones (bench/RESULTS.md, "Hybrid
         models")."""
-        buf = getattr(self._local, "scratch", None)
+        return self.scratch_at(nbytes)[0]
+
+    def scratch_at(self, nbytes: int) -> tuple[np.ndarray, int]:
+        """:meth:`scratch`, and the address of its first byte."""
+        local = self._local
+        buf = getattr(local, "scratch", None)
         if buf is None or len(buf) < nbytes:
-            buf = self._local.scratch = host_numpy(alloc_host(nbytes))
-        return buf[:nbytes]
+            buf = local.scratch = host_numpy(alloc_host(nbytes))
+            local.scratch_address = buf.ctypes.data
+        return buf[:nbytes], local.scratch_address
 
     def call(self, pages: Sequence[Sequence[torch.Tensor]]) -> "InPlacePages":
         """The per-call object moving these pages (each one passed :meth:`in_place`)."""
@@ -188,7 +195,7 @@ class InPlacePages:
         self._read_sums = np.zeros(len(self.pages), dtype=np.uint64)
         self._summed = np.zeros(len(self.pages), dtype=bool)
         self._rest_copied: set[int] = set()    # pages whose scratch end is in their regions
-        self._lock = threading.Lock()
+        self._lock = YieldingLock()
 
     @property
     def _scratch(self) -> np.ndarray:

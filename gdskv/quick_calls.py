@@ -63,7 +63,6 @@ from . import checksum
 from .data_call import CallContext
 from .host_pages import HostPagePath
 from .layout import ALIGNMENT
-from .memory import host_numpy
 from .restore_call import RestoreCall
 from .slot_trailer import TRAILER_BYTES
 from .spill_call import SpillCall, encode_trailers, reserve_slots
@@ -133,18 +132,23 @@ class QuickCall:
                 return None
         return out
 
-    def _frame(self, todo: list, regions: list[torch.Tensor]) -> tuple[list, list, np.ndarray]:
+    def _frame(self, todo: list, regions: list[torch.Tensor]
+               ) -> tuple[list, np.ndarray, np.ndarray]:
         """The slots ``todo`` (``(position, slot, ...)``, in slot order) as the backend moves
-        them: their places, and their memory -- each region, then its scratch row."""
-        n, tail = len(todo), self.slot_bytes - self.page_bytes
-        rows = self.host_pages.scratch(n * tail).reshape(n, tail)
+        them: their places, and their memory as the page engine's ``(address, length)`` rows
+        -- each region, then its scratch row (the rows, returned too).
+
+        Addresses, not numpy views of the regions: torch gives up the GIL to make a view and
+        again when the view dies, and under many threads each give-up is a thread switch
+        (:mod:`gdskv.yielding_lock`). The caller holds ``regions`` until the engine returns."""
+        n, tail, pb = len(todo), self.slot_bytes - self.page_bytes, self.page_bytes
+        rows, at = self.host_pages.scratch_at(n * tail)
         location = self.ctx.store.location
-        places, memory = [], []
+        places, flat = [], []
         for j, item in enumerate(todo):
             places.append(location(item[1]))
-            memory.append(host_numpy(regions[item[0]]))
-            memory.append(rows[j])
-        return places, memory, rows
+            flat += (regions[item[0]].data_ptr(), pb, at + j * tail, tail)
+        return places, np.array(flat, np.int64).reshape(-1, 2), rows.reshape(n, tail)
 
     def _hand_on(self, **counts) -> None:
         self.ctx.ledger.record({"quick_calls_handed_on": 1, **counts}, None)
@@ -254,7 +258,8 @@ class QuickSpill(QuickCall):
         ctx = self.ctx
         places, memory, rows = self._frame(todo, regions)
         sums = np.empty(len(todo), dtype=np.uint64)
-        self.host_pages.page_sums([[region] for region in memory[::2]], sums)
+        self.host_pages.engine.page_sums(memory[::2].copy(), self.page_bytes, self.page_bytes,
+                                         sums)
         seqs, trailers = encode_trailers(ctx, keys, todo, sums)
         for row, trailer in zip(rows, trailers):
             row[:-TRAILER_BYTES] = 0  # (a reused row: no earlier call's bytes)

@@ -10,13 +10,13 @@ from several threads (``iodepth`` > 1, a spill beside a restore) keep all parts 
 from __future__ import annotations
 
 import queue
-import threading
 
 import torch
 
 from .config import ConfigError
 from .layout import ALIGNMENT
 from .memory import alloc_host, available_host_memory
+from .yielding_lock import YieldingLock
 
 
 #: how far a staging part may exceed its share of ``staging_size`` to hold whole pages
@@ -76,7 +76,7 @@ class StagingParts:
         # host time to create, record and destroy). Only the part's holder records its event.
         self._events: list = [None] * depth
         self._pending = [False] * depth
-        self._lock = threading.Lock()
+        self._lock = YieldingLock()
         for i in range(depth):
             self._free.put(i)
 

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import threading
 from collections import Counter
 from collections.abc import Callable
 
+from .yielding_lock import YieldingLock
 
 class TierStats:
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = YieldingLock()
         self._counts: Counter = Counter()
         #: also told every ``add`` (the tier's Prometheus counters, :mod:`.metrics`)
         self.listener: Callable[[dict], None] | None = None

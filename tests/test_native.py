@@ -14,6 +14,7 @@ import mmap
 import os
 import shutil
 import tempfile
+import sys
 import threading
 import time
 
@@ -34,6 +35,7 @@ from gdskv.tier import Tier
 from conftest import empty_like_pool, random_pool
 
 NATIVE, PYTHON = native.NATIVE, native.PYTHON_BY_CHOICE
+NATIVE_MODULE = native._pages
 needs_native = pytest.mark.skipif(NATIVE is None, reason="the extension did not load: "
                                   "test_the_extension_is_built says why")
 
@@ -123,6 +125,57 @@ def test_bad_arguments_are_value_errors(engine):
     if engine is NATIVE:  # (the Python path takes any array the numpy calls take)
         with pytest.raises(ValueError, match="sums"):
             engine.page_sums([buf], 50, 50, np.zeros(1, np.uint64))
+    # memory as (address, length) rows: int64 pairs of real memory only
+    for rows, match in ((np.zeros((1, 2), np.int32), "int64"), (np.zeros(3, np.int64), "int64"),
+                        (np.array([[buf.ctypes.data, -1]], np.int64), "row 0"),
+                        (np.array([[0, 0], [0, 100]], np.int64), "row 1")):
+        with pytest.raises(ValueError, match=match):
+            engine.page_sums(rows, 100, 100, np.zeros(1, np.uint64))
+
+
+def _rows(buffers) -> np.ndarray:
+    """The page engine's (address, length) rows of numpy buffers."""
+    return np.array([(b.ctypes.data, b.nbytes) for b in buffers], np.int64).reshape(-1, 2)
+
+
+@needs_native
+@pytest.mark.parametrize("engine", [NATIVE, PYTHON], ids=["native", "python"])
+def test_memory_given_as_address_rows(tmp_path, engine):
+    """Every call takes its memory as buffers or as (address, length) rows of the same memory,
+    with the same results: writes, sums, checked reads and copies from a mapping (a
+    zero-length row included)."""
+    rng = np.random.default_rng(11)
+    slot, page = 5000, 4000
+    src = [rng.integers(0, 256, n, dtype=np.uint8) for n in (page, slot - page, 0)] * 2
+    fd = _files(tmp_path, 1, 0, engine.path)[0]
+    segs = np.array([[fd, 0, page], [fd, page, slot - page], [fd, slot, 0],
+                     [fd, slot, page], [fd, slot + page, slot - page], [fd, 2 * slot, 0]],
+                    np.int64)
+    res = np.zeros((6, 2), np.int64)
+    assert engine.write_pages(segs, _rows(src), res) == 2 * slot
+    assert os.pread(fd, 2 * slot, 0) == b"".join(b.tobytes() for b in src)
+    by_buffers, by_rows = np.zeros(2, np.uint64), np.zeros(2, np.uint64)
+    engine.page_sums(src, slot, page, by_buffers)
+    engine.page_sums(_rows(src), slot, page, by_rows)
+    assert by_rows.tolist() == by_buffers.tolist() == [
+        crc32c.crc32c(src[0].tobytes()), crc32c.crc32c(src[3].tobytes())]
+    mapping = mmap.mmap(fd, 2 * slot, mmap.MAP_SHARED, mmap.PROT_READ)
+    try:
+        for read in ("read", "copy"):
+            dst = [np.zeros_like(b) for b in src]
+            sums, status = np.zeros(2, np.uint64), np.full(2, 9, np.uint8)
+            if read == "read":
+                engine.read_pages(segs, _rows(dst), res, slot, page, by_buffers, sums, status, 0)
+            else:
+                rows = segs.copy()
+                rows[:, 0] = 0
+                engine.copy_pages([(fd, mapping)], rows, _rows(dst), res, slot, page,
+                                  by_buffers, sums, status)
+            assert [d.tobytes() for d in dst] == [b.tobytes() for b in src], read
+            assert status.tolist() == [0, 0] and sums.tolist() == by_buffers.tolist(), read
+    finally:
+        mapping.close()
+        os.close(fd)
 
 
 # -- I/O ----------------------------------------------------------------------------------------
@@ -446,6 +499,46 @@ def test_calls_release_the_gil(tmp_path):
     finally:
         mapping.close()
         os.close(fd)
+
+
+@needs_native
+def test_small_calls_keep_the_gil(tmp_path):
+    """Below ``hold_gil_below`` bytes, checksums and copies from a mapping keep the GIL (a
+    thread switch each way costs more than such a call); reads, which may wait on a disk,
+    release it at any size. Shown with the bound raised over a 64 MiB call: no Python runs
+    in another thread while the call runs."""
+    buf = np.ones(64 << 20, np.uint8)
+    path = str(tmp_path / "big")
+    with open(path, "wb") as fh:
+        fh.write(buf.tobytes())
+    fd = os.open(path, os.O_RDONLY)
+    mapping = mmap.mmap(fd, 64 << 20, mmap.MAP_SHARED, mmap.PROT_READ)
+    sums, res = np.zeros(4, np.uint64), np.zeros((4, 2), np.int64)
+    calls = {"page_sums": lambda: NATIVE.page_sums([buf] * 4, 64 << 20, 64 << 20, sums),
+             "copy_pages": lambda: NATIVE.copy_pages(
+                 [(fd, mapping)], np.array([[0, 0, 64 << 20]] * 4, np.int64), [buf] * 4, res,
+                 64 << 20, 64 << 20, None, sums, np.zeros(4, np.uint8))}
+    default = NATIVE_MODULE.hold_gil_below()
+    assert default == 256 * 1024
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.5)  # (the worker is not made to hand the GIL over mid-test)
+    try:
+        assert NATIVE_MODULE.hold_gil_below(1 << 40) == default
+        for name, call in calls.items():
+            span, ticks = [], []
+            worker = threading.Thread(target=lambda: (span.append(time.perf_counter()),
+                                                      call(), span.append(time.perf_counter())))
+            worker.start()
+            while worker.is_alive():
+                ticks.append(time.perf_counter())
+            worker.join()
+            assert sum(span[0] < t < span[1] for t in ticks) <= 1, name
+    finally:
+        sys.setswitchinterval(interval)
+        NATIVE_MODULE.hold_gil_below(default)
+        mapping.close()
+        os.close(fd)
+    assert NATIVE_MODULE.hold_gil_below() == default
 
 
 # -- tiers on both paths ------------------------------------------------------------------------

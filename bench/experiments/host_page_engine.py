@@ -336,7 +336,13 @@ def profile(args) -> str:
 def measure(args) -> dict:
     from gdskv import native
     import gdskv
+    if args.hold_gil_below is not None:
+        if native.NATIVE is None or not hasattr(native._pages, "hold_gil_below"):
+            raise SystemExit("--hold-gil-below: this tree's native engine has no such bound")
+        native._pages.hold_gil_below(args.hold_gil_below)
     result = {"gdskv": os.path.dirname(gdskv.__file__),
+              "hold_gil_below": native._pages.hold_gil_below()
+              if native.NATIVE is not None and hasattr(native._pages, "hold_gil_below") else None,
               "threads": args.threads, "page_sizes": args.page_sizes, "dirs": args.dirs,
               "seconds": args.seconds, "rounds": args.rounds, "cpus": os.cpu_count(),
               "loadavg_start": os.getloadavg(), "native": native.engine().describe(),
@@ -425,6 +431,9 @@ def main() -> None:
                     default=["restore", "big", "spill"], help="what to measure (default: all)")
     ap.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS),
                     help="which kinds the thread cells run (default: all; raw always)")
+    ap.add_argument("--hold-gil-below", type=int, metavar="BYTES",
+                    help="the native engine's bound under which checksums and copies from "
+                    "mappings keep the GIL (default: the engine's own)")
     ap.add_argument("--out", help="write the result here (JSON)")
     ap.add_argument("--profile", metavar="FILE", help="instead: cProfile 1-page restores and "
                     "spills on a native tier (first directory and page size) into FILE")

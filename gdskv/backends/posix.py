@@ -30,7 +30,6 @@ from __future__ import annotations
 import logging
 import mmap
 import os
-import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -44,6 +43,7 @@ from .base import (Backend, CompletedIO, CompletionPoller, Extent, IOOutcome, Sh
                    SlabFile, combine, io_pieces, split_extents)
 from .bounce import HostMirrors
 from .memory_files import why_not_file as why_not_mapped
+from ..yielding_lock import YieldingLock
 
 log = logging.getLogger("gdskv.posix")
 
@@ -81,7 +81,7 @@ class PosixBackend(Backend):
         self._mirrors = HostMirrors()
         #: pieces handed to the pool and not finished: a call is cut for the threads left idle
         self._in_pool = 0
-        self._in_pool_lock = threading.Lock()
+        self._in_pool_lock = YieldingLock()
         self._poller = CompletionPoller(config.io_poll_us)
         self._engine = native.engine(config.native)
 

@@ -299,15 +299,11 @@ release_all(Buffers *b)
     b->count = 0;
 }
 
-/* Each item of the sequence `memory` as a contiguous buffer (writable when asked). */
 static int
-get_memory(PyObject *memory, int writable, Buffers *out)
+alloc_views(Buffers *out, Py_ssize_t n)
 {
     out->count = 0;
     out->views = out->small;
-    Py_ssize_t n = PySequence_Size(memory);
-    if (n < 0)
-        return -1;
     if (n > (Py_ssize_t)(sizeof out->small / sizeof out->small[0])) {
         out->views = PyMem_Malloc((size_t)n * sizeof(Py_buffer));
         if (out->views == NULL) {
@@ -315,6 +311,60 @@ get_memory(PyObject *memory, int writable, Buffers *out)
             return -1;
         }
     }
+    return 0;
+}
+
+/* `memory` given as an int64 array of (address, length) rows: the memory itself, not objects
+ * holding it (no buffer to get or release for each region; the caller keeps it alive and in
+ * place for the call). */
+static int
+get_memory_rows(PyObject *memory, Buffers *out)
+{
+    Py_buffer rows;
+    if (PyObject_GetBuffer(memory, &rows, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        return -1;
+    const char *fmt = rows.format ? rows.format + strlen(rows.format) - 1 : "B";
+    if (rows.itemsize != 8 || rows.len % 16 || (*fmt != 'q' && *fmt != 'l')) {
+        PyErr_Format(PyExc_ValueError, "memory: expected int64 (address, length) rows, got %zd "
+                     "bytes of items of %zd bytes", rows.len, rows.itemsize);
+        PyBuffer_Release(&rows);
+        return -1;
+    }
+    Py_ssize_t n = rows.len / 16;
+    const long long *r = rows.buf;
+    int rc = alloc_views(out, n);
+    for (Py_ssize_t i = 0; rc == 0 && i < n; i++) {
+        if (r[2 * i + 1] < 0 || (r[2 * i] == 0 && r[2 * i + 1] > 0)) {
+            PyErr_Format(PyExc_ValueError, "memory row %zd: (%lld, %lld) is no memory", i,
+                         r[2 * i], r[2 * i + 1]);
+            rc = -1;
+            break;
+        }
+        Py_buffer *v = &out->views[i];
+        memset(v, 0, sizeof *v); /* obj NULL: nothing to release */
+        v->buf = (void *)(uintptr_t)r[2 * i];
+        v->len = (Py_ssize_t)r[2 * i + 1];
+        v->itemsize = 1;
+        out->count = i + 1;
+    }
+    PyBuffer_Release(&rows);
+    if (rc < 0)
+        release_all(out);
+    return rc;
+}
+
+/* Each item of the sequence `memory` as a contiguous buffer (writable when asked), or
+ * get_memory_rows where `memory` is itself a buffer (an array of rows). */
+static int
+get_memory(PyObject *memory, int writable, Buffers *out)
+{
+    out->count = 0;
+    out->views = out->small;
+    if (PyObject_CheckBuffer(memory))
+        return get_memory_rows(memory, out);
+    Py_ssize_t n = PySequence_Size(memory);
+    if (n < 0 || alloc_views(out, n) < 0)
+        return -1;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *item = PySequence_GetItem(memory, i);
         if (item == NULL) {
@@ -637,6 +687,32 @@ settle_pages(const Buffers *mem, const Moved *res, long long pages, long long sl
 }
 
 /* ---------------------------------------------------------------------------------------- */
+/* The GIL                                                                                  */
+/* ---------------------------------------------------------------------------------------- */
+
+/* Work on fewer bytes than this runs with the GIL held. Where other threads wait for the GIL,
+ * giving it up and winning it back is a thread switch or two each way, longer than summing or
+ * copying a small page from memory takes (see gdskv.native, "The GIL"). Only for work bounded
+ * by the memory's speed (checksums, copies from mappings): a system call that may wait on a
+ * disk always runs without it. */
+#define HOLD_GIL_BELOW_DEFAULT (256 * 1024)
+static long long hold_gil_below = HOLD_GIL_BELOW_DEFAULT;
+
+/* The GIL released for work on `bytes` bytes (NULL: kept); give the result to regain_gil. */
+static PyThreadState *
+release_gil_for(long long bytes)
+{
+    return bytes >= hold_gil_below ? PyEval_SaveThread() : NULL;
+}
+
+static void
+regain_gil(PyThreadState *state)
+{
+    if (state != NULL)
+        PyEval_RestoreThread(state);
+}
+
+/* ---------------------------------------------------------------------------------------- */
 /* Module functions                                                                         */
 /* ---------------------------------------------------------------------------------------- */
 
@@ -696,12 +772,12 @@ py_page_sums(PyObject *self, PyObject *args)
         release_all(&mem);
         return NULL;
     }
-    Py_BEGIN_ALLOW_THREADS
+    PyThreadState *state = release_gil_for(pages * page_bytes);
     Cursor c = {mem.views, mem.count, 0, 0};
     uint64_t *out = sums.buf;
     for (long long k = 0; k < pages; k++)
         out[k] = frame_crc(&c, k * slot_bytes, page_bytes);
-    Py_END_ALLOW_THREADS
+    regain_gil(state);
     release_array(&sums);
     release_all(&mem);
     Py_RETURN_NONE;
@@ -932,7 +1008,7 @@ py_copy_pages(PyObject *self, PyObject *args)
         failed = 1;
     }
     if (!failed) {
-        Py_BEGIN_ALLOW_THREADS
+        PyThreadState *state = release_gil_for(frame_length(&mem));
         for (Py_ssize_t i = 0; i < maps.count; i++) {
             struct stat st;
             /* an errno as a negative limit: nothing of that file is copied */
@@ -973,7 +1049,7 @@ py_copy_pages(PyObject *self, PyObject *args)
         }
         settle_pages(&mem, a.res.buf, pages, slot_bytes, page_bytes, a.want.buf, a.sums.buf,
                      a.status.buf, 1);
-        Py_END_ALLOW_THREADS
+        regain_gil(state);
     }
     PyMem_Free(limits);
     if (got)
@@ -1007,6 +1083,18 @@ py_take_sizes(PyObject *self, PyObject *args)
 }
 
 static PyObject *
+py_hold_gil_below(PyObject *self, PyObject *args)
+{
+    long long bytes = -1;
+    if (!PyArg_ParseTuple(args, "|L:hold_gil_below", &bytes))
+        return NULL;
+    long long before = hold_gil_below;
+    if (bytes >= 0)
+        hold_gil_below = bytes;
+    return PyLong_FromLongLong(before);
+}
+
+static PyObject *
 py_implementation(PyObject *self, PyObject *unused)
 {
     return PyUnicode_FromString(crc_implementation);
@@ -1030,6 +1118,9 @@ static PyMethodDef methods[] = {
     {"_take_sizes", py_take_sizes, METH_VARARGS,
      "_take_sizes(on): for tests only; off, copy_pages does not take files' sizes first, so "
      "a file cut shorter faults the copy, which must then report the file's end."},
+    {"hold_gil_below", py_hold_gil_below, METH_VARARGS,
+     "hold_gil_below(bytes=-1) -> int: the size below which checksums and copies from "
+     "mappings keep the GIL; sets it where bytes >= 0 (benchmarks, tests); the old value."},
     {"implementation", py_implementation, METH_NOARGS,
      "implementation() -> str: the CRC-32C instructions in use (sse4.2, armv8-crc or table)."},
     {NULL, NULL, 0, NULL},

@@ -8,6 +8,7 @@ the GIL during the system call), checksums are the ``crc32c`` package's. See
 
 from __future__ import annotations
 
+import ctypes
 import os
 from collections.abc import Sequence
 
@@ -27,7 +28,19 @@ def implementation() -> str:
     return "crc32c package"
 
 
-def _bytes(memory: Sequence) -> list[memoryview]:
+def _bytes(memory: Sequence | np.ndarray) -> list[memoryview]:
+    if isinstance(memory, np.ndarray):  # (address, length) rows: the memory itself
+        rows = memory.reshape(-1)
+        if memory.dtype != np.int64 or len(rows) % 2:
+            raise ValueError(f"memory: expected int64 (address, length) rows, got "
+                             f"{memory.nbytes} bytes of items of {memory.itemsize} bytes")
+        views = []
+        for i, (address, length) in enumerate(rows.reshape(-1, 2).tolist()):
+            if length < 0 or (address == 0 and length > 0):
+                raise ValueError(f"memory row {i}: ({address}, {length}) is no memory")
+            views.append(memoryview((ctypes.c_ubyte * length).from_address(address)).cast("B")
+                         if length else memoryview(bytearray()))
+        return views
     return [memoryview(b).cast("B") for b in memory]
 
 
