@@ -519,7 +519,7 @@ def test_small_calls_keep_the_gil(tmp_path):
                  [(fd, mapping)], np.array([[0, 0, 64 << 20]] * 4, np.int64), [buf] * 4, res,
                  64 << 20, 64 << 20, None, sums, np.zeros(4, np.uint8))}
     default = NATIVE_MODULE.hold_gil_below()
-    assert default == 256 * 1024
+    assert default == 1 << 20
     interval = sys.getswitchinterval()
     sys.setswitchinterval(0.5)  # (the worker is not made to hand the GIL over mid-test)
     try:

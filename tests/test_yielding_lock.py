@@ -132,9 +132,12 @@ def _blocking_acquires(lock: YieldingLock) -> int:
 
 def test_waiters_yield_instead_of_sleeping_in_the_lock(monkeypatch):
     """A waiter yields the GIL until the holder is done and takes the lock while it holds the
-    GIL; it seldom sleeps in the lock (on the development machine about 90 of 10,000
-    passes). Without the yields -- a plain lock's waiting -- about 9,000 did, each one a lock
-    handed to a thread that must still win the GIL."""
-    assert _blocking_acquires(YieldingLock()) < 1000
+    GIL; it seldom sleeps in the lock. Against the same lock without the yields (a plain
+    lock's waiting): on the development machine (2 cores) about 90 of 10,000 passes slept
+    with the yields and about 9,000 without, each one a lock handed to a thread that must
+    still win the GIL; on the GPU machine's 16 cores the plain lock slept only a few times,
+    so there the bound is a handful."""
     monkeypatch.setattr(yielding_lock, "_YIELDS", 0)
-    assert _blocking_acquires(YieldingLock()) > 2500
+    plain = _blocking_acquires(YieldingLock())
+    monkeypatch.setattr(yielding_lock, "_YIELDS", 100)
+    assert _blocking_acquires(YieldingLock()) <= max(20, plain // 10), plain

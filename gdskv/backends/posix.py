@@ -212,12 +212,12 @@ class PosixBackend(Backend):
         if self._pool is None:
             raise RuntimeError("posix backend is closed")
         rest = slot_bytes - page_bytes
-        segments = np.empty((2 * len(places), 3), dtype=np.int64)
-        for j, (f, offset) in enumerate(places):
+        flat = []  # (one array from a list: a row assigned at a time costs a 1-page call ~1 µs)
+        for f, offset in places:
             fd = column[f]
-            segments[2 * j] = (fd, offset, page_bytes)
-            segments[2 * j + 1] = (fd, offset + page_bytes, rest)
-        return segments, np.empty((len(segments), 2), dtype=np.int64)
+            flat += (fd, offset, page_bytes, fd, offset + page_bytes, rest)
+        return (np.array(flat, dtype=np.int64).reshape(-1, 3),
+                np.empty((2 * len(places), 2), dtype=np.int64))
 
     def _submit(self, op: str, host: torch.Tensor | None, extents: Sequence[Extent],
                 after=None) -> Future:
