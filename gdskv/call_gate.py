@@ -15,7 +15,8 @@ from .yielding_lock import YieldingLock
 
 class CallGate:
     def __init__(self) -> None:
-        self._cond = threading.Condition(YieldingLock())
+        self._lock = YieldingLock()  # (data calls take it directly: no Condition frame)
+        self._cond = threading.Condition(self._lock)
         self._active = 0
         self._alone = False
         self._waiting = 0
@@ -24,13 +25,13 @@ class CallGate:
         """Enter beside the other data calls (waiting while one is alone or waits to be);
         every call pairs it with :meth:`leave_shared`. (Plain methods, not a context manager:
         a data call of one page feels a generator's host time.)"""
-        with self._cond:
+        with self._lock:
             while self._alone or self._waiting:
                 self._cond.wait()
             self._active += 1
 
     def leave_shared(self) -> None:
-        with self._cond:
+        with self._lock:
             self._active -= 1
             # only an alone-entry waits for the calls in flight to end (a notify is Python
             # steps on every data call's way out)

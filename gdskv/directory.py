@@ -180,10 +180,13 @@ class PageDirectory:
         ``algorithm`` (a few slots are looked at one by one: numpy's gather and reduction
         cost a cold host 28 µs of a 1-page restore)."""
         with self._lock:
-            if len(slots) <= _FEW_SLOTS:
-                algos = self._algorithm
-                return all(algos[s] == algorithm for s in slots)
-            return bool((self._algorithm[np.asarray(slots, dtype=np.int64)] == algorithm).all())
+            return self._all_use_locked(slots, algorithm)
+
+    def _all_use_locked(self, slots: Sequence[int], algorithm: int) -> bool:
+        if len(slots) <= _FEW_SLOTS:
+            algos = self._algorithm
+            return all(algos[s] == algorithm for s in slots)
+        return bool((self._algorithm[np.asarray(slots, dtype=np.int64)] == algorithm).all())
 
     @property
     def free_slots(self) -> int:
@@ -350,16 +353,19 @@ class PageDirectory:
         return self._pin_arrays(keys)
 
     def _pin_each(self, keys: Sequence[Hashable]) -> list[tuple[int, int] | None]:
-        out: list[tuple[int, int] | None] = []
         with self._lock:
-            for key in keys:
-                slot = self._index.get(key)
-                if slot is None or self._state[slot] != _READY:
-                    out.append(None)
-                    continue
-                self._pins[slot] += 1
-                self._touch_locked(slot)
-                out.append((slot, int(self._checksum[slot])))
+            return self._pin_each_locked(keys)
+
+    def _pin_each_locked(self, keys: Sequence[Hashable]) -> list[tuple[int, int] | None]:
+        out: list[tuple[int, int] | None] = []
+        for key in keys:
+            slot = self._index.get(key)
+            if slot is None or self._state[slot] != _READY:
+                out.append(None)
+                continue
+            self._pins[slot] += 1
+            self._touch_locked(slot)
+            out.append((slot, int(self._checksum[slot])))
         return out
 
     def _pin_arrays(self, keys: Sequence[Hashable]) -> list[tuple[int, int] | None]:
@@ -374,17 +380,25 @@ class PageDirectory:
             out[i] = p
         return out
 
-    def pin_for_read(self, keys: Sequence[Hashable], first: int = 0
-                     ) -> list[tuple[int, int, int]]:
+    def pin_for_read(self, keys: Sequence[Hashable], first: int = 0, *,
+                     algorithm: int | None = None):
         """Pin READY pages for reading, as a read wants them: ``(position, slot, checksum)`` of
         each hit, in slot order (adjacent slots coalesce into one I/O). Positions count from
-        ``first``: ``keys`` may be a part of a longer call's keys."""
+        ``first``: ``keys`` may be a part of a longer call's keys. With ``algorithm``: that
+        list and whether every hit's checksum was made with it (:meth:`all_use`, under the
+        same hold of the lock: a 1-page restore's host time)."""
         if len(keys) < ARRAYS_FROM:
-            todo = [(first + i, p[0], p[1]) for i, p in enumerate(self._pin_each(keys))
-                    if p is not None]
+            with self._lock:
+                todo = [(first + i, p[0], p[1]) for i, p in
+                        enumerate(self._pin_each_locked(keys)) if p is not None]
+                same = None if algorithm is None else \
+                    self._all_use_locked([t[1] for t in todo], algorithm)
             if len(todo) > 1:
                 todo.sort(key=operator.itemgetter(1))
-            return todo
+            return todo if algorithm is None else (todo, same)
+        if algorithm is not None:
+            todo = self.pin_for_read(keys, first)
+            return todo, self.all_use([t[1] for t in todo], algorithm)
         with self._lock:
             where, found = self._find_ready_locked(keys)
             order = np.argsort(found, kind="stable")  # (a prefix spilled in order: sorted)

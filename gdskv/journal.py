@@ -81,6 +81,10 @@ def check_key(key: Hashable) -> None:
 def keys_fit(keys: list) -> bool:
     """True when every key is ASCII text or bytes within the journal's length: the usual
     keys (hex digests), checked in C loops. False says nothing: check each with check_key."""
+    if len(keys) == 1:  # (a 1-page call: no set, no C loops)
+        k = keys[0]
+        kind = type(k)
+        return (kind is bytes or (kind is str and k.isascii())) and len(k) <= MAX_KEY_BYTES
     kinds = set(map(type, keys))
     if kinds == {str}:
         return all(map(str.isascii, keys)) and max(map(len, keys)) <= MAX_KEY_BYTES

@@ -165,14 +165,14 @@ class QuickRestore(QuickCall):
         hit or a miss, as :class:`RestoreCall` answers."""
         ctx = self.ctx
         directory = ctx.directory
-        todo = directory.pin_for_read(keys)
+        todo, same = directory.pin_for_read(keys, algorithm=checksum.CRC32C)
         if not todo:
             return self._done(keys, [False] * len(keys), 0, 0.0)
         slots = [s for _, s, _ in todo]
         status = None
         tried = False
         try:
-            if directory.all_use(slots, checksum.CRC32C):
+            if same:
                 tried = True
                 t0 = time.perf_counter()
                 places, memory, _ = self._frame(todo, regions)

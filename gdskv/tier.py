@@ -543,7 +543,7 @@ class Tier:
                     raise TypeError(f"page keys must be str or bytes, got "
                                     f"{type(k).__name__}: {k!r}")
                 check_key(k)  # before any I/O: a key the journal cannot record fails the call
-        if len(set(keys)) != len(keys):
+        if len(keys) > 1 and len(set(keys)) != len(keys):
             dup = next(k for k, c in collections.Counter(keys).items() if c > 1)
             raise ValueError(f"duplicate key in one call: {dup!r}")
         return keys

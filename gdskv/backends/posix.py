@@ -176,9 +176,8 @@ class PosixBackend(Backend):
         order = dict.fromkeys(f for f, _ in places)  # the call's files, each once
         sources = [self._maps[f] for f in order]
         mapped = None not in sources
-        segments, result = self._slot_segments(
-            places, slot_bytes, page_bytes,
-            {f: i for i, f in enumerate(order)} if mapped else self._fds(order))
+        column = dict(zip(order, range(len(order)))) if mapped else self._fds(order)
+        segments, result = self._slot_segments(places, slot_bytes, page_bytes, column)
         sums = np.empty(len(places), dtype=np.uint64)
         status = np.empty(len(places), dtype=np.uint8)
         if mapped:
