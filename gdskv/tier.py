@@ -642,9 +642,10 @@ class Tier:
         keys = self._check_keys(keys)
         quick = self._quick_regions(op, pages)
         if quick is not None and op == "get":
-            # A quick restore is not combined: its read releases the GIL, so calls in flight
-            # overlap it, where a batch would read on one thread (16 threads of 2 MiB
-            # restores, H100 host: 0.24-0.28x raw alone, 0.13-0.16x combined)
+            # A quick restore is not combined: a read that releases the GIL (a preadv, a
+            # copy of 1 MiB or more) overlaps the other calls in flight, where a batch would
+            # read on one thread (16 threads of 2 MiB restores, H100 host: 0.24-0.28x raw
+            # alone, 0.13-0.16x combined); a shorter one is shorter than a GIL hand-over
             return self._run(self._quick_call, keys, quick, op=op)
         fn, to_staging = (self._put, True) if op == "put" else (self._get, False)
 

@@ -31,8 +31,11 @@ time, 2 MiB buffer): the native engine, the crc32c package, xxh3.
     python bench/experiments/host_page_engine.py --dirs /dev/shm/hpe --page-sizes 64KiB \
         --profile profile.txt     # where a 1-page call's host time goes (cProfile)
 
-Results it produced: ``cpu-2026-11-27/native/``, ``h100-2026-11-27/native/`` and
-``h100-2026-11-28/quick-calls/``.
+``--hold-gil-below BYTES`` sets the native engine's bound under which checksums and copies
+from mappings keep the GIL (``docs/native.md``, "The GIL"); each JSON records the bound.
+
+Results it produced: ``cpu-2026-11-27/native/``, ``h100-2026-11-27/native/``,
+``h100-2026-11-28/quick-calls/`` and ``h200-2026-11-28/many-threads/``.
 """
 
 from __future__ import annotations
