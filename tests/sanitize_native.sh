@@ -9,7 +9,7 @@
 #
 #   bash tests/sanitize_native.sh [PYTHON] [-- PYTEST_ARGS...]    (PYTHON: default python3)
 #
-# Its output, packed: bench/results/cpu-2026-11-28/native-sanitizer/ (with the tests' stores on
+# Its output, packed: bench/results/cpu-2026-11-28/native-sanitizer-2/ (with the tests' stores on
 # /dev/shm too, where slab files are read from their mappings: -- --basetemp=/dev/shm/DIR).
 set -euo pipefail
 cd "$(dirname "$0")/.."
