@@ -8,62 +8,35 @@ pass through the lock is a hand-over between the threads (a lock convoy). One su
 enough to start it; a tier's data calls take a few locks each (the directory's, the call
 gate's), so small calls from several threads all ran at the pace of two thread switches per
 lock. Measured on the development machine (2 cores), 1-page 64 KiB restores from /dev/shm:
-one thread made 36,000 calls/s, two threads 17,000 together, with the threads' time in
-futex waits on these locks.
+one thread made 30,000 calls/s, two threads 14,000-17,000 together, with the threads' time in
+futex waits on these locks (``perf``); on an H200 host 16 threads ran at a third of one
+thread's pages/s, p50 1.3 ms (``bench/RESULTS.md``, "Many threads of small calls").
 
 :class:`YieldingLock` is only ever taken by a thread that holds the GIL: a thread that finds it
-held gives up the GIL (``time.sleep(0)``) so that the owner can run to its release, and tries
-again, a bounded number of times before it blocks like a plain lock (a long-held lock, e.g. a
-large eviction scan, is not spun on). So no thread owns it without running, and the convoy
-does not form. For sections of Python steps only; a lock held across I/O stays a
-``threading.Lock`` (waiters sleep through the I/O). Works under ``threading.Condition``.
+held gives up the GIL and yields the CPU so that the owner can run to its release, and tries
+again, ``yields`` times (100) before it blocks like a plain lock (a long-held lock, e.g. a
+large eviction scan, is not spun on; ``blocking_waits`` counts those waits). So no thread owns
+it without running, and the convoy does not form. For sections of Python steps only: a lock
+held across I/O stays a ``threading.Lock`` (waiters sleep through the I/O). Works under
+``threading.Condition``. Not reentrant.
+
+It is C (``gdskv/native/_locks.c``, built with the page engine): ``with lock:`` takes the lock
+and returns without running Python code in between, as ``threading.Lock`` does, so a signal
+handler's exception (Ctrl-C in the main thread) cannot leave it held; a Python ``__enter__``
+would run the handler right after its acquire. Where the extension did not load, the data path
+uses plain ``threading.Lock``s (``IMPLEMENTATION``: "native" or "threading.Lock").
 """
 
 from __future__ import annotations
 
 import threading
-import time
 
-#: how many times a waiter gives up the GIL and tries again before it blocks
-_YIELDS = 100
+try:
+    from .native._locks import DEFAULT_YIELDS, YieldingLock
+    IMPLEMENTATION = "native"
+except ImportError:  # a source tree without pip install: a lock still, convoys and all
+    DEFAULT_YIELDS = 0
+    YieldingLock = threading.Lock
+    IMPLEMENTATION = "threading.Lock"
 
-
-class YieldingLock:
-    """A non-reentrant lock, ``threading.Lock``'s interface, whose waiters yield the GIL
-    instead of blocking (see the module)."""
-
-    __slots__ = ("_lock", "_try", "release", "locked")
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._try = self._lock.acquire  # (the bound method, looked up once)
-        self.release = self._lock.release
-        self.locked = self._lock.locked
-
-    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
-        if self._try(False):
-            return True
-        if not blocking:
-            return False
-        return self._wait(timeout)
-
-    def _wait(self, timeout: float = -1) -> bool:
-        deadline = None if timeout < 0 else time.monotonic() + timeout
-        for _ in range(_YIELDS):
-            time.sleep(0)  # the GIL goes to the owner, which may be waiting for it
-            if self._try(False):
-                return True
-            if deadline is not None and time.monotonic() >= deadline:
-                return False
-        if deadline is None:
-            return self._try(True)
-        return self._try(True, max(0.0, deadline - time.monotonic()))
-
-    def __enter__(self) -> bool:
-        return self._try(False) or self._wait()
-
-    def __exit__(self, *exc) -> None:
-        self.release()
-
-    def __repr__(self) -> str:
-        return f"<YieldingLock {'locked' if self.locked() else 'unlocked'}>"
+__all__ = ["YieldingLock", "IMPLEMENTATION", "DEFAULT_YIELDS"]

@@ -14,12 +14,15 @@ if venv_stale .venv pyproject.toml tests/run.sh; then
   .venv/bin/pip install -q -e '.[test,gpu,nixl]'
   venv_built .venv
 fi
-# The editable install compiled the page engine (gdskv/native/_pages.c) when the venv was built:
-# build it again when its source changed since.
-so=$(ls gdskv/native/_pages*.so 2>/dev/null | head -1)
-if [ -z "$so" ] || [ gdskv/native/_pages.c -nt "$so" ] || [ setup.py -nt "$so" ]; then
-  .venv/bin/pip install -q --no-deps --no-build-isolation -e .
-fi
+# The editable install compiled the page engine and the yielding lock (gdskv/native/*.c) when the
+# venv was built: build them again when a source changed since.
+for ext in _pages _locks; do
+  so=$(ls gdskv/native/$ext*.so 2>/dev/null | head -1)
+  if [ -z "$so" ] || [ gdskv/native/$ext.c -nt "$so" ] || [ setup.py -nt "$so" ]; then
+    .venv/bin/pip install -q --no-deps --no-build-isolation -e .
+    break
+  fi
+done
 .venv/bin/python -m pytest -q -rs -m "not slow" "$@"
 # The data-path tests again on the page engine's Python path, the fallback and the oracle the
 # native engine is held to (gdskv/native; the run above used the native engine).

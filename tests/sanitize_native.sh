@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The page engine's tests under AddressSanitizer and UndefinedBehaviorSanitizer.
 #
-# Builds gdskv/native/_pages.c with -fsanitize=address,undefined into a copy of this tree's
+# Builds gdskv/native/_pages.c and _locks.c with -fsanitize=address,undefined into a copy of this tree's
 # tracked files (the checkout's own build is left alone), then runs the engine's tests and the
 # data-path tests that go through it from that copy, with the ASan runtime preloaded (python
 # itself is not instrumented). Any report stops the run (halt_on_error) and fails the script.
@@ -21,12 +21,14 @@ trap 'rm -rf "$tmp"' EXIT
 git ls-files -z | xargs -0 cp --parents -t "$tmp"
 inc=$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
 limited=$("$py" -c 'import sys; print("-DPy_LIMITED_API=0x030B0000" if sys.version_info >= (3, 11) else "")')
-so=$("$py" -c 'import sys, sysconfig; print("_pages.abi3.so" if sys.version_info >= (3, 11) else "_pages" + sysconfig.get_config_var("EXT_SUFFIX"))')
+suffix=$("$py" -c 'import sys, sysconfig; print(".abi3.so" if sys.version_info >= (3, 11) else sysconfig.get_config_var("EXT_SUFFIX"))')
 cc=${CC:-gcc}
 flags=(-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer
        -O1 -g -shared -fPIC -Wall -Wextra -Wno-unused-parameter -Werror)
-echo "+ $cc ${flags[*]} $limited -I$inc gdskv/native/_pages.c -o gdskv/native/$so"
-$cc "${flags[@]}" $limited -I"$inc" "$tmp/gdskv/native/_pages.c" -o "$tmp/gdskv/native/$so"
+for ext in _pages _locks; do  # the page engine and the data path's yielding lock
+  echo "+ $cc ${flags[*]} $limited -I$inc gdskv/native/$ext.c -o gdskv/native/$ext$suffix"
+  $cc "${flags[@]}" $limited -I"$inc" "$tmp/gdskv/native/$ext.c" -o "$tmp/gdskv/native/$ext$suffix"
+done
 asan=$($cc -print-file-name=libasan.so)
 echo "+ ASan runtime: $asan; $($cc --version | head -1); $("$py" -V)"
 cd "$tmp"
@@ -34,8 +36,10 @@ export LD_PRELOAD=$asan PYTHONPATH=$tmp PYTHONDONTWRITEBYTECODE=1
 export ASAN_OPTIONS=detect_leaks=0:halt_on_error=1:abort_on_error=1:alloc_dealloc_mismatch=0
 export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 "$py" -c 'import gdskv.native as n; assert n.NATIVE is not None, n.LOAD_ERROR; print("+ engine:", n._pages.__file__, n.NATIVE.checksum)'
+"$py" -c 'import gdskv.native._locks as m; print("+ lock:", m.__file__)'
 files=(tests/test_native.py tests/test_host_pages.py tests/test_io_on_caller.py
-       tests/test_corruption.py tests/test_byte_pages.py tests/test_quick_calls.py)
+       tests/test_corruption.py tests/test_byte_pages.py tests/test_quick_calls.py
+       tests/test_yielding_lock.py tests/test_concurrency.py tests/test_call_gate.py)
 echo "+ pytest ${files[*]} $*"
 "$py" -m pytest -q -p no:cacheprovider -m "not slow and not gpu" "${files[@]}" "$@"
 echo "+ sanitizers: no report"

@@ -1,21 +1,45 @@
-"""gdskv.yielding_lock: a lock whose waiters give up the GIL instead of blocking.
+"""gdskv.yielding_lock: a lock whose waiters give up the GIL instead of sleeping in it.
 
 It must be a lock first (mutual exclusion, non-blocking and timed acquires, a Condition on
-it), and it must not form the convoy a ``threading.Lock`` forms under the GIL: two threads
-taking it in turn never wait in the kernel for it while the section is only Python.
+it), it must not form the convoy a ``threading.Lock`` forms under the GIL (a waiter takes it
+while holding the GIL, yielding instead of sleeping in the lock), and a signal handler's
+exception must never leave it held. The C type is what the data path uses where the native
+extension is built; without it the data path falls back to ``threading.Lock``.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 
 import pytest
 
 from gdskv import yielding_lock
-from gdskv.yielding_lock import YieldingLock
+
+needs_native = pytest.mark.skipif(
+    yielding_lock.IMPLEMENTATION != "native",
+    reason="the native extension did not load (tests/test_native.py says why): the data path "
+    "uses threading.Lock")
+YieldingLock = yielding_lock.YieldingLock
 
 
+def test_the_data_path_has_a_lock():
+    """The install that builds the page engine builds the lock (setup.py): where one loaded,
+    so did the other."""
+    from gdskv import native
+    if native.NATIVE is not None:
+        assert yielding_lock.IMPLEMENTATION == "native"
+    lock = YieldingLock()
+    with lock:
+        assert lock.locked()
+    assert not lock.locked()
+    if yielding_lock.IMPLEMENTATION == "native":
+        assert lock.yields == yielding_lock.DEFAULT_YIELDS == 100
+
+
+@needs_native
 def test_it_excludes_threads():
     """8 threads add to a counter through a read-yield-write section: no update is lost."""
     lock, box = YieldingLock(), [0]
@@ -36,34 +60,38 @@ def test_it_excludes_threads():
     assert not lock.locked()
 
 
+@needs_native
 def test_acquire_without_blocking_and_with_a_timeout():
     lock = YieldingLock()
     assert lock.acquire(blocking=False)
     assert lock.locked() and "locked" in repr(lock)
     got = []
     t = threading.Thread(target=lambda: got.append((lock.acquire(blocking=False),
-                                                    lock.acquire(timeout=0.05))))
+                                                    lock.acquire(timeout=0.05),
+                                                    lock.acquire(timeout=0))))
     t0 = time.monotonic()
     t.start()
     t.join()
-    assert got == [(False, False)]
+    assert got == [(False, False, False)]
     assert time.monotonic() - t0 >= 0.05
     lock.release()
     assert lock.acquire(timeout=0.05)
     lock.release()
     with pytest.raises(RuntimeError):
         lock.release()
+    with pytest.raises(ValueError):
+        lock.acquire(False, 1)
+    with pytest.raises(ValueError):
+        lock.acquire(timeout=-2)
+    with pytest.raises(ValueError):
+        YieldingLock(yields=-1)
 
 
-def test_a_long_hold_puts_the_waiter_to_sleep(monkeypatch):
-    """A waiter that yields ``_YIELDS`` times in vain blocks on the lock (no spinning through
-    a long section) and gets it when the holder lets go."""
-    yields = []
-    monkeypatch.setattr(yielding_lock, "_YIELDS", 3)
-    real_sleep = time.sleep
-    monkeypatch.setattr(yielding_lock.time, "sleep",
-                        lambda s: (yields.append(s), real_sleep(s)))
-    lock = YieldingLock()
+@needs_native
+def test_a_long_hold_puts_the_waiter_to_sleep():
+    """A waiter that yields in vain blocks on the lock (no spinning through a long section)
+    and gets it when the holder lets go; another thread may release it, as a Lock."""
+    lock = YieldingLock(yields=3)
     lock.acquire()
     entered = threading.Event()
 
@@ -73,14 +101,16 @@ def test_a_long_hold_puts_the_waiter_to_sleep(monkeypatch):
 
     t = threading.Thread(target=wait)
     t.start()
-    real_sleep(0.2)  # the waiter has yielded its 3 times and sleeps in the lock
+    time.sleep(0.2)  # the waiter has yielded its 3 times and sleeps in the lock
     assert not entered.is_set()
-    assert len(yields) == 3
-    lock.release()
+    assert lock.blocking_waits == 1
+    threading.Thread(target=lock.release).start()
     assert entered.wait(5)
     t.join()
+    assert not lock.locked()
 
 
+@needs_native
 def test_a_condition_on_it_waits_and_notifies():
     cond = threading.Condition(YieldingLock())
     ready, seen = [], []
@@ -103,19 +133,9 @@ def test_a_condition_on_it_waits_and_notifies():
         assert not cond.wait(timeout=0.01)  # a timed wait returns False with the lock held
 
 
-def _blocking_acquires(lock: YieldingLock) -> int:
+def _blocking_waits(lock) -> int:
     """Two threads take ``lock`` 5,000 times each, each giving up the GIL inside the section
     (as a holder the GIL leaves there does): how often a waiter slept in the lock itself."""
-    blocked = []
-    real_try = lock._try
-
-    def counted(blocking=True, timeout=-1):
-        if blocking:
-            blocked.append(timeout)
-        return real_try(blocking, timeout)
-
-    lock._try = counted
-
     def work():
         for i in range(5000):
             with lock:
@@ -127,17 +147,67 @@ def _blocking_acquires(lock: YieldingLock) -> int:
         t.start()
     for t in threads:
         t.join()
-    return len(blocked)
+    return lock.blocking_waits
 
 
-def test_waiters_yield_instead_of_sleeping_in_the_lock(monkeypatch):
+@needs_native
+def test_waiters_yield_instead_of_sleeping_in_the_lock():
     """A waiter yields the GIL until the holder is done and takes the lock while it holds the
     GIL; it seldom sleeps in the lock. Against the same lock without the yields (a plain
-    lock's waiting): on the development machine (2 cores) about 90 of 10,000 passes slept
-    with the yields and about 9,000 without, each one a lock handed to a thread that must
-    still win the GIL; on the GPU machine's 16 cores the plain lock slept only a few times,
-    so there the bound is a handful."""
-    monkeypatch.setattr(yielding_lock, "_YIELDS", 0)
-    plain = _blocking_acquires(YieldingLock())
-    monkeypatch.setattr(yielding_lock, "_YIELDS", 100)
-    assert _blocking_acquires(YieldingLock()) <= max(20, plain // 10), plain
+    lock's waiting, ``yields=0``): on the development machine (2 cores) about 90 of 10,000
+    passes slept with the yields and about 9,000 without, each one a lock handed to a thread
+    that must still win the GIL; on the GPU machine's 16 cores the plain lock slept only a few
+    times, so there the bound is a handful."""
+    plain = _blocking_waits(YieldingLock(yields=0))
+    assert _blocking_waits(YieldingLock()) <= max(20, plain // 10), plain
+
+
+@needs_native
+def test_a_signal_never_leaves_it_held():
+    """Ctrl-C-like exceptions from a signal handler, raised in the main thread while it takes
+    and gives back the lock against a contending thread: whenever one escapes a ``with``
+    block, the lock is not held by the main thread afterwards (a Python ``__enter__`` leaked
+    it: the handler ran right after its acquire)."""
+    lock, stop, escaped = YieldingLock(), threading.Event(), []
+
+    class Alarm(Exception):
+        pass
+
+    def other():
+        while not stop.is_set():
+            with lock:
+                time.sleep(0)
+
+    def alarm(signum, frame):
+        raise Alarm
+
+    previous = signal.signal(signal.SIGALRM, alarm)
+    t = threading.Thread(target=other)
+    t.start()
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.0005, 0.0005)
+        deadline = time.monotonic() + 2
+        while time.monotonic() < deadline and len(escaped) < 200:
+            try:
+                while True:
+                    with lock:
+                        pass
+            except Alarm:
+                escaped.append(1)
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                # the other thread can still take it: this thread does not hold it
+                stop_probe = threading.Event()
+                probe = threading.Thread(target=lambda: (lock.acquire(timeout=2)
+                                                         and (lock.release(),
+                                                              stop_probe.set())))
+                probe.start()
+                probe.join(5)
+                assert stop_probe.is_set(), "the main thread left the lock held"
+                signal.setitimer(signal.ITIMER_REAL, 0.0005, 0.0005)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        stop.set()
+        t.join()
+    assert len(escaped) >= 10
+    assert os.getpid() > 0
