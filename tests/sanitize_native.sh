@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The page engine's tests under AddressSanitizer and UndefinedBehaviorSanitizer.
 #
-# Builds gdskv/native/_pages.c and _locks.c with -fsanitize=address,undefined into a copy of this tree's
-# tracked files (the checkout's own build is left alone), then runs the engine's tests and the
-# data-path tests that go through it from that copy, with the ASan runtime preloaded (python
-# itself is not instrumented). Any report stops the run (halt_on_error) and fails the script.
+# Builds gdskv/native/_pages.c and _locks.c with -fsanitize=address,undefined into a copy of
+# this tree's tracked files (the checkout's own build is left alone), then runs the engine's
+# tests, the lock's and the data-path tests that go through them from that copy, with the ASan
+# runtime preloaded (python itself is not instrumented). Any report stops the run
+# (halt_on_error) and fails the script.
 # Leak checking is off: CPython and torch keep memory until exit by design.
 #
 #   bash tests/sanitize_native.sh [PYTHON] [-- PYTEST_ARGS...]    (PYTHON: default python3)
