@@ -36,8 +36,9 @@ paths' own counts (``quick_restores``, ``quick_spills``, ``quick_calls_handed_on
 
 Quick restores are not combined with others in flight (:mod:`gdskv.call_combiner`): a read
 that releases the GIL (a ``preadv``, a copy of 1 MiB or more: ``docs/native.md``, "The GIL")
-overlaps other threads' calls, where a batch would read on one thread (16 threads of 2 MiB /dev/shm restores on the H100 host: 0.24-0.28x raw
-``preadv`` threads alone, 0.13-0.16x combined; 64 KiB alike either way). A quick spill runs
+overlaps other threads' calls, where a batch would read on one thread (16 threads of 2 MiB
+/dev/shm restores on the H100 host: 0.24-0.28x raw ``preadv`` threads alone, 0.13-0.16x
+combined; 64 KiB alike either way). A quick spill runs
 where a spill would run alone; spills that wait are combined as before, so a batch shares one
 fdatasync and journal append (16 threads of 64 KiB quick spills each on its own ran at 0.4-0.5x
 the pages/s of the combined path).

@@ -127,6 +127,7 @@ def test_bad_arguments_are_value_errors(engine):
             engine.page_sums([buf], 50, 50, np.zeros(1, np.uint64))
     # memory as (address, length) rows: int64 pairs of real memory only
     for rows, match in ((np.zeros((1, 2), np.int32), "int64"), (np.zeros(3, np.int64), "int64"),
+                        (np.array([[buf.ctypes.data, 100]], ">i8"), "int64"),  # byte-swapped
                         (np.array([[buf.ctypes.data, -1]], np.int64), "row 0"),
                         (np.array([[0, 0], [0, 100]], np.int64), "row 1")):
         with pytest.raises(ValueError, match=match):

@@ -311,7 +311,8 @@ class Backend(abc.ABC):
         CRC-32C with its stored one in the same pass (:mod:`gdskv.quick_calls`), at most
         :attr:`caller_io_bytes`. ``places``: (file index, byte offset) of each slot;
         ``memory``: two buffers a slot, where its first ``page_bytes`` (the payload) go, then
-        the rest of it; ``want``: each payload's CRC-32C (uint64). Returns each page's status
+        the rest of it (a sequence of buffers, or the page engine's int64 ``(address, length)``
+        rows of them: :mod:`gdskv.native`); ``want``: each payload's CRC-32C (uint64). Returns each page's status
         (uint8): 0 read whole and equal, 1 its checksum differs, 2 not read whole (an I/O
         error, the file's end). Only backends with ``caller_io_bytes`` implement it."""
         raise NotImplementedError(f"backend {self.name} moves no slots on the caller")

@@ -39,11 +39,11 @@ import torch
 from .. import native
 from ..config import TierConfig
 from ..memory import host_numpy
+from ..yielding_lock import YieldingLock
 from .base import (Backend, CompletedIO, CompletionPoller, Extent, IOOutcome, ShortIOError,
                    SlabFile, combine, io_pieces, split_extents)
 from .bounce import HostMirrors
 from .memory_files import why_not_file as why_not_mapped
-from ..yielding_lock import YieldingLock
 
 log = logging.getLogger("gdskv.posix")
 
@@ -169,8 +169,9 @@ class PosixBackend(Backend):
     def read_checked_on_caller(self, places: Sequence[tuple[int, int]], memory: Sequence,
                                slot_bytes: int, page_bytes: int, want: np.ndarray
                                ) -> np.ndarray:
-        """One call of the page engine on this thread (the GIL released): consecutive slots of
-        a file in one ``preadv`` (or one copy from the files' mappings, where they are mapped),
+        """One call of the page engine on this thread (the GIL released, but for a copy of less
+        than 1 MiB: ``docs/native.md``, "The GIL"): consecutive slots of a file in one
+        ``preadv`` (or one copy from the files' mappings, where they are mapped),
         each page's CRC-32C compared with ``want`` (see
         :meth:`Backend.read_checked_on_caller`)."""
         order = dict.fromkeys(f for f, _ in places)  # the call's files, each once

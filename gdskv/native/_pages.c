@@ -323,8 +323,12 @@ get_memory_rows(PyObject *memory, Buffers *out)
     Py_buffer rows;
     if (PyObject_GetBuffer(memory, &rows, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
         return -1;
-    const char *fmt = rows.format ? rows.format + strlen(rows.format) - 1 : "B";
-    if (rows.itemsize != 8 || rows.len % 16 || (*fmt != 'q' && *fmt != 'l')) {
+    /* native-order int64: "q" or "l", with at most a native-order prefix ('@', '=', '<' on a
+     * little-endian machine: every machine this builds for) */
+    const char *fmt = rows.format != NULL ? rows.format : "B";
+    if (*fmt == '@' || *fmt == '=' || *fmt == '<')
+        fmt++;
+    if (rows.itemsize != 8 || rows.len % 16 || (strcmp(fmt, "q") && strcmp(fmt, "l"))) {
         PyErr_Format(PyExc_ValueError, "memory: expected int64 (address, length) rows, got %zd "
                      "bytes of items of %zd bytes", rows.len, rows.itemsize);
         PyBuffer_Release(&rows);
@@ -694,8 +698,8 @@ settle_pages(const Buffers *mem, const Moved *res, long long pages, long long sl
  * a thread that gives it up for a short copy waits long to win it back: 1-page restores of
  * 256 KiB from 16 threads on an H200 host took 2.0-2.5 ms at p50 giving it up, 72-81 us
  * keeping it, and made 1.7x the pages/s (gdskv.native, "The GIL"). Only for work bounded by
- * the memory's speed (checksums, copies from mappings): a system call, which may wait on a
- * disk, always runs without it. */
+ * the memory's speed (checksums, copies from mappings, whose fstat of each file waits on no
+ * disk): a read or write system call, which may wait on a disk, always runs without it. */
 #define HOLD_GIL_BELOW_DEFAULT (1024 * 1024)
 static long long hold_gil_below = HOLD_GIL_BELOW_DEFAULT;
 
