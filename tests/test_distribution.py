@@ -59,16 +59,19 @@ def test_wheel_and_sdist_pass_twine_check(dist):
 
 
 def test_the_wheel_is_abi3_with_the_native_engine(dist):
-    """One wheel for every CPython from 3.11 (the limited API); the sdist carries the C source
-    that ``pip install`` compiles."""
+    """One wheel for every CPython from 3.11 (the limited API), with both extensions (the
+    page engine and the yielding lock); the sdist carries the C sources that ``pip install``
+    compiles."""
     whl = os.path.basename(_one(dist, "*.whl"))
     if sys.version_info >= (3, 11):
         assert "-cp311-abi3-" in whl, whl
     with zipfile.ZipFile(_one(dist, "*.whl")) as z:
-        assert [n for n in z.namelist() if n.startswith("gdskv/native/_pages.")
-                and n.endswith(".so")], z.namelist()
+        for ext in ("_pages", "_locks"):
+            assert [n for n in z.namelist() if n.startswith(f"gdskv/native/{ext}.")
+                    and n.endswith(".so")], z.namelist()
     with tarfile.open(_one(dist, "*.tar.gz")) as sdist:
-        assert any(n.endswith("/gdskv/native/_pages.c") for n in sdist.getnames())
+        for ext in ("_pages", "_locks"):
+            assert any(n.endswith(f"/gdskv/native/{ext}.c") for n in sdist.getnames())
         assert any(n.endswith("/setup.py") for n in sdist.getnames())
 
 
