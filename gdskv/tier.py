@@ -55,7 +55,7 @@ import torch
 
 from . import checksum, native
 from . import kernels as kd
-from . import slot_trailer
+from . import slot_trailer, yielding_lock
 from .admission import AdmissionFilter
 from .backends import backend_class, create_backend
 from .call_combiner import CallCombiner, CallRequest
@@ -473,6 +473,7 @@ class Tier:
                  quick_restore=self._quick_describe("get"),
                  quick_spill=self._quick_describe("put"),
                  page_engine=self._engine.path, page_engine_detail=self._engine.describe(),
+                 data_path_locks=yielding_lock.IMPLEMENTATION,
                  read_only=self.read_only, state=self._state())
         c = self._combiner
         # calls combined into one (:mod:`.call_combiner`): the combined calls run, and the

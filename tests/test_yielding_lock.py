@@ -24,12 +24,21 @@ needs_native = pytest.mark.skipif(
 YieldingLock = yielding_lock.YieldingLock
 
 
-def test_the_data_path_has_a_lock():
+def test_the_data_path_has_a_lock(tmp_path):
     """The install that builds the page engine builds the lock (setup.py): where one loaded,
-    so did the other."""
+    so did the other; a tier's stats say which lock its data path takes."""
     from gdskv import native
+    from gdskv.config import TierConfig
+    from gdskv.layout import BytePageLayout
+    from gdskv.tier import Tier
     if native.NATIVE is not None:
         assert yielding_lock.IMPLEMENTATION == "native"
+    with Tier(BytePageLayout(page_bytes=4096, kind="t"),
+              TierConfig(directories=(str(tmp_path),), capacity="1MiB", backend="posix"),
+              device="cpu") as tier:
+        assert tier.stats()["data_path_locks"] == yielding_lock.IMPLEMENTATION
+        if yielding_lock.IMPLEMENTATION == "native":
+            assert isinstance(tier.directory._lock, YieldingLock)
     lock = YieldingLock()
     with lock:
         assert lock.locked()
