@@ -13,6 +13,7 @@ from collections.abc import Callable, Hashable, Sequence
 
 from .yielding_lock import YieldingLock
 
+
 class AdmissionFilter:
     """``stored(key)``: whether the key is stored already; ``max_tracked``: how many keys' offer
     counts are remembered (the oldest are forgotten first)."""

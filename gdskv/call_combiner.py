@@ -35,6 +35,7 @@ from collections.abc import Callable, Hashable
 from typing import Any
 
 from .yielding_lock import YieldingLock
+
 #: the most pages one combined call takes (more wait for the next): a batch is one call's
 #: latency for every caller in it
 MAX_BATCH_PAGES = 256

@@ -13,6 +13,7 @@ import threading
 
 from .yielding_lock import YieldingLock
 
+
 class CallGate:
     def __init__(self) -> None:
         self._lock = YieldingLock()  # (data calls take it directly: no Condition frame)

@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 from .yielding_lock import YieldingLock
 
+
 class TierStats:
     def __init__(self) -> None:
         self._lock = YieldingLock()
