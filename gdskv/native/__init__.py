@@ -5,9 +5,9 @@ Two implementations with the same five functions (see ``_pages.c`` for the argum
 - ``native``: the C extension ``gdskv.native._pages`` (CPython limited API, built by ``pip
   install``). Each call runs with the GIL released from its first system call to its last
   checksum, so calls from several threads run in parallel; checksums are hardware CRC-32C.
-  ``page_sums`` and ``copy_pages`` on less than ``hold_gil_below()`` bytes (1 MiB) keep the
-  GIL: winning it back after so short a call costs more, with other threads waiting for it,
-  than the call (``docs/native.md``, "The GIL").
+  ``crc32c``, ``page_sums`` and ``copy_pages`` on less than ``hold_gil_below()`` bytes (1 MiB)
+  keep the GIL: winning it back after so short a call costs more, with other threads waiting
+  for it, than the call (``docs/native.md``, "The GIL").
 - ``python``: :mod:`gdskv.native.fallback`, ``os.preadv``/``os.pwritev`` and the ``crc32c``
   package. It runs where the extension did not load (said once in the log) or where the tier's
   ``native`` option is off (``GDSKV_NATIVE=false``), and it is the oracle the tests hold the

@@ -735,13 +735,9 @@ py_crc32c(PyObject *self, PyObject *args)
     Py_buffer view;
     if (PyObject_GetBuffer(obj, &view, PyBUF_C_CONTIGUOUS) < 0)
         return NULL;
-    uint32_t r = ~(uint32_t)value;
-    if (view.len >= 4096) {
-        Py_BEGIN_ALLOW_THREADS r = crc_update(r, view.buf, (size_t)view.len);
-        Py_END_ALLOW_THREADS
-    } else {
-        r = crc_update(r, view.buf, (size_t)view.len);
-    }
+    PyThreadState *state = release_gil_for(view.len);
+    uint32_t r = crc_update(~(uint32_t)value, view.buf, (size_t)view.len);
+    regain_gil(state);
     PyBuffer_Release(&view);
     return PyLong_FromUnsignedLong(~r);
 }
