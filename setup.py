@@ -16,9 +16,11 @@ from setuptools import Extension, setup
 LIMITED = sys.version_info >= (3, 11)
 
 
-def native(name: str) -> Extension:
+def native(name: str, *more: str) -> Extension:
+    """Extension ``name`` from ``name.c`` and the C files ``more`` (sharing engine.h)."""
     return Extension(
-        f"gdskv.native.{name}", [f"gdskv/native/{name}.c"],
+        f"gdskv.native.{name}", [f"gdskv/native/{c}.c" for c in (name, *more)],
+        depends=["gdskv/native/engine.h"] if more else [],
         py_limited_api=LIMITED,
         define_macros=[("Py_LIMITED_API", "0x030B0000")] if LIMITED else [],
         extra_compile_args=["-O3", "-fvisibility=hidden"],
@@ -26,7 +28,8 @@ def native(name: str) -> Extension:
 
 
 setup(
-    # the page engine, and the data path's yielding lock (gdskv/yielding_lock.py)
-    ext_modules=[native("_pages"), native("_locks")],
+    # the page engine with the quick reader over it (gdskv/quick_calls.py), and the data
+    # path's yielding lock (gdskv/yielding_lock.py)
+    ext_modules=[native("_pages", "quick_read"), native("_locks")],
     options={"bdist_wheel": {"py_limited_api": "cp311"}} if LIMITED else {},
 )

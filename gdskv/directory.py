@@ -188,6 +188,14 @@ class PageDirectory:
             return all(algos[s] == algorithm for s in slots)
         return bool((self._algorithm[np.asarray(slots, dtype=np.int64)] == algorithm).all())
 
+    def slot_arrays(self) -> tuple:
+        """The lock and the per-slot arrays (state, pins, last use, checksum, algorithm), for
+        the native quick reader (``gdskv/native/quick_read.c``), which pins and unpins under
+        this lock as :meth:`pin_for_read` and :meth:`unpin` do, and reads ``_index`` and
+        ``_clock`` at each call. The arrays are never replaced (:meth:`load` fills them)."""
+        return (self._lock, self._state, self._pins, self._last_use, self._checksum,
+                self._algorithm)
+
     @property
     def free_slots(self) -> int:
         with self._lock:

@@ -110,9 +110,10 @@ class QuickCall:
         return {"enabled": True, "reason": f"{self.op}_pages of up to {self.max_pages} pages, "
                 "one host region each: one engine call on the calling thread"}
 
-    def regions(self, pages: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor] | None:
-        """The call's regions, one per page, where the call can take this path; else None
-        (the general path then checks the arguments and says what is wrong with them)."""
+    def regions(self, pages: Sequence[Sequence[torch.Tensor]]) -> list[int] | None:
+        """The addresses of the call's regions, one per page, where the call can take this
+        path; else None (the general path then checks the arguments and says what is wrong
+        with them). The caller holds ``pages`` until the call returns."""
         n = len(pages)
         if not 0 < n <= self.max_pages:
             return None
@@ -123,32 +124,33 @@ class QuickCall:
                 return None
             r = regions[0]
             if not (isinstance(r, torch.Tensor) and r.dtype is uint8 and r.dim() == 1
-                    and r.is_cpu and r.is_contiguous() and r.numel() == pb
-                    and r.data_ptr() % align == 0):
+                    and r.is_cpu and r.is_contiguous() and r.numel() == pb):
                 return None
-            out.append(r)
+            at = r.data_ptr()
+            if at % align:
+                return None
+            out.append(at)
         if n > 1 and not self.overlap:  # one page's bytes would land in another's
-            starts = sorted(r.data_ptr() for r in out)
+            starts = sorted(out)
             if any(b - a < pb for a, b in zip(starts, starts[1:])):
                 return None
         return out
 
-    def _frame(self, todo: list, regions: list[torch.Tensor]
-               ) -> tuple[list, np.ndarray, np.ndarray]:
+    def _frame(self, todo: list, regions: list[int]) -> tuple[list, np.ndarray, np.ndarray]:
         """The slots ``todo`` (``(position, slot, ...)``, in slot order) as the backend moves
         them: their places, and their memory as the page engine's ``(address, length)`` rows
         -- each region, then its scratch row (the rows, returned too).
 
         Addresses, not numpy views of the regions: torch gives up the GIL to make a view and
         again when the view dies, and under many threads each give-up is a thread switch
-        (:mod:`gdskv.yielding_lock`). The caller holds ``regions`` until the engine returns."""
+        (:mod:`gdskv.yielding_lock`). ``regions``: their addresses (:meth:`regions`)."""
         n, tail, pb = len(todo), self.slot_bytes - self.page_bytes, self.page_bytes
         rows, at = self.host_pages.scratch_at(n * tail)
         location = self.ctx.store.location
         places, flat = [], []
         for j, item in enumerate(todo):
             places.append(location(item[1]))
-            flat += (regions[item[0]].data_ptr(), pb, at + j * tail, tail)
+            flat += (regions[item[0]], pb, at + j * tail, tail)
         return places, np.array(flat, np.int64).reshape(-1, 2), rows.reshape(n, tail)
 
     def _hand_on(self, **counts) -> None:
@@ -160,11 +162,32 @@ class QuickRestore(QuickCall):
 
     op = "get"
 
-    def run(self, keys: list[Hashable], regions: list[torch.Tensor],
+    def __init__(self, ctx: CallContext, host_pages: HostPagePath) -> None:
+        super().__init__(ctx, host_pages)
+        # the native engine's pins, read and unpins in one call (Backend.native_reader)
+        ctx.backend.make_native_reader(ctx.directory, ctx.store.stripe_slots, self.slot_bytes,
+                                       self.page_bytes, checksum.CRC32C,
+                                       self._release_evicting)
+
+    def describe(self) -> dict:
+        steps = "one native call (pins, read, unpins)" \
+            if self.ctx.backend.native_reader is not None else \
+            "Python steps around one engine call"
+        return {**super().describe(), "steps": steps}
+
+    def _release_evicting(self, slots: list[int]) -> None:
+        """Unpin pages that were asked to go while the native reader held them: they go
+        now, journaled, as :meth:`run`'s own unpins do."""
+        self.ctx.persist.journal_evictions(self.ctx.directory.unpin(slots))
+
+    def run(self, keys: list[Hashable], regions: list[int],
             pages: Sequence[Sequence[torch.Tensor]], stream: CallStream | None) -> list[bool]:
         """Restore ``keys`` into ``regions`` (from :meth:`regions` of ``pages``): per page a
         hit or a miss, as :class:`RestoreCall` answers."""
         ctx = self.ctx
+        reader = ctx.backend.native_reader
+        if reader is not None:
+            return self._run_native(reader, keys, regions, pages, stream)
         directory = ctx.directory
         todo, same = directory.pin_for_read(keys, algorithm=checksum.CRC32C)
         if not todo:
@@ -196,6 +219,23 @@ class QuickRestore(QuickCall):
             results[pos] = True
         return self._done(keys, results, len(todo), seconds)
 
+    def _run_native(self, reader, keys: list[Hashable], regions: list[int],
+                    pages: Sequence[Sequence[torch.Tensor]], stream: CallStream | None
+                    ) -> list[bool]:
+        """:meth:`run` by the native reader: the same steps, outcomes and hand-on."""
+        try:
+            out = reader.read(keys, regions)
+        except Exception:  # noqa: BLE001 - the general path reads again and settles it
+            out = 0  # (its pins are gone; counted as no read: the general path tries in full)
+        if out.__class__ is tuple:
+            results, hits, seconds = out
+            return self._done(keys, results, hits, seconds)
+        # another tier's checksums (nothing read: 0), or a page that did not read back whole
+        # and equal (1: this read was the first try)
+        self._hand_on()
+        return RestoreCall(self.ctx, keys, self.host_pages.call(pages), stream,
+                           reads_done=out).run()
+
     def _done(self, keys: list, results: list[bool], hits: int, seconds: float) -> list[bool]:
         """The call's counters, as a :class:`RestoreCall` that read ``hits`` pages whole
         would record them."""
@@ -219,7 +259,7 @@ class QuickSpill(QuickCall):
             return f"admit_after={ctx.config.admit_after}"
         return super().why_not(ctx, host_pages)
 
-    def run(self, keys: list[Hashable], regions: list[torch.Tensor],
+    def run(self, keys: list[Hashable], regions: list[int],
             pages: Sequence[Sequence[torch.Tensor]], stream: CallStream | None) -> list[bool]:
         """Store ``keys`` from ``regions`` (from :meth:`regions` of ``pages``): per page
         whether it is stored, as :class:`SpillCall` answers."""
@@ -252,7 +292,7 @@ class QuickSpill(QuickCall):
         ctx.ledger.record(tally, None)
         return results
 
-    def _write(self, keys: list, todo: list, regions: list[torch.Tensor]) -> np.ndarray | None:
+    def _write(self, keys: list, todo: list, regions: list[int]) -> np.ndarray | None:
         """Checksum, trailer, write, fdatasync and journal the reserved slots ``todo``
         (``(position, slot)``, in slot order); their checksums, or None where any of it failed
         (nothing journaled: the slots can be given back)."""

@@ -14,11 +14,12 @@ if venv_stale .venv pyproject.toml tests/run.sh; then
   .venv/bin/pip install -q -e '.[test,gpu,nixl]'
   venv_built .venv
 fi
-# The editable install compiled the page engine and the yielding lock (gdskv/native/*.c) when the
-# venv was built: build them again when a source changed since.
+# The editable install compiled the page engine (with its quick reader) and the yielding lock
+# (gdskv/native/*.c, *.h) when the venv was built: build them again when a source changed since.
 for ext in _pages _locks; do
   so=$(ls gdskv/native/$ext*.so 2>/dev/null | head -1)
-  if [ -z "$so" ] || [ gdskv/native/$ext.c -nt "$so" ] || [ setup.py -nt "$so" ]; then
+  stale=$([ -n "$so" ] && find gdskv/native -name '*.[ch]' -newer "$so" | head -1 || echo none)
+  if [ -z "$so" ] || [ -n "$stale" ] || [ setup.py -nt "$so" ]; then
     .venv/bin/pip install -q --no-deps --no-build-isolation -e .
     break
   fi

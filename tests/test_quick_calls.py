@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import os
+import threading
 
 import pytest
 import torch
@@ -200,9 +201,11 @@ def test_transient_eio_is_tried_as_often_as_before(tmp_path, monkeypatch, fails)
 
 
 def test_an_exception_in_the_quick_read_is_handed_on(tmp_path, monkeypatch):
-    """Not an answer of the engine (a bug, a closed file): the general path reads again."""
+    """Not an answer of the engine (a bug, a closed file): the general path reads again. (The
+    quick restore's Python steps: the engine's functions raise.)"""
     with Tier(LAYOUT, config(tmp_path), device="cpu") as tier:
         assert all(put(tier, ["r"]))
+        monkeypatch.setattr(tier.backend, "native_reader", None)
         engine = tier.backend._engine
         calls = []
 
@@ -220,6 +223,25 @@ def test_an_exception_in_the_quick_read_is_handed_on(tmp_path, monkeypatch):
         hits, out = get(tier, ["r"])
         assert hits == [True] and torch.equal(out[0], content("r")) and len(calls) == 2
         assert quick_counts(tier) == (0, 1) and tier.contains("r")
+
+
+def test_an_exception_in_the_native_reader_is_handed_on(tmp_path, monkeypatch):
+    """The native reader raising (a closed mapping, a bug): the general path reads the call
+    in full, and nothing stays pinned."""
+    with Tier(LAYOUT, config(tmp_path), device="cpu") as tier:
+        assert all(put(tier, ["r", "s"]))
+        calls = []
+
+        class Broken:
+            def read(self, keys, addresses):
+                calls.append(list(keys))
+                raise RuntimeError("broken")
+
+        monkeypatch.setattr(tier.backend, "native_reader", Broken())
+        hits, out = get(tier, ["s", "none", "r"])
+        assert hits == [True, False, True] and calls == [["s", "none", "r"]]
+        assert torch.equal(out[0], content("s")) and torch.equal(out[2], content("r"))
+        assert quick_counts(tier) == (0, 1) and not tier.directory._pins.any()
 
 
 def test_a_file_gone_is_read_once_more_then_dropped(tmp_path, monkeypatch):
@@ -410,3 +432,96 @@ def test_threads_spill_and_restore_concurrently_bit_exact(tmp_path):
         # are combined (group commit), the others take the quick path
         assert s["quick_restores"] == 234 and s["put_stored"] == 240
         assert 1 <= s["quick_spills"] <= 240 and s.get("quick_calls_handed_on", 0) == 0
+
+
+# -- the native reader ----------------------------------------------------------------------------
+def test_the_native_reader_runs_on_the_native_path(tmp_path, data_path):
+    """Quick restores are one call of the native engine's QuickReader; on the Python path (and
+    without the extension) their steps are Python."""
+    with Tier(LAYOUT, config(tmp_path), device="cpu") as tier:
+        steps = tier.stats()["quick_restore"]["steps"]
+        if data_path == "native":
+            assert type(tier.backend.native_reader).__name__ == "QuickReader"
+            assert steps.startswith("one native call")
+        else:
+            assert tier.backend.native_reader is None and steps.startswith("Python steps")
+        assert all(put(tier, ["a", "b"]))
+        assert get(tier, ["b", "a"])[0] == [True, True]
+        assert not tier.directory._pins.any()
+
+
+def test_the_readers_pin_and_touch_as_the_directory_does(tmp_path):
+    """A quick restore's hits are used (LRU) in the order a restore touches them, so a full
+    store evicts the same pages after restores on either path."""
+    keys = [f"l{i}" for i in range(8)]
+    evicted = []
+    for path in ("native", "python"):
+        (tmp_path / path).mkdir()
+        with Tier(LAYOUT, config(tmp_path / path, capacity=8 * SLOT), device="cpu") as tier:
+            if path == "python":
+                tier.backend.native_reader = None
+            assert all(put(tier, keys))
+            assert get(tier, [keys[3], "none", keys[0]])[0] == [True, False, True]
+            assert get(tier, [keys[5]])[0] == [True]
+            assert not tier.directory._pins.any()
+            assert all(put(tier, ["n0", "n1", "n2", "n3", "n4"]))
+            evicted.append(sorted(k for k in keys if not tier.contains(k)))
+    assert evicted[0] == evicted[1] == ["l1", "l2", "l4", "l6", "l7"]
+
+
+def test_a_page_evicted_during_a_native_read_goes_at_its_unpin(tmp_path, monkeypatch):
+    """A page asked to go while the native reader holds it (EVICTING) goes when the read
+    ends: freed and journaled by the directory's own unpin, the read itself whole. Another
+    thread evicts the key when it sees the reader's pin (the copy gives the GIL up: a 1 MiB
+    page and hold_gil_below(0))."""
+    native = pytest.importorskip("gdskv.native._pages")
+    layout = BytePageLayout(page_bytes=1 << 20, kind="test/quick-evicting")
+    cfg = TierConfig(directories=(str(tmp_path),), capacity=4 * layout.slot_bytes,
+                     files_per_dir=1, staging_size=8 * layout.slot_bytes)
+    page = torch.arange(layout.page_bytes, dtype=torch.int64).to(torch.uint8)
+    caught = 0
+    before = native.hold_gil_below(0)
+    try:
+        with Tier(layout, cfg, device="cpu") as tier:
+            if tier.backend.native_reader is None:
+                pytest.skip("the page engine's Python path: no native reader")
+            directory, pins = tier.directory, tier.directory._pins
+            unpinned = []  # the reader's release_evicting: the directory's own unpin
+            real_unpin = directory.unpin
+            monkeypatch.setattr(directory, "unpin",
+                                lambda slots: unpinned.append(list(slots)) or real_unpin(slots))
+            for attempt in range(300):
+                key = f"e{attempt}"
+                src = alloc_host(layout.page_bytes, pin=False)
+                src.copy_(page)
+                assert tier.put_pages([key], [[src]]) == [True]
+                slot = directory._index[key]
+                stop = threading.Event()
+
+                def evict_when_pinned():
+                    while not stop.is_set():
+                        if pins[slot]:
+                            tier.evict([key])
+                            return
+
+                t = threading.Thread(target=evict_when_pinned)
+                t.start()
+                out = alloc_host(layout.page_bytes, pin=False).zero_()
+                hit = tier.get_pages([key], [[out]])
+                stop.set()
+                t.join()
+                assert hit == [True] and torch.equal(out, page)
+                assert not pins.any()
+                tier.evict([key])  # (where the thread did not)
+                assert not tier.contains(key) and directory.state(key) == 0  # FREE
+                if unpinned:
+                    assert unpinned == [[slot]]
+                    unpinned.clear()
+                    caught += 1
+                    if caught == 3:
+                        break
+            assert caught, "no eviction landed during a read in 300 tries"
+        with Tier(layout, cfg, device="cpu") as again:  # the journal has every eviction
+            assert len(again.directory) == 0
+    finally:
+        native.hold_gil_below(before)

@@ -264,6 +264,11 @@ class Backend(abc.ABC):
     #: the most bytes :meth:`read_checked_on_caller` and :meth:`write_on_caller` take (0: this
     #: backend has neither)
     caller_io_bytes: int = 0
+    #: the native page engine's ``QuickReader`` over this backend's slots, or None: a small
+    #: restore's pins, read and unpins in one call (:mod:`gdskv.quick_calls`). Looked up at
+    #: each quick restore: None then sends it through the Python steps (tests that inject
+    #: faults into the engine's Python-level functions set it so)
+    native_reader = None
 
     @classmethod
     def unavailable_reason(cls, device: torch.device) -> str | None:
@@ -316,6 +321,12 @@ class Backend(abc.ABC):
         (uint8): 0 read whole and equal, 1 its checksum differs, 2 not read whole (an I/O
         error, the file's end). Only backends with ``caller_io_bytes`` implement it."""
         raise NotImplementedError(f"backend {self.name} moves no slots on the caller")
+
+    def make_native_reader(self, directory, stripe_slots: int, slot_bytes: int,
+                           page_bytes: int, algorithm: int, release_evicting) -> None:
+        """Make :attr:`native_reader` where this backend has one (the default: it has none,
+        and the quick restore's steps run in Python, :meth:`read_checked_on_caller` for the
+        read)."""
 
     def write_on_caller(self, places: Sequence[tuple[int, int]], memory: Sequence,
                         slot_bytes: int, page_bytes: int) -> bool:

@@ -190,6 +190,21 @@ class PosixBackend(Backend):
                                     sums, status, readahead)
         return status
 
+    def make_native_reader(self, directory, stripe_slots: int, slot_bytes: int,
+                           page_bytes: int, algorithm: int, release_evicting) -> None:
+        """The native engine's ``QuickReader`` over this backend's files: each read copies
+        from the files' mappings where every file it reads is mapped (``self._maps``, looked
+        up at each read: close() drops them), else reads them with ``preadv``, as
+        :meth:`read_checked_on_caller` does."""
+        make = self._engine.quick_reader
+        if make is None or not self._files:
+            return
+        direct = any(f.direct for f in self._files)
+        self.native_reader = make(
+            directory, *directory.slot_arrays(), self,
+            np.array([f.fd for f in self._files], dtype=np.int64), stripe_slots, slot_bytes,
+            page_bytes, 0 if direct else READAHEAD_HINT_BYTES, algorithm, release_evicting)
+
     def write_on_caller(self, places: Sequence[tuple[int, int]], memory: Sequence,
                         slot_bytes: int, page_bytes: int) -> bool:
         """One call of the page engine on this thread (the GIL released): consecutive slots of

@@ -39,6 +39,12 @@ a segment whose file was cut during the copy (the extension catches the copy's `
 checksums are of the bytes as copied, so the buffers of ``memory`` must not overlap (the tier
 refuses restores into overlapping regions).
 
+``QuickReader(directory, lock, state, pins, last_use, checksum, algorithm, backend, fds,
+stripe_slots, slot_bytes, page_bytes, readahead, algorithm_id, release_evicting)`` (native
+only; ``quick_read.c``): a tier's small restores into host regions, each one call of
+``read(keys, addresses)`` that pins the keys' pages under the directory's lock, reads them as
+``copy_pages``/``read_pages`` do and unpins them (:mod:`gdskv.quick_calls`).
+
 Whether the engine needs its own thread pool: no. A call holds no lock while it works, so the
 tier's calls from many threads and the posix backend's pool threads already run in parallel
 (``bench/results/cpu-2026-11-27/native/``).
@@ -76,6 +82,9 @@ class Engine:
     read_pages: Callable
     copy_pages: Callable
     write_pages: Callable
+    #: the native engine's ``QuickReader`` (a small restore's pins, read and unpins in one
+    #: call: :mod:`gdskv.quick_calls`); None on the Python path, whose quick restore is Python
+    quick_reader: Callable | None
 
     def describe(self) -> dict:
         return {"path": self.path, "reason": self.reason, "checksum": self.checksum}
@@ -83,7 +92,8 @@ class Engine:
 
 def _engine(module, path: str, reason: str) -> Engine:
     return Engine(path, reason, module.implementation(), module.crc32c, module.page_sums,
-                  module.read_pages, module.copy_pages, module.write_pages)
+                  module.read_pages, module.copy_pages, module.write_pages,
+                  getattr(module, "QuickReader", None))
 
 
 NATIVE: Engine | None = None if _pages is None else \

@@ -30,8 +30,7 @@
  * as it sums it: the bytes of a file held in memory (tmpfs) are loaded once, where a preadv
  * (the kernel's copy) and then the checksum load them twice.
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+#include "engine.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -281,14 +280,7 @@ choose_crc(void)
 /* Arguments                                                                                */
 /* ---------------------------------------------------------------------------------------- */
 
-/* The buffers of one call, held (and their memory valid) until release_all. */
-typedef struct {
-    Py_buffer *views;
-    Py_ssize_t count;
-    Py_buffer small[4];
-} Buffers;
-
-static void
+void
 release_all(Buffers *b)
 {
     for (Py_ssize_t i = 0; i < b->count; i++)
@@ -299,7 +291,7 @@ release_all(Buffers *b)
     b->count = 0;
 }
 
-static int
+int
 alloc_views(Buffers *out, Py_ssize_t n)
 {
     out->count = 0;
@@ -503,14 +495,6 @@ check_pages(long long total, long long slot_bytes, long long page_bytes, long lo
 #define MOST_IOV 1024
 #endif
 
-typedef struct {
-    long long fd, offset, length;
-} Segment;
-
-typedef struct {
-    long long done, error;
-} Moved;
-
 /* Move segments [first, end) -- one run, continuing each other in one file -- with as few
  * preadv/pwritev as IOV_MAX allows. Returns the bytes moved. */
 static long long
@@ -569,7 +553,7 @@ move_run(int write, const Segment *segs, const Py_buffer *mem, Moved *res, Py_ss
     return moved;
 }
 
-static long long
+long long
 move_all(int write, const Segment *segs, const Py_buffer *mem, Moved *res, Py_ssize_t count,
          long long readahead)
 {
@@ -671,7 +655,7 @@ get_call_arrays(const Buffers *mem, PyObject *segments_obj, PyObject *result_obj
 /* Each page's checksum and status once the I/O is done: status 2 (sum 0) where some of its bytes
  * did not move, else its CRC-32C -- taken here from the frame, or (`summed`) finished from the
  * register the copy left in `sums` -- and 1 where it differs from `want`, 0 where not. */
-static void
+void
 settle_pages(const Buffers *mem, const Moved *res, long long pages, long long slot_bytes,
              long long page_bytes, const uint64_t *want, uint64_t *sums, unsigned char *status,
              int summed)
@@ -704,13 +688,13 @@ settle_pages(const Buffers *mem, const Moved *res, long long pages, long long sl
 static long long hold_gil_below = HOLD_GIL_BELOW_DEFAULT;
 
 /* The GIL released for work on `bytes` bytes (NULL: kept); give the result to regain_gil. */
-static PyThreadState *
+PyThreadState *
 release_gil_for(long long bytes)
 {
     return bytes >= hold_gil_below ? PyEval_SaveThread() : NULL;
 }
 
-static void
+void
 regain_gil(PyThreadState *state)
 {
     if (state != NULL)
@@ -920,7 +904,7 @@ on_bus(int sig, siginfo_t *info, void *context)
 }
 
 /* With the GIL held: the handler, once. */
-static int
+int
 install_bus_handler(void)
 {
     if (bus_handler_installed)
@@ -959,6 +943,55 @@ guarded_copy(const CopyJob *job)
                  job->registers);
     copy_fault = NULL;
     return 0;
+}
+
+/* copy_pages' work once its arguments are checked (GIL as the caller chose; the SIGBUS handler
+ * installed): segment rows (source index, offset, length) of `mem` from the mappings `maps`
+ * of the files `fds`; `limits`, one per source, is scratch. Returns the bytes copied. */
+long long
+copy_frame(const Buffers *maps, const int *fds, long long *limits, const Segment *rows,
+           const Buffers *mem, Moved *out, long long pages, long long slot_bytes,
+           long long page_bytes, const uint64_t *want, uint64_t *sums, unsigned char *status)
+{
+    long long moved = 0;
+    for (Py_ssize_t i = 0; i < maps->count; i++) {
+        struct stat st;
+        /* an errno as a negative limit: nothing of that file is copied */
+        limits[i] = !take_sizes ? (long long)maps->views[i].len
+                    : fstat(fds[i], &st) < 0 ? -(long long)errno
+                    : st.st_size < maps->views[i].len ? (long long)st.st_size
+                                                      : (long long)maps->views[i].len;
+    }
+    uint64_t *registers = pages ? sums : NULL;
+    for (long long k = 0; k < pages; k++)
+        registers[k] = 0xFFFFFFFFu;
+    long long at = 0;
+    for (Py_ssize_t k = 0; k < mem->count; k++) {
+        long long limit = limits[rows[k].fd], n = 0, error = 0;
+        if (limit < 0)
+            error = -limit;
+        else if ((n = limit - rows[k].offset) < rows[k].length)
+            error = -1;
+        n = n < 0 ? 0 : n > rows[k].length ? rows[k].length : n;
+        CopyJob job = {mem->views[k].buf,
+                       n > 0 ? (const unsigned char *)maps->views[rows[k].fd].buf +
+                                   rows[k].offset
+                             : NULL,
+                       n, at, slot_bytes, page_bytes, registers};
+        if (n > 0 && guarded_copy(&job) < 0) {
+            /* the file was cut during the copy: nothing of this segment counts, and the
+             * rest of that file is past its end */
+            n = 0;
+            error = -1;
+            limits[rows[k].fd] = 0;
+        }
+        out[k].done = n;
+        out[k].error = n < rows[k].length ? error : 0;
+        moved += n;
+        at += rows[k].length;
+    }
+    settle_pages(mem, out, pages, slot_bytes, page_bytes, want, sums, status, 1);
+    return moved;
 }
 
 /* copy_pages: read_pages' work from files' mappings (files held in memory: tmpfs), one pass
@@ -1010,46 +1043,8 @@ py_copy_pages(PyObject *self, PyObject *args)
     }
     if (!failed) {
         PyThreadState *state = release_gil_for(frame_length(&mem));
-        for (Py_ssize_t i = 0; i < maps.count; i++) {
-            struct stat st;
-            /* an errno as a negative limit: nothing of that file is copied */
-            limits[i] = !take_sizes ? (long long)maps.views[i].len
-                        : fstat(fds[i], &st) < 0 ? -(long long)errno
-                        : st.st_size < maps.views[i].len ? (long long)st.st_size
-                                                          : (long long)maps.views[i].len;
-        }
-        const Segment *rows = a.segs.buf;
-        Moved *out = a.res.buf;
-        uint64_t *registers = pages ? a.sums.buf : NULL;
-        for (long long k = 0; k < pages; k++)
-            registers[k] = 0xFFFFFFFFu;
-        long long at = 0;
-        for (Py_ssize_t k = 0; k < mem.count; k++) {
-            long long limit = limits[rows[k].fd], n = 0, error = 0;
-            if (limit < 0)
-                error = -limit;
-            else if ((n = limit - rows[k].offset) < rows[k].length)
-                error = -1;
-            n = n < 0 ? 0 : n > rows[k].length ? rows[k].length : n;
-            CopyJob job = {mem.views[k].buf,
-                           n > 0 ? (const unsigned char *)maps.views[rows[k].fd].buf +
-                                       rows[k].offset
-                                 : NULL,
-                           n, at, slot_bytes, page_bytes, registers};
-            if (n > 0 && guarded_copy(&job) < 0) {
-                /* the file was cut during the copy: nothing of this segment counts, and the
-                 * rest of that file is past its end */
-                n = 0;
-                error = -1;
-                limits[rows[k].fd] = 0;
-            }
-            out[k].done = n;
-            out[k].error = n < rows[k].length ? error : 0;
-            moved += n;
-            at += rows[k].length;
-        }
-        settle_pages(&mem, a.res.buf, pages, slot_bytes, page_bytes, a.want.buf, a.sums.buf,
-                     a.status.buf, 1);
+        moved = copy_frame(&maps, fds, limits, a.segs.buf, &mem, a.res.buf, pages, slot_bytes,
+                           page_bytes, a.want.buf, a.sums.buf, a.status.buf);
         regain_gil(state);
     }
     PyMem_Free(limits);
@@ -1137,5 +1132,8 @@ PyInit__pages(void)
 {
     make_tables();
     choose_crc();
-    return PyModule_Create(&module);
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && add_quick_reader(m) < 0)
+        Py_CLEAR(m);
+    return m;
 }
