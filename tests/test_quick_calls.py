@@ -525,3 +525,31 @@ def test_a_page_evicted_during_a_native_read_goes_at_its_unpin(tmp_path, monkeyp
             assert len(again.directory) == 0
     finally:
         native.hold_gil_below(before)
+
+
+def test_the_native_reader_called_directly(tmp_path):
+    """The reader's own contract (white box): hits, misses and a key twice, its answers for the
+    general path, and bad arguments refused before anything is pinned."""
+    with Tier(LAYOUT, config(tmp_path), device="cpu") as tier:
+        reader = tier.backend.native_reader
+        if reader is None:
+            pytest.skip("the page engine's Python path: no native reader")
+        assert all(put(tier, ["a", "b"]))
+        out = [region() for _ in range(3)]
+        addresses = [o.data_ptr() for o in out]
+        hits, count, seconds = reader.read(["a", "none", "a"], addresses)
+        assert hits == [True, False, True] and count == 2 and seconds >= 0
+        assert torch.equal(out[0], content("a")) and torch.equal(out[2], content("a"))
+        assert reader.read(["none"], addresses[:1]) == ([False], 0, 0.0)
+        with pytest.raises(ValueError, match="2 keys and 1 addresses"):
+            reader.read(["a", "b"], addresses[:1])
+        with pytest.raises(ValueError, match="address 0 is 0"):
+            reader.read(["a"], [0])
+        with pytest.raises(TypeError):
+            reader.read(("a",), addresses[:1])
+        # pages of another checksum algorithm: 0, nothing pinned or read
+        slot = tier.directory._index["b"]
+        tier.directory._algorithm[slot] = checksum.XXH3
+        out[1].zero_()
+        assert reader.read(["a", "b"], addresses[:2]) == 0 and not out[1].any()
+        assert not tier.directory._pins.any()

@@ -48,6 +48,7 @@ typedef struct {
 typedef struct {
     long long slot, position;
     unsigned char *region;
+    int evicting; /* at its unpin: EVICTING with this its last pin (the directory frees it) */
 } Hit;
 
 static PyObject *index_name, *clock_name, *maps_name;
@@ -147,7 +148,7 @@ pin_hits(QuickReader *self, PyObject *keys, Py_ssize_t n, Hit *hits)
  * Never fails to unpin; returns -1 with an error set where taking the lock or
  * release_evicting raised (the pins are dropped all the same). */
 static int
-unpin_hits(QuickReader *self, const Hit *hits, Py_ssize_t count)
+unpin_hits(QuickReader *self, Hit *hits, Py_ssize_t count)
 {
     PyObject *type = NULL, *value = NULL, *trace = NULL;
     /* the pins must go: a signal handler's exception while waiting for the lock is kept and
@@ -161,35 +162,29 @@ unpin_hits(QuickReader *self, const Hit *hits, Py_ssize_t count)
     const unsigned char *state = self->state.buf;
     uint16_t *pins = self->pins.buf;
     Py_ssize_t last = 0;
-    long long evicting[FEW_PAGES], *later = evicting;
     for (Py_ssize_t k = 0; k < count; k++) {
         long long slot = hits[k].slot;
-        if (pins[slot] == 1 && state[slot] == STATE_EVICTING) {
-            if (later == evicting && last == FEW_PAGES) { /* (rare: a list of them all) */
-                later = PyMem_Malloc((size_t)count * sizeof(long long));
-                if (later == NULL) { /* leave it to the directory's unpin, one at a time */
-                    later = evicting;
-                    break;
-                }
-                memcpy(later, evicting, sizeof evicting);
-            }
-            later[last++] = slot;
-        } else {
+        /* (two hits of one slot: only its last pin is the last) */
+        hits[k].evicting = pins[slot] == 1 && state[slot] == STATE_EVICTING;
+        if (hits[k].evicting)
+            last++;
+        else
             pins[slot]--;
-        }
     }
     if (call_lock(self->release) < 0)
         PyErr_Clear();
     int rc = 0;
-    if (last) {
-        PyObject *slots = PyList_New(last);
-        for (Py_ssize_t k = 0; slots != NULL && k < last; k++) {
-            PyObject *s = PyLong_FromLongLong(later[k]);
-            if (s == NULL)
+    if (last) { /* (rare) */
+        PyObject *slots = PyList_New(0);
+        for (Py_ssize_t k = 0; slots != NULL && k < count; k++) {
+            PyObject *s = hits[k].evicting ? PyLong_FromLongLong(hits[k].slot) : NULL;
+            if (hits[k].evicting && (s == NULL || PyList_Append(slots, s) < 0))
                 Py_CLEAR(slots);
-            else
-                PyList_SetItem(slots, k, s);
+            Py_XDECREF(s);
         }
+        /* (without a list -- no memory -- the pins stay: never freed while the tier runs,
+         * the page is not served (EVICTING) and its slot is reused after a
+         * restart) */
         PyObject *r = slots == NULL ? NULL
                                     : PyObject_CallFunctionObjArgs(self->release_evicting,
                                                                    slots, NULL);
@@ -197,8 +192,6 @@ unpin_hits(QuickReader *self, const Hit *hits, Py_ssize_t count)
         Py_XDECREF(r);
         rc = r == NULL ? -1 : 0;
     }
-    if (later != evicting)
-        PyMem_Free(later);
     if (type != NULL) {
         PyErr_Restore(type, value, trace);
         rc = -1;
