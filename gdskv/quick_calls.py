@@ -70,6 +70,40 @@ from .spill_call import SpillCall, encode_trailers, reserve_slots
 from .streams import CallStream
 
 
+class RestoreTally:
+    """Quick restores' counters, kept compact: a restore that went right records ``(tally,
+    (hits, misses, seconds))`` in the tier's ledger, added up here as the ledger applies its
+    entries, and handed to the stats once per settle (:meth:`take`) as the counters a
+    :class:`RestoreCall` that read its hits whole records. (Building and applying a dict of
+    ten counters per call cost a 1-page restore about 1.5 µs of host time under the GIL on the
+    development machine, a tenth of the call.) Only the ledger's settle, one at a time,
+    touches it."""
+
+    def __init__(self, page_bytes: int) -> None:
+        self.page_bytes = page_bytes
+        self.calls = self.hits = self.misses = 0
+        self.seconds = 0.0
+
+    def add(self, hits: int, misses: int, seconds: float) -> None:
+        self.calls += 1
+        self.hits += hits
+        self.misses += misses
+        self.seconds += seconds
+
+    def take(self) -> dict:
+        """The counters added up since the last take ({} if none), as ``TierStats`` keys."""
+        if not self.calls:
+            return {}
+        hits, misses = self.hits, self.misses
+        counts = {"bytes_read": hits * self.page_bytes, "read_seconds": self.seconds,
+                  "read_failed": 0, "corrupt_pages": 0, "unreadable_pages": 0,
+                  "pages_read_in_place": hits, "get_pages": hits + misses, "hits": hits,
+                  "misses": misses, "quick_restores": self.calls}
+        self.calls = self.hits = self.misses = 0
+        self.seconds = 0.0
+        return counts
+
+
 class QuickCall:
     """What one tier's quick restores and spills share: when a call qualifies."""
 
@@ -77,6 +111,8 @@ class QuickCall:
     op = ""
     #: whether a call's regions may overlap (a spill only reads them)
     overlap = False
+    #: the calls' compact counters, where they keep them so (:class:`RestoreTally`)
+    tally: RestoreTally | None = None
 
     def __init__(self, ctx: CallContext, host_pages: HostPagePath) -> None:
         self.ctx = ctx
@@ -164,6 +200,7 @@ class QuickRestore(QuickCall):
 
     def __init__(self, ctx: CallContext, host_pages: HostPagePath) -> None:
         super().__init__(ctx, host_pages)
+        self.tally = RestoreTally(self.page_bytes)
         # the native engine's pins, read and unpins in one call (Backend.native_reader)
         ctx.backend.make_native_reader(ctx.directory, ctx.store.stripe_slots, self.slot_bytes,
                                        self.page_bytes, checksum.CRC32C,
@@ -238,12 +275,8 @@ class QuickRestore(QuickCall):
 
     def _done(self, keys: list, results: list[bool], hits: int, seconds: float) -> list[bool]:
         """The call's counters, as a :class:`RestoreCall` that read ``hits`` pages whole
-        would record them."""
-        self.ctx.ledger.record({"bytes_read": hits * self.page_bytes, "read_seconds": seconds,
-                                "read_failed": 0, "corrupt_pages": 0, "unreadable_pages": 0,
-                                "pages_read_in_place": hits, "get_pages": len(keys),
-                                "hits": hits, "misses": len(keys) - hits,
-                                "quick_restores": 1}, None)
+        would record them (:class:`RestoreTally`)."""
+        self.ctx.ledger.record((self.tally, (hits, len(keys) - hits, seconds)), None)
         return results
 
 

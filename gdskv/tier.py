@@ -902,18 +902,27 @@ class Tier:
              stream: CallStream | None = None) -> list[bool]:
         return RestoreCall(self._calls, keys, drain, stream).run()
 
-    def _apply_counts(self, amounts: dict | None, call: tuple | None) -> None:
-        """Apply what a data call recorded in the ledger: its counters (``amounts``), or the
-        ``(op, pages, seconds)`` of a call that has ended (the metrics)."""
+    def _apply_counts(self, amounts: dict | tuple | None, call: tuple | None) -> None:
+        """Apply what a data call recorded in the ledger: its counters (``amounts``: a dict,
+        or a quick call's ``(tally, values)``, :class:`~gdskv.quick_calls.RestoreTally`), or
+        the ``(op, pages, seconds)`` of a call that has ended (the metrics)."""
         if amounts is not None:  # (added up once per settle: :meth:`_flush_counts`)
-            counts = self._ledger_counts
-            for key, value in amounts.items():
-                counts[key] = counts.get(key, 0) + value
+            if amounts.__class__ is tuple:
+                amounts[0].add(*amounts[1])
+            else:
+                counts = self._ledger_counts
+                for key, value in amounts.items():
+                    counts[key] = counts.get(key, 0) + value
         if call is not None:
             self._metrics.call(*call, len(self.directory))
 
     def _flush_counts(self) -> None:
         """Add the counters :meth:`_apply_counts` gathered in this settle to the stats."""
+        for quick in self._quick.values():
+            if quick.tally is not None:
+                counts = self._ledger_counts
+                for key, value in quick.tally.take().items():
+                    counts[key] = counts.get(key, 0) + value
         if self._ledger_counts:
             counts, self._ledger_counts = self._ledger_counts, {}
             self._stats.add(**counts)
