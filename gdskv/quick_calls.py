@@ -16,7 +16,12 @@ page engine on the calling thread (the payload to or from the caller's region, t
 slot -- padding and trailer -- through a scratch row):
 
 - :class:`QuickRestore`: pin the pages, read them with each page's CRC-32C compared to its
-  stored one in the same engine call, unpin.
+  stored one in the same engine call, unpin. On the native engine these three steps are one
+  C call (``Backend.native_reader``, the engine's ``QuickReader``: ``docs/native.md``, "Quick
+  restores in C"), which halved a 1-page restore's host time again (64 KiB from /dev/shm on
+  the H200 host: p50 33-42 -> 13-17 µs, ``bench/results/h200-2026-11-28/quick-reader/``); on
+  the Python path they are Python steps around one engine call, as below. Its counters are
+  kept compact (:class:`RestoreTally`).
 - :class:`QuickSpill`: reserve slots (evicting as ever), CRC-32C of the regions, trailers, the
   write, fdatasync (``sync=data``), the journal's COMMITs, READY.
 

@@ -35,7 +35,8 @@ time, 2 MiB buffer): the native engine, the crc32c package, xxh3.
 from mappings keep the GIL (``docs/native.md``, "The GIL"); each JSON records the bound.
 
 Results it produced: ``cpu-2026-11-27/native/``, ``h100-2026-11-27/native/``,
-``h100-2026-11-28/quick-calls/`` and ``h200-2026-11-28/many-threads/``.
+``h100-2026-11-28/quick-calls/``, ``h200-2026-11-28/many-threads/`` and
+``h200-2026-11-28/quick-reader/``.
 """
 
 from __future__ import annotations
