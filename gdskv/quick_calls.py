@@ -75,6 +75,11 @@ from .spill_call import SpillCall, encode_trailers, reserve_slots
 from .streams import CallStream
 
 
+#: the most pages a quick restore by the native reader takes (beyond them, the general path:
+#: one call pins all its pages at once, and the directory counts pins in uint16)
+NATIVE_MOST_PAGES = 1 << 14
+
+
 class RestoreTally:
     """Quick restores' counters, kept compact: a restore that went right records ``(tally,
     (hits, misses, seconds))`` in the tier's ledger, added up here as the ledger applies its
@@ -147,16 +152,20 @@ class QuickCall:
             return "a slot is larger than one I/O on the calling thread"
         return ""
 
+    def most_pages(self) -> int:
+        """The most pages a call of this path may have now."""
+        return self.max_pages
+
     def describe(self) -> dict:
-        return {"enabled": True, "reason": f"{self.op}_pages of up to {self.max_pages} pages, "
-                "one host region each: one engine call on the calling thread"}
+        return {"enabled": True, "reason": f"{self.op}_pages of up to {self.most_pages()} "
+                "pages, one host region each: one engine call on the calling thread"}
 
     def regions(self, pages: Sequence[Sequence[torch.Tensor]]) -> list[int] | None:
         """The addresses of the call's regions, one per page, where the call can take this
         path; else None (the general path then checks the arguments and says what is wrong
         with them). The caller holds ``pages`` until the call returns."""
         n = len(pages)
-        if not 0 < n <= self.max_pages:
+        if not 0 < n <= self.most_pages():
             return None
         out = []
         pb, align, uint8 = self.page_bytes, self._align, torch.uint8
@@ -211,10 +220,15 @@ class QuickRestore(QuickCall):
                                        self.page_bytes, checksum.CRC32C,
                                        self._release_evicting)
 
+    def most_pages(self) -> int:
+        # the native reader takes calls of any size, cut for the pool's idle threads
+        return NATIVE_MOST_PAGES if self.ctx.backend.native_reader is not None else \
+            self.max_pages
+
     def describe(self) -> dict:
-        steps = "one native call (pins, read, unpins)" \
-            if self.ctx.backend.native_reader is not None else \
-            "Python steps around one engine call"
+        steps = "one native call (pins, read, unpins) per part of at least 4 MiB, the parts " \
+            "on the posix pool's idle threads" if self.ctx.backend.native_reader is not None \
+            else "Python steps around one engine call"
         return {**super().describe(), "steps": steps}
 
     def _release_evicting(self, slots: list[int]) -> None:
@@ -264,19 +278,34 @@ class QuickRestore(QuickCall):
     def _run_native(self, reader, keys: list[Hashable], regions: list[int],
                     pages: Sequence[Sequence[torch.Tensor]], stream: CallStream | None
                     ) -> list[bool]:
-        """:meth:`run` by the native reader: the same steps, outcomes and hand-on."""
-        try:
-            out = reader.read(keys, regions)
-        except Exception:  # noqa: BLE001 - the general path reads again and settles it
-            out = 0  # (its pins are gone; counted as no read: the general path tries in full)
-        if out.__class__ is tuple:
-            results, hits, seconds = out
+        """:meth:`run` by the native reader: the same steps, outcomes and hand-on. A call of
+        two on-caller I/Os or more is cut into parts, one reader call each, for the backend's
+        idle pool threads and this one (``Backend.run_split``): one thread's copies and
+        checksums would not keep up with the medium."""
+        n = len(keys)
+        nbytes = n * self.slot_bytes
+        if n == 1 or nbytes < 2 * self.ctx.backend.caller_io_bytes:
+            try:
+                outs = [reader.read(keys, regions)]
+            except Exception as exc:  # noqa: BLE001 - the general path reads it again
+                outs = [exc]
+        else:
+            outs = self.ctx.backend.run_split(
+                lambda a, b: reader.read(keys[a:b], regions[a:b]), n, nbytes)
+        if all(o.__class__ is tuple for o in outs):
+            if len(outs) == 1:
+                results, hits, seconds = outs[0]
+            else:
+                results = [hit for o in outs for hit in o[0]]
+                hits, seconds = sum(o[1] for o in outs), max(o[2] for o in outs)
             return self._done(keys, results, hits, seconds)
-        # another tier's checksums (nothing read: 0), or a page that did not read back whole
-        # and equal (1: this read was the first try)
+        # another tier's checksums (0: nothing read), a page that did not read back whole and
+        # equal (1: this read was the first try), or an exception (its pins are gone; counted
+        # as no read): the general path settles the whole call
+        reads_done = int(all(o.__class__ is tuple or o == 1 for o in outs))
         self._hand_on()
         return RestoreCall(self.ctx, keys, self.host_pages.call(pages), stream,
-                           reads_done=out).run()
+                           reads_done=reads_done).run()
 
     def _done(self, keys: list, results: list[bool], hits: int, seconds: float) -> list[bool]:
         """The call's counters, as a :class:`RestoreCall` that read ``hits`` pages whole

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import fail_first_reads, fail_io
-from gdskv import checksum
+from gdskv import checksum, quick_calls
 from gdskv.config import TierConfig
 from gdskv.layout import BytePageLayout
 from gdskv.memory import alloc_host
@@ -120,7 +120,7 @@ def test_counters_are_the_general_paths(tmp_path):
     assert stats[0]["put_stored"] == 6 and stats[0]["pages_written_in_place"] == 6
 
 
-def test_calls_that_do_not_qualify_go_the_general_way(tmp_path):
+def test_calls_that_do_not_qualify_go_the_general_way(tmp_path, monkeypatch):
     keys = ["a", "b"]
     with Tier(LAYOUT, config(tmp_path), device="cpu") as tier:
         assert all(put(tier, keys))
@@ -128,8 +128,10 @@ def test_calls_that_do_not_qualify_go_the_general_way(tmp_path):
         halves = [region()[:PAGE // 2], region()[:PAGE // 2]]
         assert tier.get_pages(["a"], [halves]) == [True]
         assert torch.equal(torch.cat(halves), content("a"))
-        # more pages than one on-caller read takes
-        many = [f"m{i}" for i in range(tier._quick["get"].max_pages + 1)]
+        # more pages than the quick path takes (the Python steps: one on-caller read; the
+        # native reader: NATIVE_MOST_PAGES, made small here)
+        monkeypatch.setattr(quick_calls, "NATIVE_MOST_PAGES", 5)
+        many = [f"m{i}" for i in range(tier._quick["get"].most_pages() + 1)]
         assert all(put(tier, many))
         hits, out = get(tier, many)
         assert all(hits) and torch.equal(out[-1], content(many[-1]))
@@ -553,3 +555,64 @@ def test_the_native_reader_called_directly(tmp_path):
         out[1].zero_()
         assert reader.read(["a", "b"], addresses[:2]) == 0 and not out[1].any()
         assert not tier.directory._pins.any()
+
+
+BIG = BytePageLayout(page_bytes=1 << 20, kind="test/quick-parts")
+
+
+def big_content(key: str) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(sum(key.encode()) * 31 + len(key))
+    return torch.randint(0, 256, (BIG.page_bytes,), dtype=torch.uint8, generator=gen)
+
+
+class RecordingReader:
+    """The tier's native reader, each call's keys and thread recorded; ``fail`` makes the
+    call that reads that key raise instead."""
+
+    def __init__(self, reader, fail: str | None = None) -> None:
+        self.reader, self.fail, self.calls = reader, fail, []
+
+    def read(self, keys, addresses):
+        self.calls.append((list(keys), threading.current_thread().name))
+        if self.fail in keys:
+            raise RuntimeError("broken part")
+        return self.reader.read(keys, addresses)
+
+
+@pytest.mark.parametrize("damage", [None, "corrupt", "exception"])
+def test_large_native_restores_are_cut_into_parts(tmp_path, monkeypatch, damage):
+    """A restore of 24 MiB: parts of at least 4 MiB, one for each idle pool thread and the
+    caller, every page exact and misses where keys are missing. A damaged page or a part that
+    raises sends the whole call to the general path, which settles it as ever."""
+    cfg = TierConfig(directories=(str(tmp_path),), capacity=32 * BIG.slot_bytes,
+                     files_per_dir=1, io_threads=4, staging_size=32 * BIG.slot_bytes)
+    with Tier(BIG, cfg, device="cpu") as tier:
+        if tier.backend.native_reader is None:
+            pytest.skip("the page engine's Python path: no native reader")
+        keys = [f"b{i}" for i in range(22)]
+        srcs = [alloc_host(BIG.page_bytes, pin=False).copy_(big_content(k)) for k in keys]
+        assert all(tier.put_pages(keys, [[s] for s in srcs]))
+        if damage == "corrupt":
+            f, off = tier.store.location(tier.directory._index["b17"])
+            with open(tier.store.files[f].path, "r+b") as fh:
+                fh.seek(off + 4096)
+                b = fh.read(1)
+                fh.seek(off + 4096)
+                fh.write(bytes([b[0] ^ 0x01]))
+        recording = RecordingReader(tier.backend.native_reader,
+                                    "b9" if damage == "exception" else None)
+        monkeypatch.setattr(tier.backend, "native_reader", recording)
+        wanted = keys[:10] + ["none0"] + keys[10:] + ["none1"]
+        out = [alloc_host(BIG.page_bytes, pin=False).zero_() for _ in wanted]
+        hits = tier.get_pages(wanted, [[o] for o in out])
+        gone = {"b17"} if damage == "corrupt" else set()
+        assert hits == [k in keys and k not in gone for k in wanted]
+        assert all(torch.equal(o, big_content(k)) for k, o, h in zip(wanted, out, hits) if h)
+        # 24 pages of 1 MiB (and a slot trailer): 5 parts, the caller's first
+        assert len(recording.calls) == 5
+        assert [k for c, _ in recording.calls for k in c] == wanted
+        assert recording.calls[0][1] == threading.current_thread().name
+        assert all(name.startswith("gdskv-posix") for _, name in recording.calls[1:])
+        assert quick_counts(tier) == ((0, 1) if damage else (1, 0))
+        assert tier.stats()["corrupt_pages"] == (1 if damage == "corrupt" else 0)
+        assert not tier.directory._pins.any() and tier.backend._in_pool == 0

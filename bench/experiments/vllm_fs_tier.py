@@ -259,7 +259,10 @@ def bench(args) -> dict:
                            **{k: st.get(k, 0) for k in ("pages_written_in_place",
                                                         "pages_read_in_place",
                                                         "region_pages_written_staged",
-                                                        "region_pages_read_staged")})
+                                                        "region_pages_read_staged",
+                                                        "quick_restores", "quick_spills",
+                                                        "quick_calls_handed_on")},
+                           quick_restore=st["quick_restore"])
             else:
                 run.update(o_direct=bool(tier._use_o_direct))
             out["runs"].setdefault(name, []).append(run)

@@ -328,6 +328,16 @@ class Backend(abc.ABC):
         and the quick restore's steps run in Python, :meth:`read_checked_on_caller` for the
         read)."""
 
+    def run_split(self, fn: Callable[[int, int], object], count: int, nbytes: int) -> list:
+        """``fn(start, end)`` over ``[0, count)`` (``nbytes`` in all), cut into parts for the
+        threads of this backend's pool that are idle now and the calling thread, which runs
+        the first part; waits for every part. Each part's result, or the exception it raised,
+        in order. The default: one part, on the calling thread."""
+        try:
+            return [fn(0, count)]
+        except Exception as exc:  # noqa: BLE001 - reported as the part's result
+            return [exc]
+
     def write_on_caller(self, places: Sequence[tuple[int, int]], memory: Sequence,
                         slot_bytes: int, page_bytes: int) -> bool:
         """Write whole slots from host memory on the calling thread (:mod:`gdskv.quick_calls`),

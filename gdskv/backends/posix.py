@@ -31,7 +31,7 @@ import logging
 import mmap
 import os
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import numpy as np
 import torch
@@ -213,6 +213,40 @@ class PosixBackend(Backend):
                                                self._fds(f for f, _ in places))
         self._engine.write_pages(segments, memory, result)
         return not np.count_nonzero(result[:, 1])
+
+    def run_split(self, fn, count: int, nbytes: int) -> list:
+        """Parts of at least :data:`MIN_PIECE_BYTES` for the pool's idle threads and this one
+        (see :meth:`Backend.run_split`): a call alone spreads over every thread, as its pieces
+        would; one that finds the pool busy (vLLM's jobs, many at once) runs on its caller."""
+        if self._pool is None:
+            raise RuntimeError("posix backend is closed")
+        with self._in_pool_lock:
+            idle = max(0, self._threads - self._in_pool)
+            parts = max(1, min(count, idle + 1, nbytes // MIN_PIECE_BYTES))
+            self._in_pool += parts - 1
+        bounds = [count * i // parts for i in range(parts + 1)]
+        futures = []
+        try:
+            for i in range(1, parts):
+                future = self._pool.submit(fn, bounds[i], bounds[i + 1])
+                future.add_done_callback(self._piece_done)
+                futures.append(future)
+        except BaseException:  # (no thread could start): the parts not handed over
+            with self._in_pool_lock:
+                self._in_pool -= parts - 1 - len(futures)
+            wait(futures)  # (their memory is the caller's)
+            raise
+        out = []
+        try:
+            out.append(fn(bounds[0], bounds[1]))
+        except Exception as exc:  # noqa: BLE001 - reported as the part's result
+            out.append(exc)
+        for future in futures:  # every part ends before the call returns: it moves its memory
+            try:
+                out.append(future.result())
+            except Exception as exc:  # noqa: BLE001 - as above
+                out.append(exc)
+        return out
 
     def _fds(self, files) -> dict[int, int]:
         """Each of these slab files' descriptor, by file index."""
