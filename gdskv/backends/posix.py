@@ -81,6 +81,8 @@ class PosixBackend(Backend):
         self._mirrors = HostMirrors()
         #: pieces handed to the pool and not finished: a call is cut for the threads left idle
         self._in_pool = 0
+        #: callers in :meth:`run_split` now (each one a thread at work beside the pool's)
+        self._splitting = 0
         self._in_pool_lock = YieldingLock()
         self._poller = CompletionPoller(config.io_poll_us)
         self._engine = native.engine(config.native)
@@ -217,13 +219,25 @@ class PosixBackend(Backend):
     def run_split(self, fn, count: int, nbytes: int) -> list:
         """Parts of at least :data:`MIN_PIECE_BYTES` for the pool's idle threads and this one
         (see :meth:`Backend.run_split`): a call alone spreads over every thread, as its pieces
-        would; one that finds the pool busy (vLLM's jobs, many at once) runs on its caller."""
+        would; one that finds the pool busy, or other callers splitting (vLLM's jobs, many at
+        once, each on a thread of its own), runs on its caller. (Each caller splitting counts
+        as a busy thread: 16 vLLM jobs at once, each cut for the pool's idle threads, would
+        put twice as many threads as cores to copying.)"""
         if self._pool is None:
             raise RuntimeError("posix backend is closed")
         with self._in_pool_lock:
-            idle = max(0, self._threads - self._in_pool)
+            idle = max(0, self._threads - self._in_pool - self._splitting)
             parts = max(1, min(count, idle + 1, nbytes // MIN_PIECE_BYTES))
             self._in_pool += parts - 1
+            self._splitting += 1
+        try:
+            return self._run_parts(fn, count, parts)
+        finally:
+            with self._in_pool_lock:
+                self._splitting -= 1
+
+    def _run_parts(self, fn, count: int, parts: int) -> list:
+        """:meth:`run_split`'s ``parts`` parts (their pool threads counted in ``_in_pool``)."""
         bounds = [count * i // parts for i in range(parts + 1)]
         futures = []
         try:
