@@ -53,8 +53,11 @@ the calling thread (posix), verification and ``io_on_caller`` are on, host regio
 place, every page is one contiguous uint8 tensor of ``page_bytes`` in host memory (4 KiB
 aligned, and the page whole 4 KiB blocks, under O_DIRECT), a restore's regions do not overlap,
 and the call fits one on-caller I/O (``Backend.caller_io_bytes``) and one staging chunk's
-pages. A spill also needs ``admit_after=1`` (every page admitted at once). Any other call goes
-the general way, which also raises the errors a bad argument gets.
+pages -- but for a restore by the native reader, which takes up to :data:`NATIVE_MOST_PAGES`
+pages and cuts a call of 8 MiB or more into parts of at least 4 MiB for the posix pool's idle
+threads and the caller (``Backend.run_split``). A spill also needs ``admit_after=1`` (every
+page admitted at once). Any other call goes the general way, which also raises the errors a
+bad argument gets.
 """
 
 from __future__ import annotations
@@ -155,6 +158,11 @@ class QuickCall:
     def most_pages(self) -> int:
         """The most pages a call of this path may have now."""
         return self.max_pages
+
+    def not_combined(self, pages: int) -> bool:
+        """Whether a call of ``pages`` pages runs on its own, never combined with other calls
+        in flight (:mod:`gdskv.call_combiner`). Restores: always (:meth:`Tier._pages_call`)."""
+        return True
 
     def describe(self) -> dict:
         return {"enabled": True, "reason": f"{self.op}_pages of up to {self.most_pages()} "
@@ -320,11 +328,29 @@ class QuickSpill(QuickCall):
     op = "put"
     overlap = True
 
+    def __init__(self, ctx: CallContext, host_pages: HostPagePath) -> None:
+        super().__init__(ctx, host_pages)
+        # On the native engine a spill of any size (up to half the store, so that its slots,
+        # reserved at once, always find room as the general path's chunk by chunk would) is
+        # one call: its checksums and its write cut into parts for the pool's threads
+        self._most_native = min(NATIVE_MOST_PAGES, max(1, ctx.store.num_slots // 2))
+        self._native = host_pages.engine.path == "native"
+
     @classmethod
     def why_not(cls, ctx: CallContext, host_pages: HostPagePath) -> str:
         if ctx.config.admit_after > 1:
             return f"admit_after={ctx.config.admit_after}"
         return super().why_not(ctx, host_pages)
+
+    def most_pages(self) -> int:
+        return max(self.max_pages, self._most_native) if self._native else self.max_pages
+
+    def not_combined(self, pages: int) -> bool:
+        """A spill of two on-caller I/Os or more runs on its own: its fdatasync and journal
+        append are a small share of its time, and combined with the spills in flight it
+        would write on one thread (vLLM's 16 jobs at once of 16 blocks of 2 MiB). Smaller
+        spills that wait are combined (one fdatasync and append for the batch)."""
+        return pages * self.slot_bytes >= 2 * self.ctx.backend.caller_io_bytes
 
     def run(self, keys: list[Hashable], regions: list[int],
             pages: Sequence[Sequence[torch.Tensor]], stream: CallStream | None) -> list[bool]:
@@ -365,9 +391,20 @@ class QuickSpill(QuickCall):
         (nothing journaled: the slots can be given back)."""
         ctx = self.ctx
         places, memory, rows = self._frame(todo, regions)
-        sums = np.empty(len(todo), dtype=np.uint64)
-        self.host_pages.engine.page_sums(memory[::2].copy(), self.page_bytes, self.page_bytes,
-                                         sums)
+        n, pb, sb = len(todo), self.page_bytes, self.slot_bytes
+        sums = np.empty(n, dtype=np.uint64)
+        page_sums = self.host_pages.engine.page_sums
+        # a call of two on-caller I/Os or more: its checksums, then its write, in parts for
+        # the pool's idle threads and this one (Backend.run_split), as its restore would be
+        split = n > 1 and n * sb >= 2 * ctx.backend.caller_io_bytes
+        if split:
+            for out in ctx.backend.run_split(
+                    lambda a, b: page_sums(memory[2 * a:2 * b:2].copy(), pb, pb, sums[a:b]),
+                    n, n * sb):
+                if isinstance(out, Exception):
+                    raise out
+        else:
+            page_sums(memory[::2].copy(), pb, pb, sums)
         seqs, trailers = encode_trailers(ctx, keys, todo, sums)
         for row, trailer in zip(rows, trailers):
             row[:-TRAILER_BYTES] = 0  # (a reused row: no earlier call's bytes)
@@ -375,9 +412,15 @@ class QuickSpill(QuickCall):
         # a page written to a removed file would be acknowledged and then gone
         if ctx.lost_files():
             return None
+        write = ctx.backend.write_on_caller
         try:
-            if not ctx.backend.write_on_caller(places, memory, self.slot_bytes,
-                                               self.page_bytes):
+            if split:
+                # (every part ends before run_split returns: none writes after a give-back)
+                written = ctx.backend.run_split(
+                    lambda a, b: write(places[a:b], memory[2 * a:2 * b], sb, pb), n, n * sb)
+                if not all(w is True for w in written):
+                    return None
+            elif not write(places, memory, sb, pb):
                 return None
             if ctx.sync_data:
                 ctx.store.sync({f for f, _ in places})

@@ -375,7 +375,7 @@ class Tier:
         event = self._engine_event()
         if quick is not None:  # checked by QuickCall.regions() (combined as in _pages_call)
             keys = self._check_keys(keys)
-            if op == "get":
+            if quick[0].not_combined(len(keys)):
                 return self._worker.submit(self._run, self._quick_call, keys, quick, event,
                                            op=op)
         else:
@@ -642,11 +642,12 @@ class Tier:
         in flight where it waits (:mod:`.call_combiner`)."""
         keys = self._check_keys(keys)
         quick = self._quick_regions(op, pages)
-        if quick is not None and op == "get":
+        if quick is not None and quick[0].not_combined(len(keys)):
             # A quick restore is not combined: a read that releases the GIL (a preadv, a
             # copy of 1 MiB or more) overlaps the other calls in flight, where a batch would
             # read on one thread (16 threads of 2 MiB restores, H100 host: 0.24-0.28x raw
-            # alone, 0.13-0.16x combined); a shorter one is shorter than a GIL hand-over
+            # alone, 0.13-0.16x combined); a shorter one is shorter than a GIL hand-over.
+            # Nor is a large quick spill (QuickSpill.not_combined)
             return self._run(self._quick_call, keys, quick, op=op)
         fn, to_staging = (self._put, True) if op == "put" else (self._get, False)
 

@@ -617,3 +617,40 @@ def test_large_native_restores_are_cut_into_parts(tmp_path, monkeypatch, damage)
         assert quick_counts(tier) == ((0, 1) if damage else (1, 0))
         assert tier.stats()["corrupt_pages"] == (1 if damage == "corrupt" else 0)
         assert not tier.directory._pins.any() and tier.backend._in_pool == 0
+
+
+@pytest.mark.parametrize("fail_part", [False, True])
+def test_large_quick_spills_are_cut_into_parts(tmp_path, monkeypatch, fail_part):
+    """A spill of 22 MiB on the native engine: one quick spill, its checksums and its write in
+    parts for the pool's idle threads and the caller; every page restorable, also after a
+    restart. A part whose write fails sends the whole call to the general path (nothing of it
+    acknowledged), which stores it as ever."""
+    cfg = TierConfig(directories=(str(tmp_path),), capacity=48 * BIG.slot_bytes,
+                     files_per_dir=1, io_threads=4, staging_size=8 * BIG.slot_bytes)
+    keys = [f"w{i}" for i in range(22)]
+    srcs = [alloc_host(BIG.page_bytes, pin=False).copy_(big_content(k)) for k in keys]
+    with Tier(BIG, cfg, device="cpu") as tier:
+        if tier.backend._engine.path != "native":
+            pytest.skip("the page engine's Python path: quick spills of one on-caller I/O")
+        real_write = tier.backend.write_on_caller
+        parts = []
+
+        def write(places, memory, slot_bytes, page_bytes):
+            parts.append((len(places), threading.current_thread().name))
+            if fail_part and len(parts) == 2:
+                return False
+            return real_write(places, memory, slot_bytes, page_bytes)
+
+        monkeypatch.setattr(tier.backend, "write_on_caller", write)
+        assert tier.put_pages(keys, [[s] for s in srcs]) == [True] * len(keys)
+        # 22 pages of 1 MiB (and a slot trailer): 5 parts, one on the caller's thread
+        assert len(parts) == 5 and sum(n for n, _ in parts) == 22
+        names = [name for _, name in parts]
+        assert names.count(threading.current_thread().name) == 1
+        assert sum(name.startswith("gdskv-posix") for name in names) == 4
+        assert quick_counts(tier, "quick_spills") == ((0, 1) if fail_part else (1, 0))
+        assert not tier.directory._pins.any() and tier.backend._in_pool == 0
+    with Tier(BIG, cfg, device="cpu") as again:  # journaled and durable as any spill
+        out = [alloc_host(BIG.page_bytes, pin=False).zero_() for _ in keys]
+        assert again.get_pages(keys, [[o] for o in out]) == [True] * len(keys)
+        assert all(torch.equal(o, big_content(k)) for k, o in zip(keys, out))
