@@ -53,9 +53,11 @@ the calling thread (posix), verification and ``io_on_caller`` are on, host regio
 place, every page is one contiguous uint8 tensor of ``page_bytes`` in host memory (4 KiB
 aligned, and the page whole 4 KiB blocks, under O_DIRECT), a restore's regions do not overlap,
 and the call fits one on-caller I/O (``Backend.caller_io_bytes``) and one staging chunk's
-pages -- but for a restore by the native reader, which takes up to :data:`NATIVE_MOST_PAGES`
-pages and cuts a call of 8 MiB or more into parts of at least 4 MiB for the posix pool's idle
-threads and the caller (``Backend.run_split``). A spill also needs ``admit_after=1`` (every
+pages -- but on the native engine, where a restore (by the native reader) takes up to
+:data:`NATIVE_MOST_PAGES` pages and a spill up to half the store, and a call of 8 MiB or more
+is cut into parts of at least 4 MiB for the posix pool's idle threads and the caller
+(``Backend.run_split``; a spill's checksums, then its write), and such a spill is not combined
+with others (:meth:`QuickSpill.not_combined`). A spill also needs ``admit_after=1`` (every
 page admitted at once). Any other call goes the general way, which also raises the errors a
 bad argument gets.
 """
