@@ -147,16 +147,21 @@ def test_calls_that_do_not_qualify_go_the_general_way(tmp_path, monkeypatch):
         assert quick_counts(tier) == (0, 0)
 
 
+def flip_byte(tier, key: str, at: int) -> None:
+    """Damage ``key``'s stored page: one bit of its byte ``at`` flipped in the slab file."""
+    f, off = tier.store.location(tier.directory._index[key])
+    with open(tier.store.files[f].path, "r+b") as fh:
+        fh.seek(off + at)
+        b = fh.read(1)
+        fh.seek(off + at)
+        fh.write(bytes([b[0] ^ 0x10]))
+
+
 def test_a_corrupt_page_is_handed_on_and_dropped(tmp_path):
     keys = ["x0", "x1", "x2"]
     with Tier(LAYOUT, config(tmp_path), device="cpu") as tier:
         assert all(put(tier, keys))
-        f, off = tier.store.location(tier.directory._index["x1"])
-        with open(tier.store.files[f].path, "r+b") as fh:
-            fh.seek(off + 100)
-            b = fh.read(1)
-            fh.seek(off + 100)
-            fh.write(bytes([b[0] ^ 0x10]))
+        flip_byte(tier, "x1", 100)
         hits, out = get(tier, keys)
         assert hits == [True, False, True]
         assert torch.equal(out[0], content("x0")) and torch.equal(out[2], content("x2"))
@@ -593,12 +598,7 @@ def test_large_native_restores_are_cut_into_parts(tmp_path, monkeypatch, damage)
         srcs = [alloc_host(BIG.page_bytes, pin=False).copy_(big_content(k)) for k in keys]
         assert all(tier.put_pages(keys, [[s] for s in srcs]))
         if damage == "corrupt":
-            f, off = tier.store.location(tier.directory._index["b17"])
-            with open(tier.store.files[f].path, "r+b") as fh:
-                fh.seek(off + 4096)
-                b = fh.read(1)
-                fh.seek(off + 4096)
-                fh.write(bytes([b[0] ^ 0x01]))
+            flip_byte(tier, "b17", 4096)
         recording = RecordingReader(tier.backend.native_reader,
                                     "b9" if damage == "exception" else None)
         monkeypatch.setattr(tier.backend, "native_reader", recording)
