@@ -28,8 +28,10 @@ Durability, side by side: vLLM's fs tier writes a temp file and renames it, with
 gdskv runs twice, ``sync=data`` (fdatasync before a page is READY, the default) and
 ``sync=none`` (no fsync, like the fs tier).
 
-Result it produced: ``cpu-2026-11-23/vllm-fs-tier/`` (the development machine, /dev/shm and
-disk); on the GPU machine it runs from the carried ``.whl-vllm/`` (``fetch_vllm_fs.sh``).
+Results it produced: ``cpu-2026-11-23/vllm-fs-tier/`` (the development machine, /dev/shm and
+disk), and on the GPU machine, where it runs from the carried ``.whl-vllm/``
+(``fetch_vllm_fs.sh``), ``h200-2026-11-28/many-threads/`` and ``h200-2026-11-28/quick-reader/``
+(calls 3-5). gdskv's runs record its quick restores and spills (``quick_*``).
 
 Run in .venv-vllm (tests/run_vllm.sh builds it)::
 
