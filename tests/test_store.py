@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import threading
 
 import numpy as np
 import pytest
@@ -261,3 +262,59 @@ def test_split_extents_cuts_an_extents_io_vector_into_its_consecutive_bytes(size
         assert p.file_offset - 4096 == p.buffer_offset and len(got) == p.length
         assert np.array_equal(got, want)
         assert all(np.shares_memory(b, data) for b in p.memory if len(b))  # views, no copies
+
+
+def test_run_split_cuts_for_idle_threads_and_callers(tmp_path):
+    """Backend.run_split (posix): a call alone takes every idle pool thread and the caller, in
+    parts of at least 4 MiB; a call while another caller splits counts that caller as busy;
+    a part's exception is its result; every part ends before run_split returns."""
+    from gdskv.backends.posix import MIN_PIECE_BYTES, PosixBackend
+
+    backend = PosixBackend(TierConfig(directories=(str(tmp_path),), backend="posix",
+                                      io_threads=4))
+    try:
+        seen, lock = [], threading.Lock()
+
+        def record(a, b):
+            with lock:
+                seen.append((a, b, threading.current_thread().name))
+            return b - a
+
+        # alone: 4 pool threads and the caller; the caller runs the first part
+        out = backend.run_split(record, 100, 100 * MIN_PIECE_BYTES)
+        assert len(out) == 5 and sum(out) == 100
+        assert sorted((a, b) for a, b, _ in seen) == [(0, 20), (20, 40), (40, 60), (60, 80),
+                                                      (80, 100)]
+        assert [n for a, _, n in seen if a == 0] == [threading.current_thread().name]
+        assert backend._in_pool == 0 and backend._splitting == 0
+        # small: parts of at least MIN_PIECE_BYTES
+        assert len(backend.run_split(record, 100, 3 * MIN_PIECE_BYTES)) == 3
+        # while another caller splits (its parts holding the pool), a call runs alone here
+        hold, started = threading.Event(), threading.Event()
+
+        def blocked(a, b):
+            started.set()
+            hold.wait(10)
+            return b - a
+
+        first = threading.Thread(target=backend.run_split,
+                                 args=(blocked, 100, 100 * MIN_PIECE_BYTES))
+        first.start()
+        started.wait(10)
+        seen.clear()
+        assert backend.run_split(record, 100, 100 * MIN_PIECE_BYTES) == [100]
+        assert [n for _, _, n in seen] == [threading.current_thread().name]
+        hold.set()
+        first.join(10)
+        assert backend._in_pool == 0 and backend._splitting == 0
+
+        def fails_second(a, b):
+            if a:
+                raise OSError(errno.EIO, "part failed")
+            return b - a
+
+        out = backend.run_split(fails_second, 10, 10 * MIN_PIECE_BYTES)
+        assert out[0] == 2 and all(isinstance(o, OSError) for o in out[1:])
+        assert backend._in_pool == 0
+    finally:
+        backend.close()
