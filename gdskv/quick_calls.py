@@ -166,6 +166,11 @@ class QuickCall:
         in flight (:mod:`gdskv.call_combiner`). Restores: always (:meth:`Tier._pages_call`)."""
         return True
 
+    def large(self, pages: int) -> bool:
+        """Whether a call of ``pages`` pages is two on-caller I/Os or more: on the native
+        engine it is cut into parts for the pool's threads (``Backend.run_split``)."""
+        return pages * self.slot_bytes >= 2 * self.ctx.backend.caller_io_bytes
+
     def describe(self) -> dict:
         return {"enabled": True, "reason": f"{self.op}_pages of up to {self.most_pages()} "
                 "pages, one host region each: one engine call on the calling thread"}
@@ -293,15 +298,14 @@ class QuickRestore(QuickCall):
         idle pool threads and this one (``Backend.run_split``): one thread's copies and
         checksums would not keep up with the medium."""
         n = len(keys)
-        nbytes = n * self.slot_bytes
-        if n == 1 or nbytes < 2 * self.ctx.backend.caller_io_bytes:
+        if n == 1 or not self.large(n):
             try:
                 outs = [reader.read(keys, regions)]
             except Exception as exc:  # noqa: BLE001 - the general path reads it again
                 outs = [exc]
         else:
             outs = self.ctx.backend.run_split(
-                lambda a, b: reader.read(keys[a:b], regions[a:b]), n, nbytes)
+                lambda a, b: reader.read(keys[a:b], regions[a:b]), n, n * self.slot_bytes)
         if all(o.__class__ is tuple for o in outs):
             if len(outs) == 1:
                 results, hits, seconds = outs[0]
@@ -352,7 +356,7 @@ class QuickSpill(QuickCall):
         append are a small share of its time, and combined with the spills in flight it
         would write on one thread (vLLM's 16 jobs at once of 16 blocks of 2 MiB). Smaller
         spills that wait are combined (one fdatasync and append for the batch)."""
-        return pages * self.slot_bytes >= 2 * self.ctx.backend.caller_io_bytes
+        return self.large(pages)
 
     def run(self, keys: list[Hashable], regions: list[int],
             pages: Sequence[Sequence[torch.Tensor]], stream: CallStream | None) -> list[bool]:
@@ -398,7 +402,7 @@ class QuickSpill(QuickCall):
         page_sums = self.host_pages.engine.page_sums
         # a call of two on-caller I/Os or more: its checksums, then its write, in parts for
         # the pool's idle threads and this one (Backend.run_split), as its restore would be
-        split = n > 1 and n * sb >= 2 * ctx.backend.caller_io_bytes
+        split = n > 1 and self.large(n)
         if split:
             for out in ctx.backend.run_split(
                     lambda a, b: page_sums(memory[2 * a:2 * b:2].copy(), pb, pb, sums[a:b]),
