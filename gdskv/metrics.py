@@ -22,6 +22,8 @@ prometheus_client's multiprocess mode, which SGLang always uses and vLLM uses wi
 
 from __future__ import annotations
 
+import bisect
+import collections
 import contextlib
 import threading
 import weakref
@@ -62,6 +64,31 @@ class _SettleOnScrape:
         for tier in list(self.tiers):
             tier.bring_up_to_date()
         return []
+
+
+def observe_all(histogram, values: list) -> None:
+    """``histogram.observe(v)`` for each of ``values``, as one update: each bucket hit and the
+    sum incremented once. A tier's ledger applies its calls' observations by the thousand
+    (:mod:`gdskv.ledger`), and ``observe`` takes the child's locks for each: about 0.8 µs an
+    observation, 2 µs of a 1-page call's 12 µs of host time under the GIL on the development
+    machine. This uses the child's own bounds and value holders (``_upper_bounds``,
+    ``_buckets``: each observation counted in the first bucket whose bound holds it, as
+    ``observe`` counts it; ``_sum``), which every prometheus_client since 0.20 has; where they
+    are not, it observes one by one (``tests/test_metrics.py`` compares the two)."""
+    if not values:
+        return
+    bounds = getattr(histogram, "_upper_bounds", None)
+    buckets = getattr(histogram, "_buckets", None)
+    total = getattr(histogram, "_sum", None)
+    if bounds is None or buckets is None or total is None or len(buckets) != len(bounds):
+        for v in values:
+            histogram.observe(v)
+        return
+    hits = collections.Counter(bisect.bisect_left(bounds, v) for v in values)
+    total.inc(sum(values))
+    for i, n in sorted(hits.items()):
+        if i < len(buckets):  # (past the last bound, +Inf: only NaN, which observe counts nowhere)
+            buckets[i].inc(n)
 
 
 def _families_for(registry) -> dict:
@@ -124,10 +151,10 @@ class TierMetrics:
                 if where[1] in _PAGE_BYTES:
                     self._child("bytes", where[1]).inc(value * self._page_bytes)
 
-    def call(self, op: str, pages: int, seconds: float, stored: int) -> None:
-        self._child("seconds", op).observe(seconds)
-        self._child("call_pages", op).observe(pages)
-        self.stored(stored)  # (most restores change nothing stored: no set)
+    def calls(self, op: str, pages: list[int], seconds: list[float]) -> None:
+        """Observe calls of ``op`` that have ended: each one's pages and seconds."""
+        observe_all(self._child("seconds", op), seconds)
+        observe_all(self._child("call_pages", op), pages)
 
     def _child(self, family: str, *labels: str):
         key = (family, *labels)

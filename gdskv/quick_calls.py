@@ -119,6 +119,40 @@ class RestoreTally:
         return counts
 
 
+class SpillTally:
+    """Quick spills' counters, kept compact as :class:`RestoreTally` keeps restores': a spill
+    that went its quick way records ``(tally, (stored, pages, evictions, written, seconds))``
+    (keys stored of the call's ``pages``, pages it evicted, pages it wrote in ``seconds``), and
+    :meth:`take` hands them to the stats as the counters a :class:`SpillCall` records."""
+
+    def __init__(self, page_bytes: int) -> None:
+        self.page_bytes = page_bytes
+        self.calls = self.stored = self.pages = self.evictions = self.written = 0
+        self.seconds = 0.0
+
+    def add(self, stored: int, pages: int, evictions: int, written: int, seconds: float
+            ) -> None:
+        self.calls += 1
+        self.stored += stored
+        self.pages += pages
+        self.evictions += evictions
+        self.written += written
+        self.seconds += seconds
+
+    def take(self) -> dict:
+        """The counters added up since the last take ({} if none), as ``TierStats`` keys."""
+        if not self.calls:
+            return {}
+        counts = {"bytes_written": self.written * self.page_bytes,
+                  "write_seconds": self.seconds, "write_failed": 0, "not_admitted": 0,
+                  "evictions": self.evictions, "pages_written_in_place": self.written,
+                  "put_pages": self.pages, "put_stored": self.stored,
+                  "quick_spills": self.calls}
+        self.calls = self.stored = self.pages = self.evictions = self.written = 0
+        self.seconds = 0.0
+        return counts
+
+
 class QuickCall:
     """What one tier's quick restores and spills share: when a call qualifies."""
 
@@ -126,8 +160,8 @@ class QuickCall:
     op = ""
     #: whether a call's regions may overlap (a spill only reads them)
     overlap = False
-    #: the calls' compact counters, where they keep them so (:class:`RestoreTally`)
-    tally: RestoreTally | None = None
+    #: the calls' compact counters (:class:`RestoreTally`, :class:`SpillTally`)
+    tally: RestoreTally | SpillTally | None = None
 
     def __init__(self, ctx: CallContext, host_pages: HostPagePath) -> None:
         self.ctx = ctx
@@ -341,6 +375,7 @@ class QuickSpill(QuickCall):
         # one call: its checksums and its write cut into parts for the pool's threads
         self._most_native = min(NATIVE_MOST_PAGES, max(1, ctx.store.num_slots // 2))
         self._native = host_pages.engine.path == "native"
+        self.tally = SpillTally(self.page_bytes)
 
     @classmethod
     def why_not(cls, ctx: CallContext, host_pages: HostPagePath) -> str:
@@ -364,8 +399,9 @@ class QuickSpill(QuickCall):
         whether it is stored, as :class:`SpillCall` answers."""
         ctx = self.ctx
         results = [False] * len(keys)
-        tally = {"bytes_written": 0, "write_seconds": 0.0, "write_failed": 0}
+        tally = {}
         todo, waiting = reserve_slots(ctx, keys, list(range(len(keys))), results, tally)
+        seconds = 0.0
         if todo:
             slots = [s for _, s in todo]
             try:
@@ -382,13 +418,11 @@ class QuickSpill(QuickCall):
             ctx.directory.commit(slots, written, checksum.CRC32C)
             for pos, _ in todo:
                 results[pos] = True
-            tally.update(bytes_written=len(todo) * self.page_bytes, write_seconds=seconds)
         if waiting:  # keys another call was writing: its outcome is theirs
             for i, ok in zip(waiting, ctx.directory.wait_written([keys[i] for i in waiting])):
                 results[i] = ok
-        tally.update(pages_written_in_place=len(todo), put_pages=len(keys),
-                     put_stored=sum(results), quick_spills=1)
-        ctx.ledger.record(tally, None)
+        ctx.ledger.record((self.tally, (sum(results), len(keys), tally["evictions"], len(todo),
+                                        seconds)), None)
         return results
 
     def _write(self, keys: list, todo: list, regions: list[int]) -> np.ndarray | None:

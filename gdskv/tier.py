@@ -238,6 +238,7 @@ class Tier:
         self._stats.listener = self._metrics.count
         # each data call's counters and metrics, applied off its critical path
         self._ledger_counts: dict = {}  # calls' counters applied, not yet added (ledger flush)
+        self._ledger_calls: dict = {}  # op -> (pages, seconds) of ended calls, not yet observed
         self._ledger = CallLedger(self._apply_counts, flush=self._flush_counts)
         self._calls.ledger, self._calls.metrics = self._ledger, self._metrics
         self._metrics.settle_on_scrape(self._ledger, lambda: len(self.directory))
@@ -905,7 +906,8 @@ class Tier:
 
     def _apply_counts(self, amounts: dict | tuple | None, call: tuple | None) -> None:
         """Apply what a data call recorded in the ledger: its counters (``amounts``: a dict,
-        or a quick call's ``(tally, values)``, :class:`~gdskv.quick_calls.RestoreTally`), or
+        or a quick call's ``(tally, values)``, :class:`~gdskv.quick_calls.RestoreTally` and
+        ``SpillTally``), or
         the ``(op, pages, seconds)`` of a call that has ended (the metrics)."""
         if amounts is not None:  # (added up once per settle: :meth:`_flush_counts`)
             if amounts.__class__ is tuple:
@@ -914,8 +916,13 @@ class Tier:
                 counts = self._ledger_counts
                 for key, value in amounts.items():
                     counts[key] = counts.get(key, 0) + value
-        if call is not None:
-            self._metrics.call(*call, len(self.directory))
+        if call is not None:  # (observed once per settle, by the thousand: :meth:`_flush_counts`)
+            op, pages, seconds = call
+            calls = self._ledger_calls.get(op)
+            if calls is None:
+                calls = self._ledger_calls[op] = ([], [])
+            calls[0].append(pages)
+            calls[1].append(seconds)
 
     def _flush_counts(self) -> None:
         """Add the counters :meth:`_apply_counts` gathered in this settle to the stats."""
@@ -927,6 +934,11 @@ class Tier:
         if self._ledger_counts:
             counts, self._ledger_counts = self._ledger_counts, {}
             self._stats.add(**counts)
+        if self._ledger_calls:
+            calls, self._ledger_calls = self._ledger_calls, {}
+            for op, (pages, seconds) in calls.items():
+                self._metrics.calls(op, pages, seconds)
+            self._metrics.stored(len(self.directory))  # (most restores change nothing stored)
 
     # -- read-only follower ---------------------------------------------------------------------
     def _follow_if_idle(self) -> None:

@@ -98,3 +98,52 @@ def test_a_new_registry_at_a_dead_ones_address_gets_its_own_series(tmp_path):
             assert value(scrape(reg), "gdskv_pages_total", store=str(store), event="put") == 1
         del tier, reg
         gc.collect()
+
+
+@pytest.mark.parametrize("kind", ["seconds", "pages"])
+def test_observe_all_equals_observing_one_by_one(kind):
+    """A settle's observations applied as one update (metrics.observe_all) expose what
+    observing them one at a time would: every bucket's count, the count and the sum. Values
+    on the bounds, between them, below the first and past the last."""
+    from prometheus_client import Histogram
+
+    from gdskv import metrics
+    bounds = metrics._SECOND_BUCKETS if kind == "seconds" else metrics._PAGE_BUCKETS
+    values = [b for b in bounds] + [b * 0.999 for b in bounds] + [b * 1.5 for b in bounds]
+    values += [0.0, bounds[-1] * 10, bounds[0] / 7]
+    exposed = []
+    for bulk in (True, False):
+        reg = CollectorRegistry()
+        h = Histogram("h", "h", ["op"], buckets=bounds, registry=reg).labels("get")
+        h.observe(bounds[2])  # (a value held before the update)
+        if bulk:
+            metrics.observe_all(h, values)
+        else:
+            for v in values:
+                h.observe(v)
+        exposed.append(scrape(reg))
+    bulk, single = exposed
+    assert bulk.keys() == single.keys()
+    for name, labels in single:
+        if name == "h_sum":
+            assert bulk[name, labels] == pytest.approx(single[name, labels], rel=1e-12)
+        elif name != "h_created":
+            assert bulk[name, labels] == single[name, labels], (name, dict(labels))
+    assert single["h_count", frozenset({("op", "get")})] == len(values) + 1
+
+
+def test_observe_all_without_the_histograms_internals():
+    """Where a histogram has not the value holders observe_all updates, it observes each."""
+    from gdskv import metrics
+
+    class Plain:
+        def __init__(self):
+            self.seen = []
+
+        def observe(self, v):
+            self.seen.append(v)
+    h = Plain()
+    metrics.observe_all(h, [3, 1, 2])
+    assert h.seen == [3, 1, 2]
+    metrics.observe_all(h, [])
+    assert h.seen == [3, 1, 2]

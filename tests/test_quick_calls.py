@@ -94,15 +94,22 @@ def test_async_restores_take_the_quick_path(tmp_path):
 
 def test_counters_are_the_general_paths(tmp_path):
     """The same calls on two stores, one tier with the quick path and one without: the same
-    results and the same counters (but the quick path's own)."""
+    results and the same counters (but the quick path's own). The spills fill a small store,
+    then evict, and put keys already stored."""
     keys = [f"c{i}" for i in range(6)]
     calls = [keys[:1], keys[1:4], ["missing", keys[4]], keys]
     stats = []
     for quick in (True, False):
         (tmp_path / str(quick)).mkdir()
-        with Tier(LAYOUT, config(tmp_path / str(quick)), device="cpu") as tier:
+        cfg = config(tmp_path / str(quick), capacity=16 * SLOT)
+        with Tier(LAYOUT, cfg, device="cpu") as tier:
             if not quick:
                 tier._quick = {}  # the general path for every call (white box)
+            room = tier.store.num_slots
+            fill = [f"e{i}" for i in range(room + 3)]  # 3 evictions
+            for i in range(0, room, 4):
+                assert all(put(tier, fill[i:i + 4]))
+            assert put(tier, fill[room:] + fill[room - 2:room]) == [True] * 5
             assert all(put(tier, keys))
             for c in calls:
                 hits, out = get(tier, c)
@@ -115,9 +122,11 @@ def test_counters_are_the_general_paths(tmp_path):
                 "put_stored", "bytes_written", "pages_written_in_place", "evictions",
                 "not_admitted", "write_failed")})
             assert s.get("quick_restores", 0) == (len(calls) if quick else 0)
-            assert s.get("quick_spills", 0) == (1 if quick else 0)
+            assert s.get("quick_spills", 0) == ((room + 3) // 4 + 2 if quick else 0)
     assert stats[0] == stats[1] and stats[0]["hits"] == 11 and stats[0]["misses"] == 1
-    assert stats[0]["put_stored"] == 6 and stats[0]["pages_written_in_place"] == 6
+    room = stats[0]["put_pages"] - 11
+    assert stats[0]["put_stored"] == room + 11 and stats[0]["evictions"] == 9
+    assert stats[0]["pages_written_in_place"] == room + 9
 
 
 def test_calls_that_do_not_qualify_go_the_general_way(tmp_path, monkeypatch):
