@@ -41,6 +41,27 @@ def test_the_idle_thread_applies_what_no_call_settles():
     assert not ledger._thread.is_alive()
 
 
+def test_many_entries_wake_the_idle_thread():
+    """WAKE_AT entries waiting are applied at once, not at the idle interval's end: a quick
+    call settles nothing itself, and entries left for long outlive the collector's young
+    generations."""
+    from gdskv import ledger as ledger_module
+    seen = []
+    ledger = CallLedger(lambda *e: seen.append(e), idle_seconds=60)
+    try:
+        for i in range(ledger_module.WAKE_AT - 1):
+            ledger.record(i)
+        time.sleep(0.2)
+        assert seen == []  # fewer: they wait for the interval (or a settle)
+        ledger.record("last")
+        deadline = time.monotonic() + 5
+        while len(seen) < ledger_module.WAKE_AT and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert seen == [(i,) for i in range(ledger_module.WAKE_AT - 1)] + [("last",)]
+    finally:
+        ledger.close()
+
+
 def test_a_data_call_does_not_wait_for_another_settler():
     """settle(wait=False) returns at once while another thread applies (that one applies all)."""
     started, release, seen = threading.Event(), threading.Event(), []
