@@ -19,6 +19,7 @@ decodes only the bytes appended since its last call, and starts over when the fi
 from __future__ import annotations
 
 import enum
+import itertools
 import logging
 import os
 import struct
@@ -115,13 +116,25 @@ def encode_commits(keys: Sequence[Hashable], slots: Iterable[int], checksums: It
     records (:class:`Record`), made without them. A spill encodes a chunk's COMMITs per call, one
     thread's host time among several calls' (a third of the per-record path's, 10 µs for 32
     pages on the development machine)."""
-    head, body, crc, commit = _HEAD.pack, _BODY.pack, crc32c.crc32c, RecordKind.COMMIT.value
+    return _encode_columns(RecordKind.COMMIT, keys, slots, checksums, algorithm, seqs)
+
+
+def encode_evictions(keys: Sequence[Hashable], slots: Iterable[int], seqs: Iterable[int]
+                     ) -> Encoded:
+    """EVICTs of pages given as columns, as :func:`encode_commits` encodes COMMITs: a spill
+    into a full store journals the pages it evicted (checksum and algorithm 0)."""
+    return _encode_columns(RecordKind.EVICT, keys, slots, itertools.repeat(0), 0, seqs)
+
+
+def _encode_columns(kind: RecordKind, keys: Sequence[Hashable], slots: Iterable[int],
+                    checksums: Iterable[int], algorithm: int, seqs: Iterable[int]) -> Encoded:
+    head, body, crc, value = _HEAD.pack, _BODY.pack, crc32c.crc32c, kind.value
     parts = []
     for key, slot, csum, seq in zip(keys, slots, checksums, seqs):
         # (str keys inline: the usual key, and a call fewer per page)
         key_type, raw = (0, key.encode()) if type(key) is str and len(key) <= _SHORT_KEY \
             else _encode_key(key)
-        rec = body(commit, seq, slot, csum, algorithm, key_type) + raw
+        rec = body(value, seq, slot, csum, algorithm, key_type) + raw
         parts += (head(len(rec), crc(rec)), rec)
     return Encoded(b"".join(parts), len(parts) // 2)
 

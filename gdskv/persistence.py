@@ -43,7 +43,7 @@ from . import checksum, header_scan
 from .config import Eviction, SyncPolicy, TierConfig
 from .directory import PageDirectory
 from .journal import (Encoded, History, Journal, JournalFollower, Record, RecordKind,
-                      encode_commits, history, live_records)
+                      encode_commits, encode_evictions, history, live_records)
 from .stats import TierStats
 from .store import SlabStore
 
@@ -255,8 +255,9 @@ class PersistentDirectory:
         if not evicted or self.read_only:
             return
         try:
-            self.journal.append(Record(RecordKind.EVICT, self.journal.next_seq(), slot, 0, 0, key)
-                                for key, slot in evicted)
+            self.journal.append(encode_evictions([k for k, _ in evicted],
+                                                 [s for _, s in evicted],
+                                                 self.journal.next_seqs(len(evicted))))
         except OSError as exc:
             # The slot may be rewritten later; its old COMMIT then fails its checksum on replay.
             self._log_once("evict-journal", "journaling %d evictions failed: %s", len(evicted),

@@ -98,6 +98,7 @@ class SlabStore:
         _check_distinct(config.directories, self.directories)
         self._lock_fds: list[int] = []
         self._lock_paths: list[str] = []
+        self._lock_inodes: list[int] = []  # each lock file's inode, for removed_files
         self._held: list[tuple[int, int]] = []  # the _HELD entries this store made
         self.files: list[SlabFile] = []
         self.created = False
@@ -321,9 +322,9 @@ class SlabStore:
                 gone = True
             if gone:
                 out.append(f.path)
-        for path, fd in zip(self._lock_paths, self._lock_fds):
+        for path, inode in zip(self._lock_paths, self._lock_inodes):
             try:
-                gone = os.stat(path, follow_symlinks=False).st_ino != os.fstat(fd).st_ino
+                gone = os.stat(path, follow_symlinks=False).st_ino != inode
             except OSError:
                 gone = True
             if gone:
@@ -366,6 +367,7 @@ class SlabStore:
             os.close(fd)
             raise
         self._lock_paths.append(path)
+        self._lock_inodes.append(os.fstat(fd).st_ino)
         return fd
 
     def _hold(self, fd: int, directory: str, name: str) -> None:
@@ -492,6 +494,7 @@ class SlabStore:
             os.close(fd)  # closing the fd drops the flock
         self._lock_fds = []
         self._lock_paths = []
+        self._lock_inodes = []
 
     @property
     def journal_path(self) -> str:

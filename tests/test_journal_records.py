@@ -1,4 +1,5 @@
-"""The journal's record encoding: COMMITs encoded from columns are the bytes of their records."""
+"""The journal's record encoding: COMMITs and EVICTs encoded from columns are the bytes of their
+records."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gdskv.journal import (MAX_KEY_BYTES, Record, RecordKind, check_key, decode_all,
-                           encode_all, encode_commits, keys_fit)
+                           encode_all, encode_commits, encode_evictions, keys_fit)
 
 U64 = st.integers(min_value=0, max_value=2**64 - 1)
 KEYS = st.one_of(st.text(min_size=1, max_size=80), st.binary(min_size=1, max_size=80),
@@ -22,6 +23,15 @@ def test_commits_from_columns_are_their_records_bytes(pages, algorithm):
     records = [Record(RecordKind.COMMIT, seq, slot, csum, algorithm, key)
                for key, slot, csum, seq in pages]
     got = encode_commits(keys, slots, sums, algorithm, seqs)
+    assert got == encode_all(records)
+    assert decode_all(got.data).records == records
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(KEYS, U64, U64), max_size=40))
+def test_evictions_from_columns_are_their_records_bytes(pages):
+    records = [Record(RecordKind.EVICT, seq, slot, 0, 0, key) for key, slot, seq in pages]
+    got = encode_evictions([p[0] for p in pages], [p[1] for p in pages], [p[2] for p in pages])
     assert got == encode_all(records)
     assert decode_all(got.data).records == records
 
