@@ -39,7 +39,7 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 
 import numpy as np
 
-from . import checksum, header_scan
+from . import checksum, header_scan, native
 from .config import Eviction, SyncPolicy, TierConfig
 from .directory import PageDirectory
 from .journal import (Encoded, History, Journal, JournalFollower, Record, RecordKind,
@@ -79,7 +79,8 @@ class PersistentDirectory:
         else:
             # no journal beside an existing store: lost, so the slot trailers must tell
             self._journal_lost = not store.created and not os.path.exists(store.journal_path)
-            self.journal = Journal(store.journal_path, sync=config.sync == SyncPolicy.DATA)
+            self.journal = Journal(store.journal_path, sync=config.sync == SyncPolicy.DATA,
+                                   engine=native.engine(config.native))
         self._verify = bool(config.verify)
         # pages that can be written but not yet journaled at once (staged writes in flight)
         self._in_flight = max(TAIL_BATCH, config.staging_size // store.slot_bytes)

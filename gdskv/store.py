@@ -45,6 +45,7 @@ from collections.abc import Iterable, Sequence
 
 import crc32c
 
+from . import native
 from .backends.base import Extent, SlabFile
 from .config import ConfigError, DirectIO, TierConfig
 from .directory import PageDirectory
@@ -96,6 +97,10 @@ class SlabStore:
         self.read_only = bool(config.read_only)
         self.directories = [self._check_dir(d, self.read_only) for d in config.directories]
         _check_distinct(config.directories, self.directories)
+        # every directory on a file system held in memory: a sync or a file check there waits
+        # on no disk, and the page engine keeps the GIL through it (sync, removed_files)
+        self.in_memory = all(memory_backed(d) for d in self.directories)
+        self._engine = native.engine(config.native)
         self._lock_fds: list[int] = []
         self._lock_paths: list[str] = []
         self._lock_inodes: list[int] = []  # each lock file's inode, for removed_files
@@ -314,22 +319,11 @@ class SlabStore:
         no longer at their path (removed, or another file there): a second writer could lock
         that path and open the store (its slab files' locks still refuse it, but the owner
         cannot tell a new writer elsewhere from none)."""
-        out = []
-        for f in self.files:
-            try:
-                gone = os.fstat(f.fd).st_nlink == 0
-            except OSError:
-                gone = True
-            if gone:
-                out.append(f.path)
-        for path, inode in zip(self._lock_paths, self._lock_inodes):
-            try:
-                gone = os.stat(path, follow_symlinks=False).st_ino != inode
-            except OSError:
-                gone = True
-            if gone:
-                out.append(path)
-        return out
+        files = self.files
+        gone = self._engine.unlinked([f.fd for f in files], self._lock_paths, self._lock_inodes,
+                                     self.in_memory)
+        return [files[i].path if i < len(files) else self._lock_paths[i - len(files)]
+                for i in gone]
 
     # -- files ---------------------------------------------------------------------------------
     @staticmethod
@@ -476,8 +470,9 @@ class SlabStore:
     def sync(self, files: Iterable[int] | None = None) -> None:
         """Make written slab data durable: fdatasync the files with these indices (all of
         them by default). Raises OSError (e.g. EIO after a failed writeback)."""
+        append, in_memory = self._engine.append_file, self.in_memory
         for i in range(len(self.files)) if files is None else sorted(files):
-            os.fdatasync(self.files[i].fd)
+            append(self.files[i].fd, b"", True, in_memory)  # (nothing appended: the sync alone)
 
     def close(self) -> None:
         for f in self.files:

@@ -6,6 +6,7 @@ checksum verification as it was."""
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -153,3 +154,24 @@ def test_a_page_damaged_in_the_file_after_registering_is_a_miss():
         assert tier.get(keys, out, slots) == [True, True, False, True]
         assert tier.backend._memory.reads > reads
         assert tier.stats()["corrupt_pages"] == 1
+
+
+@NEEDS_SHM
+def test_stores_and_journals_in_memory_sync_and_check_files_keeping_the_gil(tmp_path):
+    """A store on /dev/shm says it is in memory (its syncs and file checks then keep the GIL:
+    gdskv.native, append_file and unlinked), and so does its journal; one on another file
+    system does not, unless that is in memory too. Both still see a removed slab file."""
+    layout = KVLayout(num_layers=1, page_size=4, head_dim=64, kv_heads=1)
+    shm = tempfile.mkdtemp(dir=SHM)
+    try:
+        for d, in_memory in ((shm, True), (str(tmp_path), memory_backed(str(tmp_path)))):
+            cfg = TierConfig(directories=(d,), capacity="1MiB", backend="posix")
+            with Tier(layout, cfg, device="cpu") as tier:
+                assert tier.store.in_memory is in_memory
+                assert tier.journal._in_memory is in_memory
+                assert tier.store.removed_files() == [] and not tier.journal.removed()
+                tier.store.sync()
+                os.unlink(tier.store.files[0].path)
+                assert tier.store.removed_files() == [tier.store.files[0].path]
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)

@@ -189,21 +189,19 @@ def test_journal_that_cannot_cut_a_failed_append_stops_committing(tmp_path, monk
     cfg = small_config(tmp_path)
     with Tier(LAYOUT, cfg, device="cpu") as tier:
         assert all(put(tier, ["a"]))
-        real_write, real_truncate = os.write, os.ftruncate
+        real_truncate = os.ftruncate
         jfd = tier.journal._fd
 
-        def half_write(fd, data):
-            if fd == jfd:
-                real_write(fd, bytes(data)[: len(data) // 2])
-                raise OSError(errno.EIO, "injected write error")
-            return real_write(fd, data)
+        def half_append(fd, data, sync, in_memory=False):  # (the page engine's append_file)
+            os.write(fd, bytes(data)[: len(data) // 2])
+            raise OSError(errno.EIO, "injected write error")
 
         def no_truncate(fd, size):
             if fd == jfd:
                 raise OSError(errno.EIO, "injected truncate error")
             return real_truncate(fd, size)
 
-        monkeypatch.setattr(os, "write", half_write)
+        monkeypatch.setattr(tier.journal, "_append_file", half_append)
         monkeypatch.setattr(os, "ftruncate", no_truncate)
         assert put(tier, ["b"]) == [False]
         monkeypatch.undo()

@@ -1,13 +1,14 @@
 """The page engine: a data call's page I/O and page checksums, one call per pool task.
 
-Two implementations with the same five functions (see ``_pages.c`` for the arguments):
+Two implementations with the same seven functions (see ``_pages.c`` for the arguments):
 
 - ``native``: the C extension ``gdskv.native._pages`` (CPython limited API, built by ``pip
   install``). Each call runs with the GIL released from its first system call to its last
   checksum, so calls from several threads run in parallel; checksums are hardware CRC-32C.
   ``crc32c``, ``page_sums`` and ``copy_pages`` on less than ``hold_gil_below()`` bytes (1 MiB)
-  keep the GIL: winning it back after so short a call costs more, with other threads waiting
-  for it, than the call (``docs/native.md``, "The GIL").
+  keep the GIL, and so do ``append_file`` and ``unlinked`` on files held in memory: winning
+  it back after so short a call costs more, with other threads waiting for it, than the call
+  (``docs/native.md``, "The GIL").
 - ``python``: :mod:`gdskv.native.fallback`, ``os.preadv``/``os.pwritev`` and the ``crc32c``
   package. It runs where the extension did not load (said once in the log) or where the tier's
   ``native`` option is off (``GDSKV_NATIVE=false``), and it is the oracle the tests hold the
@@ -29,6 +30,14 @@ segment's ``(bytes moved, error)``: 0, an errno, or -1 where the file ended. A r
 ``page_bytes`` > 0 then checksums each page of the frame into ``sums`` and sets ``status``
 (uint8): 0 read whole (and equal to ``want``, where given), 1 checksum differs, 2 not read
 whole. Both return the bytes moved.
+``append_file(fd, data, sync, in_memory=False)``: write all of ``data`` to ``fd`` (opened
+``O_APPEND``), then ``fdatasync`` it where ``sync`` (the journal's append, :mod:`gdskv.journal`,
+and a slab file's sync, ``data`` empty). With ``in_memory`` (the file is on tmpfs/ramfs, where
+neither waits on a disk) under ``hold_gil_below()`` bytes it keeps the GIL, as a copy does.
+Raises ``OSError``.
+``unlinked(fds, paths, inodes, in_memory=False)``: the store files removed while open
+(``SlabStore.removed_files``): the indices of the descriptors whose file has no link left, then
+(after ``len(fds)``) of the paths that no longer name their inode; ``in_memory`` keeps the GIL.
 ``copy_pages(sources, segments, memory, result, slot_bytes, page_bytes, want, sums, status)``:
 ``read_pages`` from files held in memory (tmpfs), copied from their mappings: ``sources`` is a
 sequence of ``(fd, mapping)`` pairs and a segment row is ``(source index, offset, length)``.
@@ -82,6 +91,10 @@ class Engine:
     read_pages: Callable
     copy_pages: Callable
     write_pages: Callable
+    #: ``append_file(fd, data, sync, in_memory=False)``: a journal append (gdskv.journal)
+    append_file: Callable
+    #: ``unlinked(fds, paths, inodes, in_memory=False)``: store files removed while open
+    unlinked: Callable
     #: the native engine's ``QuickReader`` (a small restore's pins, read and unpins in one
     #: call: :mod:`gdskv.quick_calls`); None on the Python path, whose quick restore is Python
     quick_reader: Callable | None
@@ -92,8 +105,8 @@ class Engine:
 
 def _engine(module, path: str, reason: str) -> Engine:
     return Engine(path, reason, module.implementation(), module.crc32c, module.page_sums,
-                  module.read_pages, module.copy_pages, module.write_pages,
-                  getattr(module, "QuickReader", None))
+                  module.read_pages, module.copy_pages, module.write_pages, module.append_file,
+                  module.unlinked, getattr(module, "QuickReader", None))
 
 
 NATIVE: Engine | None = None if _pages is None else \

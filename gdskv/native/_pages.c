@@ -1068,6 +1068,125 @@ py_write_pages(PyObject *self, PyObject *args)
     return move_pages(1, args);
 }
 
+/* Append all of `data` (which may be empty: a sync alone) to `fd` (opened O_APPEND), then
+ * fdatasync it where `sync`. A file on a file system held in memory (`in_memory`) waits on no
+ * disk, so a short append there keeps the GIL: a journal append takes two system calls under
+ * the journal's lock, and with the GIL given up for each, threads of small spills handed the GIL
+ * and the lock back and forth (gdskv.journal). On failure raises OSError with the errno; some
+ * bytes may have been written (the caller cuts them off). */
+static PyObject *
+py_append_file(PyObject *self, PyObject *args)
+{
+    int fd, sync = 0, in_memory = 0;
+    Py_buffer data;
+    if (!PyArg_ParseTuple(args, "iy*p|p:append_file", &fd, &data, &sync, &in_memory))
+        return NULL;
+    int error = 0;
+    PyThreadState *state = in_memory ? release_gil_for(data.len) : PyEval_SaveThread();
+    const char *p = data.buf;
+    Py_ssize_t left = data.len;
+    while (left > 0) {
+        ssize_t n = write(fd, p, (size_t)left);
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            error = errno;
+            break;
+        }
+        p += n;
+        left -= n;
+    }
+    if (!error && sync && fdatasync(fd) < 0)
+        error = errno;
+    regain_gil(state);
+    PyBuffer_Release(&data);
+    if (error) {
+        errno = error;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    Py_RETURN_NONE;
+}
+
+/* Which of these files are gone from their store (gdskv.store, removed_files): each
+ * descriptor of `fds` whose file has no link left (or fails fstat), then each path of `paths`
+ * that no longer names the inode of `inodes` (lstat). The indices, the paths' after the fds'.
+ * Asked before every spill is acknowledged; `in_memory` (the files are on tmpfs/ramfs) keeps
+ * the GIL, as a short write there does (each brief give-up woke a thread waiting for it). */
+static PyObject *
+py_unlinked(PyObject *self, PyObject *args)
+{
+    PyObject *fds_obj, *paths_obj, *inodes_obj;
+    int in_memory = 0;
+    if (!PyArg_ParseTuple(args, "OOO|p:unlinked", &fds_obj, &paths_obj, &inodes_obj, &in_memory))
+        return NULL;
+    Py_ssize_t nf = PySequence_Size(fds_obj), np = PySequence_Size(paths_obj);
+    if (nf < 0 || np < 0)
+        return NULL;
+    if (PySequence_Size(inodes_obj) != np) {
+        PyErr_SetString(PyExc_ValueError, "unlinked: paths and inodes differ in length");
+        return NULL;
+    }
+    Py_ssize_t n = nf + np;
+    long long *fds = PyMem_Malloc((size_t)(nf ? nf : 1) * sizeof *fds);
+    unsigned long long *inodes = PyMem_Malloc((size_t)(np ? np : 1) * sizeof *inodes);
+    PyObject **names = PyMem_Calloc((size_t)(np ? np : 1), sizeof *names);
+    unsigned char *gone = PyMem_Calloc((size_t)(n ? n : 1), 1);
+    PyObject *out = NULL;
+    if (fds == NULL || inodes == NULL || names == NULL || gone == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < nf; i++) {
+        PyObject *item = PySequence_GetItem(fds_obj, i);
+        fds[i] = item == NULL ? -1 : PyLong_AsLongLong(item);
+        Py_XDECREF(item);
+        if (PyErr_Occurred())
+            goto done;
+    }
+    for (Py_ssize_t j = 0; j < np; j++) {
+        PyObject *path = PySequence_GetItem(paths_obj, j), *inode = NULL;
+        int ok = path != NULL && PyUnicode_FSConverter(path, &names[j]);
+        Py_XDECREF(path);
+        if (ok && (inode = PySequence_GetItem(inodes_obj, j)) != NULL) {
+            inodes[j] = PyLong_AsUnsignedLongLong(inode);
+            Py_DECREF(inode);
+        }
+        if (!ok || inode == NULL || PyErr_Occurred())
+            goto done;
+    }
+    PyThreadState *state = in_memory ? NULL : PyEval_SaveThread();
+    struct stat st;
+    for (Py_ssize_t i = 0; i < nf; i++)
+        gone[i] = fds[i] < 0 || fds[i] > INT_MAX || fstat((int)fds[i], &st) < 0 ||
+                  st.st_nlink == 0;
+    for (Py_ssize_t j = 0; j < np; j++)
+        gone[nf + j] = lstat(PyBytes_AsString(names[j]), &st) < 0 ||
+                       (unsigned long long)st.st_ino != inodes[j];
+    regain_gil(state);
+    if ((out = PyList_New(0)) == NULL)
+        goto done;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        if (!gone[k])
+            continue;
+        PyObject *index = PyLong_FromSsize_t(k);
+        if (index == NULL || PyList_Append(out, index) < 0) {
+            Py_XDECREF(index);
+            Py_CLEAR(out);
+            break;
+        }
+        Py_DECREF(index);
+    }
+done:
+    if (names != NULL)
+        for (Py_ssize_t j = 0; j < np; j++)
+            Py_XDECREF(names[j]);
+    PyMem_Free(names);
+    PyMem_Free(inodes);
+    PyMem_Free(fds);
+    PyMem_Free(gone);
+    return out;
+}
+
 static PyObject *
 py_take_sizes(PyObject *self, PyObject *args)
 {
@@ -1111,6 +1230,14 @@ static PyMethodDef methods[] = {
      " -> bytes copied; read_pages from (fd, mapping) sources, rows (source, offset, length)."},
     {"write_pages", py_write_pages, METH_VARARGS,
      "write_pages(segments, memory, result) -> bytes written."},
+    {"append_file", py_append_file, METH_VARARGS,
+     "append_file(fd, data, sync, in_memory=False): write all of data to fd (O_APPEND), then "
+     "fdatasync it where sync; in_memory: under hold_gil_below() bytes the GIL is kept. "
+     "Raises OSError."},
+    {"unlinked", py_unlinked, METH_VARARGS,
+     "unlinked(fds, paths, inodes, in_memory=False) -> list: indices of the descriptors whose "
+     "file has no link left, then (after len(fds)) of the paths that no longer name their "
+     "inode; in_memory: the GIL is kept."},
     {"_take_sizes", py_take_sizes, METH_VARARGS,
      "_take_sizes(on): for tests only; off, copy_pages does not take files' sizes first, so "
      "a file cut shorter faults the copy, which must then report the file's end."},

@@ -202,3 +202,38 @@ def _check_pages(views: list[memoryview], result: np.ndarray, pages: int, slot_b
 
 def write_pages(segments: np.ndarray, memory: Sequence, result: np.ndarray) -> int:
     return _move(os.pwritev, segments, _bytes(memory), result.reshape(-1, 2), 0)
+
+
+def append_file(fd: int, data: bytes, sync: bool, in_memory: bool = False) -> None:
+    """Write all of ``data`` (may be empty: a sync alone) to ``fd`` (O_APPEND), then fdatasync
+    it where ``sync`` (os.write and os.fdatasync, which give up the GIL whatever the file
+    system)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+    if sync:
+        os.fdatasync(fd)
+
+
+def unlinked(fds: Sequence[int], paths: Sequence[str], inodes: Sequence[int],
+             in_memory: bool = False) -> list[int]:
+    """The indices of the descriptors whose file has no link left (or fails fstat), then (after
+    ``len(fds)``) of the paths that no longer name their inode (or fail lstat)."""
+    out = []
+    for i, fd in enumerate(fds):
+        try:
+            gone = os.fstat(fd).st_nlink == 0
+        except (OSError, OverflowError):
+            gone = True
+        if gone:
+            out.append(i)
+    if len(paths) != len(inodes):
+        raise ValueError("unlinked: paths and inodes differ in length")
+    for j, (path, inode) in enumerate(zip(paths, inodes)):
+        try:
+            gone = os.stat(path, follow_symlinks=False).st_ino != inode
+        except OSError:
+            gone = True
+        if gone:
+            out.append(len(fds) + j)
+    return out
