@@ -73,10 +73,9 @@ import torch
 from . import checksum
 from .data_call import CallContext
 from .host_pages import HostPagePath
-from .layout import ALIGNMENT
+from .layout import ALIGNMENT, FORMAT_VERSION
 from .restore_call import RestoreCall
-from .slot_trailer import TRAILER_BYTES
-from .spill_call import SpillCall, encode_trailers, reserve_slots
+from .spill_call import SpillCall, reserve_slots
 from .streams import CallStream
 
 
@@ -445,10 +444,12 @@ class QuickSpill(QuickCall):
                     raise out
         else:
             page_sums(memory[::2].copy(), pb, pb, sums)
-        seqs, trailers = encode_trailers(ctx, keys, todo, sums)
-        for row, trailer in zip(rows, trailers):
-            row[:-TRAILER_BYTES] = 0  # (a reused row: no earlier call's bytes)
-            row.data[-TRAILER_BYTES:] = trailer
+        # each slot's trailer at the end of its row, the rest of the row zeroed (a reused
+        # row: no earlier call's bytes), in one engine call
+        page_keys, slots = [keys[i] for i, _ in todo], [s for _, s in todo]
+        seqs = ctx.persist.next_seqs(n)
+        self.host_pages.engine.seal_slots(rows, FORMAT_VERSION, ctx.checksums.algorithm,
+                                          ctx.store.store_id, page_keys, slots, seqs, sums)
         # a page written to a removed file would be acknowledged and then gone
         if ctx.lost_files():
             return None
@@ -465,8 +466,7 @@ class QuickSpill(QuickCall):
             if ctx.sync_data:
                 ctx.store.sync({f for f, _ in places})
             ctx.persist.journal_commits(ctx.persist.encode_commits(
-                [keys[i] for i, _ in todo], [s for _, s in todo], sums.tolist(),
-                checksum.CRC32C, seqs))
+                page_keys, slots, sums.tolist(), checksum.CRC32C, seqs))
         except OSError:
             return None
         return sums

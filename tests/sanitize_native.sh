@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The page engine's tests under AddressSanitizer and UndefinedBehaviorSanitizer.
 #
-# Builds gdskv/native/_pages.c (with quick_read.c) and _locks.c with -fsanitize=address,undefined into a copy of
+# Builds gdskv/native/_pages.c (with quick_read.c and trailer.c) and _locks.c with -fsanitize=address,undefined into a copy of
 # this tree's tracked files (the checkout's own build is left alone), then runs the engine's
 # tests, the lock's and the data-path tests that go through them from that copy, with the ASan
 # runtime preloaded (python itself is not instrumented). Any report stops the run
@@ -26,11 +26,11 @@ suffix=$("$py" -c 'import sys, sysconfig; print(".abi3.so" if sys.version_info >
 cc=${CC:-gcc}
 flags=(-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer
        -O1 -g -shared -fPIC -Wall -Wextra -Wno-unused-parameter -Werror)
-# the page engine (with its quick reader) and the data path's yielding lock
-for sources in "_pages quick_read" "_locks"; do
+# the page engine (with its quick reader and slot trailers) and the data path's yielding lock
+for sources in "_pages quick_read trailer" "_locks"; do
   read -r ext more <<<"$sources"
   srcs=("$tmp/gdskv/native/$ext.c")
-  [ -n "${more:-}" ] && srcs+=("$tmp/gdskv/native/$more.c")
+  for c in ${more:-}; do srcs+=("$tmp/gdskv/native/$c.c"); done
   echo "+ $cc ${flags[*]} $limited -I$inc ${srcs[*]#$tmp/} -o gdskv/native/$ext$suffix"
   $cc "${flags[@]}" $limited -I"$inc" "${srcs[@]}" -o "$tmp/gdskv/native/$ext$suffix"
 done

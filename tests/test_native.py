@@ -596,6 +596,66 @@ def test_unlinked_names_files_removed_while_open(tmp_path, engine, in_memory):
 
 
 @needs_native
+@settings(max_examples=100, deadline=None)
+@given(st.binary(max_size=600))
+def test_the_key_digest_is_hashlibs_blake2b(data):
+    """trailer.c's BLAKE2b-128 (RFC 7693, unkeyed) equals hashlib's, across block ends."""
+    import hashlib
+    assert NATIVE_MODULE.blake2b_128(data) == hashlib.blake2b(data, digest_size=16).digest()
+    block = bytes(range(256)) * 3
+    for n in (0, 1, 127, 128, 129, 255, 256, 257, 384, 768):
+        assert NATIVE_MODULE.blake2b_128(block[:n]) == \
+            hashlib.blake2b(block[:n], digest_size=16).digest(), n
+
+
+KEYS = st.one_of(st.text(max_size=300), st.binary(max_size=300),
+                 st.sampled_from(["k" * 256, "k" * 257, "é" * 128, "é" * 129]))
+
+
+@needs_native
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(KEYS, st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1),
+                          st.integers(0, 2**64 - 1)), max_size=6),
+       st.sampled_from([320, 321, 4096 - 320]), st.integers(0, 2**64 - 1),
+       st.integers(0, 0xFFFF), st.integers(0, 255))
+def test_sealed_slots_equal_the_oracle(pages, tail, store_id, version, algorithm):
+    """seal_slots writes the bytes gdskv.slot_trailer.encode makes (the Python path's
+    seal_slots), zeroing the rest of each row, and decode reads them back."""
+    from gdskv import slot_trailer
+    keys = [k for k, *_ in pages]
+    slots, seqs = [p[1] for p in pages], [p[2] for p in pages]
+    sums = np.array([p[3] for p in pages], np.uint64)
+    rows = [np.full((len(pages), tail), 0xAB, np.uint8) for _ in range(2)]
+    NATIVE.seal_slots(rows[0], version, algorithm, store_id, keys, slots, seqs, sums)
+    PYTHON.seal_slots(rows[1], version, algorithm, store_id, keys, slots, seqs, sums)
+    assert np.array_equal(rows[0], rows[1])
+    for i, (key, slot, seq, csum) in enumerate(pages):
+        assert not rows[0][i, :tail - slot_trailer.TRAILER_BYTES].any()
+        t = slot_trailer.decode(rows[0][i, tail - slot_trailer.TRAILER_BYTES:].tobytes())
+        whole = len(key.encode() if isinstance(key, str) else key) <= slot_trailer.KEY_BYTES
+        assert t == slot_trailer.Trailer(slot, key if whole else None, seq, csum, algorithm,
+                                         store_id, version)
+
+
+@pytest.mark.parametrize("engine", [NATIVE, PYTHON], ids=["native", "python"])
+def test_seal_slots_refuses_bad_arguments(engine):
+    rows = np.zeros((2, 320), np.uint8)
+    sums = np.zeros(2, np.uint64)
+    with pytest.raises(ValueError):
+        engine.seal_slots(rows, 1, 3, 0, ["a"], [0, 1], [1, 2], sums)  # 1 key, 2 rows
+    with pytest.raises(ValueError):
+        engine.seal_slots(np.zeros((2, 319), np.uint8), 1, 3, 0, ["a", "b"], [0, 1], [1, 2],
+                          sums)  # rows too short for a trailer
+    with pytest.raises(ValueError):
+        engine.seal_slots(rows, 1, 3, 0, ["a", "b"], [0, 1], [1, 2], sums[:1])
+    with pytest.raises((TypeError, ValueError)):
+        engine.seal_slots(rows, 1, 3, 0, ["a", 7], [0, 1], [1, 2], sums)  # not str or bytes
+    with pytest.raises(UnicodeEncodeError):
+        engine.seal_slots(rows, 1, 3, 0, ["a", "\ud800"], [0, 1], [1, 2], sums)
+    engine.seal_slots(np.zeros((0, 320), np.uint8), 1, 3, 0, [], [], [], sums[:0])
+
+
+@needs_native
 def test_calls_on_files_in_memory_keep_the_gil(tmp_path):
     """append_file and unlinked on files held in memory keep the GIL (each brief give-up woke
     a thread waiting for it in vain); on other files they give it up. Shown with the bound

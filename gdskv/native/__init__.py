@@ -1,6 +1,6 @@
 """The page engine: a data call's page I/O and page checksums, one call per pool task.
 
-Two implementations with the same seven functions (see ``_pages.c`` for the arguments):
+Two implementations with the same eight functions (see ``_pages.c`` for the arguments):
 
 - ``native``: the C extension ``gdskv.native._pages`` (CPython limited API, built by ``pip
   install``). Each call runs with the GIL released from its first system call to its last
@@ -38,6 +38,10 @@ Raises ``OSError``.
 ``unlinked(fds, paths, inodes, in_memory=False)``: the store files removed while open
 (``SlabStore.removed_files``): the indices of the descriptors whose file has no link left, then
 (after ``len(fds)``) of the paths that no longer name their inode; ``in_memory`` keeps the GIL.
+``seal_slots(rows, version, algorithm, store_id, keys, slots, seqs, sums)``: a quick spill's
+slot trailers (:mod:`gdskv.slot_trailer`): each row of ``rows`` (the bytes of a slot after its
+payload, one row a key) zeroed and page ``i``'s trailer written at its end, its key digest
+BLAKE2b-128 (written in C from RFC 7693 in ``trailer.c``; ``hashlib`` on the Python path).
 ``copy_pages(sources, segments, memory, result, slot_bytes, page_bytes, want, sums, status)``:
 ``read_pages`` from files held in memory (tmpfs), copied from their mappings: ``sources`` is a
 sequence of ``(fd, mapping)`` pairs and a segment row is ``(source index, offset, length)``.
@@ -95,6 +99,9 @@ class Engine:
     append_file: Callable
     #: ``unlinked(fds, paths, inodes, in_memory=False)``: store files removed while open
     unlinked: Callable
+    #: ``seal_slots(rows, version, algorithm, store_id, keys, slots, seqs, sums)``: a spill's
+    #: slot trailers (gdskv.slot_trailer's format) at the ends of the rows after its payloads
+    seal_slots: Callable
     #: the native engine's ``QuickReader`` (a small restore's pins, read and unpins in one
     #: call: :mod:`gdskv.quick_calls`); None on the Python path, whose quick restore is Python
     quick_reader: Callable | None
@@ -106,7 +113,7 @@ class Engine:
 def _engine(module, path: str, reason: str) -> Engine:
     return Engine(path, reason, module.implementation(), module.crc32c, module.page_sums,
                   module.read_pages, module.copy_pages, module.write_pages, module.append_file,
-                  module.unlinked, getattr(module, "QuickReader", None))
+                  module.unlinked, module.seal_slots, getattr(module, "QuickReader", None))
 
 
 NATIVE: Engine | None = None if _pages is None else \

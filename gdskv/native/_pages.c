@@ -276,6 +276,13 @@ choose_crc(void)
 #endif
 }
 
+/* CRC-32C of p[0:n], continuing `value` (crc32c()'s convention: not inverted in or out). */
+uint32_t
+engine_crc32c(uint32_t value, const unsigned char *p, size_t n)
+{
+    return ~crc_update(~value, p, n);
+}
+
 /* ---------------------------------------------------------------------------------------- */
 /* Arguments                                                                                */
 /* ---------------------------------------------------------------------------------------- */
@@ -1260,7 +1267,7 @@ PyInit__pages(void)
     make_tables();
     choose_crc();
     PyObject *m = PyModule_Create(&module);
-    if (m != NULL && add_quick_reader(m) < 0)
+    if (m != NULL && (add_quick_reader(m) < 0 || add_trailer_functions(m) < 0))
         Py_CLEAR(m);
     return m;
 }

@@ -1,5 +1,5 @@
 /* What the page engine's C files share (gdskv/native/_pages.c has the engine, quick_read.c the
- * quick reader over it). Internal to the extension: built with -fvisibility=hidden. */
+ * quick reader over it, trailer.c the slot trailers). Internal to the extension: built with -fvisibility=hidden. */
 #ifndef GDSKV_ENGINE_H
 #define GDSKV_ENGINE_H
 
@@ -44,7 +44,12 @@ int install_bus_handler(void);
 PyThreadState *release_gil_for(long long bytes);
 void regain_gil(PyThreadState *state);
 
+/* CRC-32C of p[0:n], continuing `value`, as crc32c() computes it (_pages.c). */
+uint32_t engine_crc32c(uint32_t value, const unsigned char *p, size_t n);
+
 /* quick_read.c: the QuickReader type, added to the module. */
 int add_quick_reader(PyObject *module);
+/* trailer.c: seal_slots (a spill's slot trailers) and blake2b_128, added to the module. */
+int add_trailer_functions(PyObject *module);
 
 #endif

@@ -237,3 +237,27 @@ def unlinked(fds: Sequence[int], paths: Sequence[str], inodes: Sequence[int],
         if gone:
             out.append(len(fds) + j)
     return out
+
+
+def seal_slots(rows, version: int, algorithm: int, store_id: int, keys: Sequence, slots: Sequence,
+               seqs: Sequence, sums) -> None:
+    """Zero each row of ``rows`` (the slots' bytes after their payloads, one row a key, laid
+    end to end) and put page ``i``'s slot trailer at its end (:func:`gdskv.slot_trailer.encode`,
+    the format this is the oracle of)."""
+    from ..slot_trailer import TRAILER_BYTES, encode
+    n = len(keys)
+    view = memoryview(rows)
+    view = view.cast("B") if view.nbytes else memoryview(b"")
+    tail = len(view) // n if n else 0
+    if len(slots) != n or len(seqs) != n or len(sums) != n or \
+            (n and (len(view) % n or tail < TRAILER_BYTES)):
+        raise ValueError(f"seal_slots: {n} keys, {len(slots)} slots, {len(seqs)} seqs, "
+                         f"{len(sums)} sums and {len(view)} bytes of rows (at least "
+                         f"{TRAILER_BYTES} a key, the same for each)")
+    for i in range(n):
+        if not isinstance(keys[i], (str, bytes)):
+            raise TypeError(f"page keys must be str or bytes, got {type(keys[i])!r}")
+        row = view[i * tail:(i + 1) * tail]
+        row[:tail - TRAILER_BYTES] = bytes(tail - TRAILER_BYTES)
+        row[tail - TRAILER_BYTES:] = encode(version, store_id, int(slots[i]), keys[i],
+                                            int(seqs[i]), int(sums[i]), algorithm)
