@@ -907,8 +907,8 @@ class Tier:
     def _apply_counts(self, amounts: dict | tuple | None, call: tuple | None) -> None:
         """Apply what a data call recorded in the ledger: its counters (``amounts``: a dict,
         or a quick call's ``(tally, values)``, :class:`~gdskv.quick_calls.RestoreTally` and
-        ``SpillTally``), or
-        the ``(op, pages, seconds)`` of a call that has ended (the metrics)."""
+        ``SpillTally``), or the ``(op, pages, seconds)`` of a call that has ended (the
+        metrics)."""
         if amounts is not None:  # (added up once per settle: :meth:`_flush_counts`)
             if amounts.__class__ is tuple:
                 amounts[0].add(*amounts[1])
