@@ -28,9 +28,10 @@ def native(name: str, *more: str) -> Extension:
 
 
 setup(
-    # the page engine with the quick reader over it (gdskv/quick_calls.py) and the slot
-    # trailers' encoder (gdskv/slot_trailer.py), and the data path's yielding lock
+    # the page engine with the quick reader over it (gdskv/quick_calls.py), the slot
+    # trailers' encoder (gdskv/slot_trailer.py) and the journal records' (gdskv/journal.py),
+    # and the data path's yielding lock
     # (gdskv/yielding_lock.py)
-    ext_modules=[native("_pages", "quick_read", "trailer"), native("_locks")],
+    ext_modules=[native("_pages", "quick_read", "trailer", "records"), native("_locks")],
     options={"bdist_wheel": {"py_limited_api": "cp311"}} if LIMITED else {},
 )

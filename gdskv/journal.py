@@ -19,7 +19,6 @@ decodes only the bytes appended since its last call, and starts over when the fi
 from __future__ import annotations
 
 import enum
-import itertools
 import logging
 import os
 import struct
@@ -115,30 +114,33 @@ def encode_all(records: Iterable[Record]) -> Encoded:
 def encode_commits(keys: Sequence[Hashable], slots: Iterable[int], checksums: Iterable[int],
                    algorithm: int, seqs: Iterable[int]) -> Encoded:
     """COMMITs of pages given as columns: the bytes :func:`encode_all` makes of their
-    records (:class:`Record`), made without them. A spill encodes a chunk's COMMITs per call, one
-    thread's host time among several calls' (a third of the per-record path's, 10 µs for 32
-    pages on the development machine)."""
-    return _encode_columns(RecordKind.COMMIT, keys, slots, checksums, algorithm, seqs)
+    records (:class:`Record`), made without them."""
+    return Encoded(encode_records(RecordKind.COMMIT, keys, slots, checksums, algorithm, seqs),
+                   len(keys))
 
 
 def encode_evictions(keys: Sequence[Hashable], slots: Iterable[int], seqs: Iterable[int]
                      ) -> Encoded:
     """EVICTs of pages given as columns, as :func:`encode_commits` encodes COMMITs: a spill
     into a full store journals the pages it evicted (checksum and algorithm 0)."""
-    return _encode_columns(RecordKind.EVICT, keys, slots, itertools.repeat(0), 0, seqs)
+    return Encoded(encode_records(RecordKind.EVICT, keys, slots, None, 0, seqs), len(keys))
 
 
-def _encode_columns(kind: RecordKind, keys: Sequence[Hashable], slots: Iterable[int],
-                    checksums: Iterable[int], algorithm: int, seqs: Iterable[int]) -> Encoded:
-    head, body, crc, value = _HEAD.pack, _BODY.pack, crc32c.crc32c, kind.value
+def encode_records(kind: int, keys: Sequence[Hashable], slots: Iterable[int],
+                   checksums: Iterable[int] | None, algorithm: int, seqs: Iterable[int]) -> bytes:
+    """Records of one ``kind`` from columns (``checksums`` None: all 0), one after the other:
+    the Python twin of the page engine's ``encode_records`` (gdskv/native/records.c)."""
+    head, body, crc, value = _HEAD.pack, _BODY.pack, crc32c.crc32c, int(kind)
+    if checksums is None:
+        checksums = [0] * len(keys)
     parts = []
-    for key, slot, csum, seq in zip(keys, slots, checksums, seqs):
+    for key, slot, csum, seq in zip(keys, slots, checksums, seqs, strict=True):
         # (str keys inline: the usual key, and a call fewer per page)
         key_type, raw = (0, key.encode()) if type(key) is str and len(key) <= _SHORT_KEY \
             else _encode_key(key)
         rec = body(value, seq, slot, csum, algorithm, key_type) + raw
         parts += (head(len(rec), crc(rec)), rec)
-    return Encoded(b"".join(parts), len(parts) // 2)
+    return b"".join(parts)
 
 
 _KINDS = {k.value: k for k in RecordKind}
@@ -402,9 +404,11 @@ class Journal:
         self.records_written = len(records)
         return live, len(records)
 
-    def append(self, records: Iterable[Record] | Encoded) -> None:
-        """Append records, or records :func:`encode_all` encoded (durably when ``sync``); all
-        of them or, on OSError, none."""
+    def append(self, records: Iterable[Record] | Encoded, durable: bool = True) -> None:
+        """Append records, or records :func:`encode_all` encoded; all of them or, on OSError,
+        none. Durably (fdatasync) when the journal syncs and ``durable``; else they become
+        durable with the next durable append (one fdatasync covers the file's earlier
+        writes)."""
         data, count = records if isinstance(records, Encoded) else encode_all(records)
         if not count:
             return
@@ -413,7 +417,7 @@ class Journal:
                 raise OSError(self._broken.errno, f"journal {self.path} is unusable since a failed "
                               f"append could not be cut off: {self._broken}")
             try:
-                self._append_file(self._fd, data, self.sync, self._in_memory)
+                self._append_file(self._fd, data, self.sync and durable, self._in_memory)
             except OSError:
                 # A partial record left here would end replay early and hide every later one.
                 try:

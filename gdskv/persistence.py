@@ -43,7 +43,7 @@ from . import checksum, header_scan, native
 from .config import Eviction, SyncPolicy, TierConfig
 from .directory import PageDirectory
 from .journal import (Encoded, History, Journal, JournalFollower, Record, RecordKind,
-                      encode_commits, encode_evictions, history, live_records)
+                      history, live_records)
 from .stats import TierStats
 from .store import SlabStore
 
@@ -82,6 +82,7 @@ class PersistentDirectory:
             self.journal = Journal(store.journal_path, sync=config.sync == SyncPolicy.DATA,
                                    engine=native.engine(config.native))
         self._verify = bool(config.verify)
+        self._encode_records = native.engine(config.native).encode_records
         # pages that can be written but not yet journaled at once (staged writes in flight)
         self._in_flight = max(TAIL_BATCH, config.staging_size // store.slot_bytes)
         try:
@@ -243,22 +244,26 @@ class PersistentDirectory:
         READY."""
         self.journal.append(commits)
 
-    @staticmethod
-    def encode_commits(keys: Sequence[Hashable], slots: Sequence[int], checksums: Sequence[int],
-                       algorithm: int, seqs: Sequence[int]) -> Encoded:
+    def encode_commits(self, keys: Sequence[Hashable], slots: Sequence[int],
+                       checksums: Sequence[int], algorithm: int, seqs: Sequence[int]) -> Encoded:
         """The COMMITs of pages given as columns (``keys[i]`` in ``slots[i]`` with checksum
         ``checksums[i]`` made by ``algorithm``, sequence number ``seqs[i]``), encoded ahead of
-        :meth:`journal_commits` (a spill encodes them while its write runs)."""
-        return encode_commits(keys, slots, checksums, algorithm, seqs)
+        :meth:`journal_commits` (a spill encodes them while its write runs), by the page
+        engine (gdskv/native/records.c, or its Python twin)."""
+        return Encoded(self._encode_records(RecordKind.COMMIT, keys, slots, checksums,
+                                            algorithm, seqs), len(keys))
 
-    def journal_evictions(self, evicted: list[tuple[Hashable, int]]) -> None:
-        """Journal pages the directory dropped (a follower only forgets them locally)."""
+    def journal_evictions(self, evicted: list[tuple[Hashable, int]],
+                          durable: bool = True) -> None:
+        """Journal pages the directory dropped (a follower only forgets them locally).
+        ``durable=False``: written now (a process that dies keeps them: they are in the page
+        cache), made durable by the next durable append (a spill's COMMITs)."""
         if not evicted or self.read_only:
             return
         try:
-            self.journal.append(encode_evictions([k for k, _ in evicted],
-                                                 [s for _, s in evicted],
-                                                 self.journal.next_seqs(len(evicted))))
+            self.journal.append(Encoded(self._encode_records(
+                RecordKind.EVICT, [k for k, _ in evicted], [s for _, s in evicted], None, 0,
+                self.journal.next_seqs(len(evicted))), len(evicted)), durable)
         except OSError as exc:
             # The slot may be rewritten later; its old COMMIT then fails its checksum on replay.
             self._log_once("evict-journal", "journaling %d evictions failed: %s", len(evicted),

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The page engine's tests under AddressSanitizer and UndefinedBehaviorSanitizer.
 #
-# Builds gdskv/native/_pages.c (with quick_read.c and trailer.c) and _locks.c with -fsanitize=address,undefined into a copy of
+# Builds gdskv/native/_pages.c (with quick_read.c, trailer.c and records.c) and _locks.c with -fsanitize=address,undefined into a copy of
 # this tree's tracked files (the checkout's own build is left alone), then runs the engine's
 # tests, the lock's and the data-path tests that go through them from that copy, with the ASan
 # runtime preloaded (python itself is not instrumented). Any report stops the run
@@ -26,8 +26,8 @@ suffix=$("$py" -c 'import sys, sysconfig; print(".abi3.so" if sys.version_info >
 cc=${CC:-gcc}
 flags=(-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer
        -O1 -g -shared -fPIC -Wall -Wextra -Wno-unused-parameter -Werror)
-# the page engine (with its quick reader and slot trailers) and the data path's yielding lock
-for sources in "_pages quick_read trailer" "_locks"; do
+# the page engine (with its quick reader, slot trailers and journal records) and the data path's yielding lock
+for sources in "_pages quick_read trailer records" "_locks"; do
   read -r ext more <<<"$sources"
   srcs=("$tmp/gdskv/native/$ext.c")
   for c in ${more:-}; do srcs+=("$tmp/gdskv/native/$c.c"); done

@@ -70,9 +70,10 @@ def test_the_wheel_is_abi3_with_the_native_engine(dist):
             assert [n for n in z.namelist() if n.startswith(f"gdskv/native/{ext}.")
                     and n.endswith(".so")], z.namelist()
     with tarfile.open(_one(dist, "*.tar.gz")) as sdist:
-        # (the page engine is _pages.c, the quick reader's quick_read.c and the slot trailers'
-        # trailer.c, sharing engine.h)
-        for source in ("_pages.c", "quick_read.c", "trailer.c", "engine.h", "_locks.c"):
+        # (the page engine is _pages.c, the quick reader's quick_read.c, the slot trailers'
+        # trailer.c and the journal records' records.c, sharing engine.h)
+        for source in ("_pages.c", "quick_read.c", "trailer.c", "records.c", "engine.h",
+                       "_locks.c"):
             assert any(n.endswith(f"/gdskv/native/{source}") for n in sdist.getnames())
         assert any(n.endswith("/setup.py") for n in sdist.getnames())
 

@@ -637,6 +637,45 @@ def test_sealed_slots_equal_the_oracle(pages, tail, store_id, version, algorithm
                                          store_id, version)
 
 
+@needs_native
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(KEYS, st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1),
+                          st.integers(0, 2**64 - 1)), max_size=6),
+       st.sampled_from([1, 2]), st.integers(0, 255), st.booleans())
+def test_journal_records_equal_the_oracle_and_replay(pages, kind, algorithm, no_sums):
+    """encode_records writes the bytes gdskv.journal.encode_records makes (the Python path's),
+    and replay's decoder reads the records back."""
+    from gdskv import journal
+    keys = [k for k, *_ in pages]
+    slots, seqs = [p[1] for p in pages], [p[2] for p in pages]
+    sums = None if no_sums else [p[3] for p in pages]
+    data = NATIVE.encode_records(kind, keys, slots, sums, algorithm, seqs)
+    assert data == PYTHON.encode_records(kind, keys, slots, sums, algorithm, seqs)
+    decoded = journal.decode_all(data)
+    assert decoded.valid == len(data) and not decoded.skipped
+    assert decoded.records == [
+        journal.Record(journal.RecordKind(kind), seq, slot, 0 if no_sums else csum, algorithm,
+                       key) for key, slot, seq, csum in pages]
+
+
+@pytest.mark.parametrize("engine", [NATIVE, PYTHON], ids=["native", "python"])
+def test_encode_records_refuses_bad_arguments(engine):
+    from gdskv.journal import MAX_KEY_BYTES
+    with pytest.raises(ValueError):
+        engine.encode_records(1, ["a", "b"], [0], [1, 2], 1, [1, 2])  # 2 keys, 1 slot
+    with pytest.raises(ValueError):
+        engine.encode_records(1, ["a"], [0], [1], 1, [])
+    with pytest.raises(TypeError):
+        engine.encode_records(1, ["a", 7], [0, 1], [1, 2], 1, [1, 2])  # not str or bytes
+    with pytest.raises(UnicodeEncodeError):
+        engine.encode_records(1, ["a", "\ud800"], [0, 1], [1, 2], 1, [1, 2])
+    with pytest.raises(ValueError):
+        engine.encode_records(1, [b"k" * (MAX_KEY_BYTES + 1)], [0], [1], 1, [1])
+    assert len(engine.encode_records(1, [b"k" * MAX_KEY_BYTES], [0], [1], 1, [1])) == \
+        8 + 27 + MAX_KEY_BYTES
+    assert engine.encode_records(2, [], [], None, 0, range(5, 5)) == b""
+
+
 @pytest.mark.parametrize("engine", [NATIVE, PYTHON], ids=["native", "python"])
 def test_seal_slots_refuses_bad_arguments(engine):
     rows = np.zeros((2, 320), np.uint8)

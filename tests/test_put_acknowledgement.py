@@ -92,3 +92,52 @@ def test_a_put_waits_for_the_write_in_flight_of_its_key(tmp_path, monkeypatch):
         assert answers == {"A": [False], "B": [False]} and not tier.contains("k")
         monkeypatch.undo()  # the faults end
         assert put(tier, ["k"]) == [True] and check_pages(tier, ["k"])["hits"] == 1
+
+
+@pytest.mark.parametrize("aligned", [True, False], ids=["quick", "general"])
+@pytest.mark.parametrize("verify", [True, False], ids=["verify", "no-verify"])
+def test_a_spill_into_a_full_store_syncs_the_journal_once(tmp_path, monkeypatch, aligned,
+                                                          verify):
+    """The evictions a spill makes room with are written before its slots are and made durable
+    by its COMMITs' fdatasync: one journal sync per spill. Where reads do not verify, an
+    eviction lost to a power cut would leave the old page's COMMIT naming the new bytes, so
+    there they are synced at once."""
+    cfg = small_config(tmp_path, capacity=8 * SLOT, files_per_dir=1, sync="data",
+                       verify=verify)
+    with Tier(LAYOUT, cfg, device="cpu") as tier:
+        assert all(put(tier, [f"old{i}" for i in range(8)], aligned=aligned))
+        appends = []
+        real = tier.journal._append_file
+
+        def record(fd, data, sync, in_memory=False):
+            appends.append((bytes(data[4 + 4:4 + 4 + 1]), sync))  # (the first record's kind)
+            return real(fd, data, sync, in_memory)
+
+        monkeypatch.setattr(tier.journal, "_append_file", record)
+        assert put(tier, ["new0", "new1"], aligned=aligned) == [True, True]
+        kinds = [(kind[0], sync) for kind, sync in appends]
+        assert kinds == [(2, not verify), (1, True)]  # EVICT, then the COMMITs
+        monkeypatch.undo()
+        assert check_pages(tier, ["new0", "new1"])["hits"] == 2
+        assert tier.directory.contains("old7") and not tier.directory.contains("old0")
+
+
+def test_an_eviction_a_power_cut_lost_leaves_a_miss_not_the_new_bytes(tmp_path):
+    """The state a power cut between the slab's sync and the journal's can leave: the new
+    page's bytes in the slot, neither the eviction of the old page nor the new COMMIT in the
+    journal. The old page's COMMIT names bytes that are not its own: a miss, never them."""
+    cfg = small_config(tmp_path, capacity=8 * SLOT, files_per_dir=1, sync="data")
+    with Tier(LAYOUT, cfg, device="cpu") as tier:
+        old = [f"old{i}" for i in range(8)]
+        assert all(put(tier, old, aligned=True))
+        jpath = tier.journal.path
+        before = os.path.getsize(jpath)
+        assert put(tier, ["new"], aligned=True) == [True]
+        victim = next(k for k in old if not tier.directory.contains(k))
+    with open(jpath, "r+b") as fh:  # the records the cut lost: the EVICT and the COMMIT
+        fh.truncate(before)
+    with Tier(LAYOUT, cfg, device="cpu") as tier:
+        res = check_pages(tier, old + ["new"])
+        assert not res["wrong"]
+        assert victim in res["missed"]
+        assert res["hits"] >= len(old) - 1

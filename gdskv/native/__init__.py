@@ -102,6 +102,9 @@ class Engine:
     #: ``seal_slots(rows, version, algorithm, store_id, keys, slots, seqs, sums)``: a spill's
     #: slot trailers (gdskv.slot_trailer's format) at the ends of the rows after its payloads
     seal_slots: Callable
+    #: ``encode_records(kind, keys, slots, sums, algorithm, seqs) -> bytes``: journal records
+    #: from columns (gdskv.journal's format; sums None: all 0)
+    encode_records: Callable
     #: the native engine's ``QuickReader`` (a small restore's pins, read and unpins in one
     #: call: :mod:`gdskv.quick_calls`); None on the Python path, whose quick restore is Python
     quick_reader: Callable | None
@@ -113,7 +116,8 @@ class Engine:
 def _engine(module, path: str, reason: str) -> Engine:
     return Engine(path, reason, module.implementation(), module.crc32c, module.page_sums,
                   module.read_pages, module.copy_pages, module.write_pages, module.append_file,
-                  module.unlinked, module.seal_slots, getattr(module, "QuickReader", None))
+                  module.unlinked, module.seal_slots, module.encode_records,
+                  getattr(module, "QuickReader", None))
 
 
 NATIVE: Engine | None = None if _pages is None else \

@@ -1267,7 +1267,8 @@ PyInit__pages(void)
     make_tables();
     choose_crc();
     PyObject *m = PyModule_Create(&module);
-    if (m != NULL && (add_quick_reader(m) < 0 || add_trailer_functions(m) < 0))
+    if (m != NULL && (add_quick_reader(m) < 0 || add_trailer_functions(m) < 0 ||
+                      add_record_functions(m) < 0))
         Py_CLEAR(m);
     return m;
 }

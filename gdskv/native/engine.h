@@ -1,5 +1,5 @@
 /* What the page engine's C files share (gdskv/native/_pages.c has the engine, quick_read.c the
- * quick reader over it, trailer.c the slot trailers). Internal to the extension: built with -fvisibility=hidden. */
+ * quick reader over it, trailer.c the slot trailers, records.c the journal's records). Internal to the extension: built with -fvisibility=hidden. */
 #ifndef GDSKV_ENGINE_H
 #define GDSKV_ENGINE_H
 
@@ -47,9 +47,20 @@ void regain_gil(PyThreadState *state);
 /* CRC-32C of p[0:n], continuing `value`, as crc32c() computes it (_pages.c). */
 uint32_t engine_crc32c(uint32_t value, const unsigned char *p, size_t n);
 
+/* trailer.c: v's low `bytes` bytes at p, little-endian; a page key's bytes (str: its UTF-8,
+ * living as long as the key) and type (0 str, 1 bytes), or -1 with TypeError (neither) or a
+ * UnicodeEncodeError set. */
+void engine_put_le(unsigned char *p, uint64_t v, int bytes);
+int engine_key_bytes(PyObject *key, const char **data, Py_ssize_t *len, int *type);
+/* trailer.c: item i of a sequence as an unsigned 64-bit integer ((unsigned long long)-1 with an
+ * error set where it is not one). */
+unsigned long long engine_item_u64(PyObject *seq, Py_ssize_t i);
+
 /* quick_read.c: the QuickReader type, added to the module. */
 int add_quick_reader(PyObject *module);
 /* trailer.c: seal_slots (a spill's slot trailers) and blake2b_128, added to the module. */
 int add_trailer_functions(PyObject *module);
+/* records.c: encode_records (journal records from columns), added to the module. */
+int add_record_functions(PyObject *module);
 
 #endif

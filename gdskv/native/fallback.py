@@ -261,3 +261,11 @@ def seal_slots(rows, version: int, algorithm: int, store_id: int, keys: Sequence
         row[:tail - TRAILER_BYTES] = bytes(tail - TRAILER_BYTES)
         row[tail - TRAILER_BYTES:] = encode(version, store_id, int(slots[i]), keys[i],
                                             int(seqs[i]), int(sums[i]), algorithm)
+
+
+def encode_records(kind: int, keys: Sequence, slots: Sequence, sums: Sequence | None,
+                   algorithm: int, seqs: Sequence) -> bytes:
+    """Journal records of one ``kind`` from columns (:func:`gdskv.journal.encode_records`,
+    the format this is the oracle of)."""
+    from ..journal import encode_records as encode
+    return encode(kind, keys, slots, sums, algorithm, seqs)

@@ -48,8 +48,8 @@ get_le64(const unsigned char *p)
     return v;
 }
 
-static void
-put_le(unsigned char *p, uint64_t v, int bytes)
+void
+engine_put_le(unsigned char *p, uint64_t v, int bytes)
 {
     for (int i = 0; i < bytes; i++, v >>= 8)
         p[i] = (unsigned char)v;
@@ -118,13 +118,13 @@ blake2b_128(const unsigned char *in, size_t n, unsigned char out[16])
     memset(block, 0, sizeof block);
     memcpy(block, in, n);
     blake2b_compress(h, block, done + n, 1);
-    put_le(out, h[0], 8);
-    put_le(out + 8, h[1], 8);
+    engine_put_le(out, h[0], 8);
+    engine_put_le(out + 8, h[1], 8);
 }
 
 /* A key's bytes and type as the trailer keeps them: str as UTF-8 (0), bytes as they are (1). */
-static int
-key_bytes(PyObject *key, const char **data, Py_ssize_t *len, int *type)
+int
+engine_key_bytes(PyObject *key, const char **data, Py_ssize_t *len, int *type)
 {
     if (PyUnicode_Check(key)) {
         *data = PyUnicode_AsUTF8AndSize(key, len);
@@ -147,14 +147,14 @@ encode_trailer(unsigned char *out, int version, int algorithm, int key_type, con
                uint64_t slot)
 {
     memcpy(out, "GKVT", 4);
-    put_le(out + 4, (uint64_t)version, 2);
+    engine_put_le(out + 4, (uint64_t)version, 2);
     out[6] = (unsigned char)algorithm;
     out[7] = (unsigned char)key_type;
-    put_le(out + 8, (uint64_t)key_len, 4);
-    put_le(out + 12, store_id, 8);
-    put_le(out + 20, seq, 8);
-    put_le(out + 28, checksum, 8);
-    put_le(out + 36, slot, 8);
+    engine_put_le(out + 8, (uint64_t)key_len, 4);
+    engine_put_le(out + 12, store_id, 8);
+    engine_put_le(out + 20, seq, 8);
+    engine_put_le(out + 28, checksum, 8);
+    engine_put_le(out + 36, slot, 8);
     blake2b_128((const unsigned char *)key, (size_t)key_len, out + 44);
     unsigned char *tail = out + FIXED_BYTES + 4;
     memset(tail, 0, KEY_BYTES);
@@ -162,15 +162,15 @@ encode_trailer(unsigned char *out, int version, int algorithm, int key_type, con
         memcpy(tail, key, (size_t)key_len);
     uint32_t crc = engine_crc32c(0, out, FIXED_BYTES);
     crc = engine_crc32c(crc, tail, KEY_BYTES);
-    put_le(out + FIXED_BYTES, crc, 4);
+    engine_put_le(out + FIXED_BYTES, crc, 4);
 }
 
 /* seal_slots(rows, version, algorithm, store_id, keys, slots, seqs, sums): each row of `rows`
  * (n rows of the slot's bytes after its payload, laid end to end) zeroed, then page i's trailer
  * at its end: key keys[i], slot slots[i], sequence number seqs[i], checksum sums[i] (uint64). */
 /* Item `i` of `seq` as an unsigned 64-bit integer (-1 with an exception set: see PyErr_Occurred). */
-static unsigned long long
-item_u64(PyObject *seq, Py_ssize_t i)
+unsigned long long
+engine_item_u64(PyObject *seq, Py_ssize_t i)
 {
     PyObject *item = PySequence_GetItem(seq, i);
     if (item == NULL)
@@ -224,9 +224,9 @@ py_seal_slots(PyObject *self, PyObject *args)
         if (key == NULL)
             goto done;
         /* (the key's bytes live as long as the key: str keeps its UTF-8, bytes its buffer) */
-        int bad = key_bytes(key, &data, &key_len, &key_type) < 0;
-        unsigned long long slot = bad ? 0 : item_u64(slots, i);
-        unsigned long long seq = bad ? 0 : item_u64(seqs, i);
+        int bad = engine_key_bytes(key, &data, &key_len, &key_type) < 0;
+        unsigned long long slot = bad ? 0 : engine_item_u64(slots, i);
+        unsigned long long seq = bad ? 0 : engine_item_u64(seqs, i);
         if (!bad && !PyErr_Occurred()) {
             unsigned char *row = (unsigned char *)rows.buf + i * tail;
             memset(row, 0, (size_t)(tail - TRAILER_BYTES));
