@@ -657,7 +657,8 @@ class Tier:
             return pages
         # A quick spill runs where a call runs alone; spills that wait are combined (one
         # fdatasync and journal append for the batch: 16 threads of 64 KiB spills, H100 host,
-        # ran 2.5x the pages/s combined as quick spills each on its own)
+        # ran 2.5x the pages/s combined as quick spills each on its own), the batch itself one
+        # quick spill (_run_combined)
         def alone():
             if quick is not None:
                 return self._run(self._quick_call, keys, quick, op=op)
@@ -888,8 +889,14 @@ class Tier:
             results = self._run(fn, keys, copier, op=None, after=events)
         else:
             pages = first if len(made) == 1 else [p for _, ps, _ in made for p in ps]
-            results = self._run_parts(fn, keys, self._region_parts(pages, to_staging=op == "put"),
-                                      op=None, after=events)
+            # a batch of quick calls' pages is one quick call (one engine call for the batch's
+            # checksums, trailers and write), not the general path's page-by-page steps
+            quick = self._quick_regions(op, pages)
+            if quick is not None:
+                results = self._run(self._quick_call, keys, quick, op=None, after=events)
+            else:
+                results = self._run_parts(fn, keys, self._region_parts(
+                    pages, to_staging=op == "put"), op=None, after=events)
         at = 0
         now = time.perf_counter()
         for r, _, _ in made:

@@ -315,3 +315,55 @@ def test_once_calls_wait_a_group_runs_one_batch_at_a_time():
     assert results == {n: [n] for n in ("x", "y", "z", "a", "b")}
     assert sorted(ran_alone) == ["x", "y", "z"] and batches == [["a"], ["b"]]
     assert c._groups == {}
+
+
+def test_quick_spills_that_wait_run_as_one_quick_call(tmp_path, monkeypatch):
+    """Host-region spills that can go the quick way and wait behind a running one are combined
+    into one quick spill (one engine call for the batch), not the general path, and every page
+    reads back exact."""
+    from gdskv.config import TierConfig
+    from gdskv.layout import BytePageLayout
+    from gdskv.memory import alloc_host
+    layout = BytePageLayout(page_bytes=16 << 10, kind="test/quick-batch")
+    cfg = TierConfig(directories=(str(tmp_path),), capacity=64 * layout.slot_bytes,
+                     calls_at_once=1)
+    keys = ["first", "a", "b", "c"]
+    pages = {k: alloc_host(layout.page_bytes, pin=False) for k in keys}
+    for i, k in enumerate(keys):
+        pages[k].copy_(torch.randint(0, 256, (layout.page_bytes,), dtype=torch.uint8,
+                                     generator=torch.Generator().manual_seed(i)))
+    with Tier(layout, cfg, device="cpu") as tier:
+        spill = tier._quick["put"]
+        started, go = threading.Event(), threading.Event()
+        real_write, sizes = spill._write, []
+
+        def held_write(keys, todo, regions):
+            sizes.append(len(todo))
+            if not started.is_set():
+                started.set()
+                go.wait(30)
+            return real_write(keys, todo, regions)
+
+        monkeypatch.setattr(spill, "_write", held_write)
+        answers = {}
+
+        def put(k):
+            answers[k] = tier.put_pages([k], [[pages[k]]])
+
+        threads = [threading.Thread(target=put, args=(k,)) for k in keys]
+        threads[0].start()
+        assert started.wait(30)
+        for i, t in enumerate(threads[1:]):
+            t.start()
+            wait_for(lambda: tier._combiner.waiting() > i, 10, "the spill to queue")
+        go.set()
+        for t in threads:
+            t.join(30)
+        assert answers == {k: [True] for k in keys}
+        assert sizes == [1, 3]  # the first alone, then the three waiting as one quick spill
+        stats = tier.stats()
+        assert stats["quick_spills"] == 2 and stats["put_stored"] == 4
+        assert stats["calls_combined"] == 3
+        out = [alloc_host(layout.page_bytes, pin=False) for _ in keys]
+        assert tier.get_pages(keys, [[o] for o in out]) == [True] * 4
+        assert all(torch.equal(o, pages[k]) for o, k in zip(out, keys))
