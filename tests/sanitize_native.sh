@@ -10,7 +10,7 @@
 #
 #   bash tests/sanitize_native.sh [PYTHON] [-- PYTEST_ARGS...]    (PYTHON: default python3)
 #
-# Its output, packed: bench/results/cpu-2026-11-28/native-sanitizer-4/ (with the tests' stores on
+# Its output, packed: bench/results/cpu-2026-11-28/native-sanitizer-5/ (with the tests' stores on
 # /dev/shm too, where slab files are read from their mappings: -- --basetemp=/dev/shm/DIR).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -45,7 +45,8 @@ export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 files=(tests/test_native.py tests/test_host_pages.py tests/test_io_on_caller.py
        tests/test_corruption.py tests/test_byte_pages.py tests/test_quick_calls.py
        tests/test_yielding_lock.py tests/test_concurrency.py tests/test_call_gate.py
-       tests/test_store_safety.py tests/test_resources.py tests/test_memory_files.py)
+       tests/test_store_safety.py tests/test_resources.py tests/test_memory_files.py
+       tests/test_put_acknowledgement.py tests/test_journal_records.py tests/test_call_combiner.py)
 echo "+ pytest ${files[*]} $*"
 "$py" -m pytest -q -p no:cacheprovider -m "not slow and not gpu" "${files[@]}" "$@"
 echo "+ sanitizers: no report"
