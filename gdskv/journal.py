@@ -24,7 +24,6 @@ import os
 import struct
 import threading
 from collections.abc import Hashable, Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple
 
 import crc32c
@@ -371,7 +370,6 @@ class Journal:
         # their time, and two threads made half the pages/s of one)
         self._seq_lock = YieldingLock()
         self._size = os.fstat(self._fd).st_size  # end of the last whole, durable append
-        self._appender: ThreadPoolExecutor | None = None  # append_soon's thread
         self._broken: OSError | None = None
         #: byte ranges the last replay skipped as damaged (rewritten away by the owner), the
         #: bytes of torn tail it cut, and what its records say of pages gone (:class:`History`)
@@ -432,15 +430,6 @@ class Journal:
             self._size += len(data)
             self.records_written += count
 
-    def append_soon(self, records: Encoded) -> Future:
-        """:meth:`append` on the journal's own thread (made at the first call): a spill on a
-        disk runs its COMMITs' append and fdatasync beside its slab write and fdatasync
-        (:class:`gdskv.quick_calls.QuickSpill`). Its ``result()`` raises what the append raised."""
-        with self._lock:
-            if self._appender is None:
-                self._appender = ThreadPoolExecutor(1, thread_name_prefix="gdskv-journal")
-            return self._appender.submit(self.append, records)
-
     def next_seq(self) -> int:
         with self._seq_lock:
             self.seq += 1
@@ -496,9 +485,6 @@ class Journal:
                 return True
 
     def close(self) -> None:
-        if self._appender is not None:
-            self._appender.shutdown(wait=True)
-            self._appender = None
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1

@@ -36,7 +36,6 @@ import logging
 import os
 import time
 from collections.abc import Callable, Hashable, Iterable, Sequence
-from concurrent.futures import Future
 
 import numpy as np
 
@@ -244,11 +243,6 @@ class PersistentDirectory:
         COMMITs :meth:`encode_commits` made. Raises OSError: the pages must then not become
         READY."""
         self.journal.append(commits)
-
-    def journal_commits_soon(self, commits: Encoded) -> Future:
-        """:meth:`journal_commits` on the journal's own thread: the future's ``result()``
-        raises its OSError."""
-        return self.journal.append_soon(commits)
 
     def encode_commits(self, keys: Sequence[Hashable], slots: Sequence[int],
                        checksums: Sequence[int], algorithm: int, seqs: Sequence[int]) -> Encoded:

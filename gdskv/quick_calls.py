@@ -375,10 +375,6 @@ class QuickSpill(QuickCall):
         self._most_native = min(NATIVE_MOST_PAGES, max(1, ctx.store.num_slots // 2))
         self._native = host_pages.engine.path == "native"
         self.tally = SpillTally(self.page_bytes)
-        # (reads verify: a COMMIT that reached the disk before its page is a miss, see _write;
-        # not in a cluster, whose other nodes follow the journal and would read such a page as
-        # a miss within that window, and forget it)
-        self._commit_early = ctx.sync_data and ctx.verify and not ctx.config.cluster
 
     @classmethod
     def why_not(cls, ctx: CallContext, host_pages: HostPagePath) -> str:
@@ -457,41 +453,20 @@ class QuickSpill(QuickCall):
         # a page written to a removed file would be acknowledged and then gone
         if ctx.lost_files():
             return None
-        commits = ctx.persist.encode_commits(page_keys, slots, sums.tolist(), checksum.CRC32C,
-                                             seqs)
-        # On a disk the COMMITs' append and fdatasync run on the journal's thread beside the
-        # slab's write and fdatasync (a 1-page 64 KiB spill on the H200 host's disk: 50 us for
-        # the slab's sync, then 78 us for the journal's). A COMMIT durable before its page is
-        # safe where reads verify: after a crash it names bytes that fail its checksum, a miss.
-        # The page is acknowledged only once both are durable.
-        early = ctx.persist.journal_commits_soon(commits) \
-            if self._commit_early and not ctx.store.in_memory else None
         write = ctx.backend.write_on_caller
         try:
             if split:
                 # (every part ends before run_split returns: none writes after a give-back)
                 written = ctx.backend.run_split(
                     lambda a, b: write(places[a:b], memory[2 * a:2 * b], sb, pb), n, n * sb)
-                ok = all(w is True for w in written)
-            else:
-                ok = write(places, memory, sb, pb)
-            if ok and ctx.sync_data:
+                if not all(w is True for w in written):
+                    return None
+            elif not write(places, memory, sb, pb):
+                return None
+            if ctx.sync_data:
                 ctx.store.sync({f for f, _ in places})
-        except OSError:
-            ok = False
-        if early is not None:
-            try:
-                early.result()
-            except OSError:
-                return None
-            if not ok:  # journaled, not written: their COMMITs are taken back
-                ctx.persist.journal_evictions(list(zip(page_keys, slots)))
-                return None
-            return sums
-        if not ok:
-            return None
-        try:
-            ctx.persist.journal_commits(commits)
+            ctx.persist.journal_commits(ctx.persist.encode_commits(
+                page_keys, slots, sums.tolist(), checksum.CRC32C, seqs))
         except OSError:
             return None
         return sums
