@@ -31,14 +31,6 @@ import time
 SLOTS = 256
 
 
-def parse_size(text: str) -> int:
-    units = {"KiB": 1 << 10, "MiB": 1 << 20}
-    for unit, scale in units.items():
-        if text.endswith(unit):
-            return int(text[:-len(unit)]) * scale
-    return int(text)
-
-
 def timed(times: dict, label: str, fn):
     def wrapper(*args, **kwargs):
         t0 = time.perf_counter_ns()
@@ -144,6 +136,7 @@ def main() -> None:
     os.makedirs(args.directory, exist_ok=True)
     results = []
     for size in args.page_sizes:
+        from gdskv.config import parse_size
         res = measure(args.directory, parse_size(size), args.calls)
         results.append(res)
         print(f"== {size}: raw pwritev+fdatasync p50 {res['raw_p50_us']:.1f} us")
