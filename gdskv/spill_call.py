@@ -92,7 +92,7 @@ def reserve_slots(ctx: CallContext, keys: list[Hashable], admitted: list[int],
     if res.evicted:
         # Written before the slots are, fdatasync'd with the call's COMMITs: a spill into a
         # full store syncs the journal once, not twice (a disk's fdatasync is most of a small
-        # spill: ~90 us of ~470 on the H200 host's disk). A process that dies keeps them (the
+        # spill: ~100 us of ~475 on the H200 host's disk). A process that dies keeps them (the
         # page cache). A power cut between the slab's sync and the journal's may lose them:
         # the old page's COMMIT then names a slot that holds the new bytes, and its checksum
         # fails on read, a miss. Reads that do not verify keep the sync at once.
