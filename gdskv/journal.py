@@ -404,11 +404,9 @@ class Journal:
         self.records_written = len(records)
         return live, len(records)
 
-    def append(self, records: Iterable[Record] | Encoded, durable: bool = True) -> None:
-        """Append records, or records :func:`encode_all` encoded; all of them or, on OSError,
-        none. Durably (fdatasync) when the journal syncs and ``durable``; else they become
-        durable with the next durable append (one fdatasync covers the file's earlier
-        writes)."""
+    def append(self, records: Iterable[Record] | Encoded) -> None:
+        """Append records, or records :func:`encode_all` encoded (durably when ``sync``); all
+        of them or, on OSError, none."""
         data, count = records if isinstance(records, Encoded) else encode_all(records)
         if not count:
             return
@@ -417,7 +415,7 @@ class Journal:
                 raise OSError(self._broken.errno, f"journal {self.path} is unusable since a failed "
                               f"append could not be cut off: {self._broken}")
             try:
-                self._append_file(self._fd, data, self.sync and durable, self._in_memory)
+                self._append_file(self._fd, data, self.sync, self._in_memory)
             except OSError:
                 # A partial record left here would end replay early and hide every later one.
                 try:

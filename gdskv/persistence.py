@@ -253,17 +253,14 @@ class PersistentDirectory:
         return Encoded(self._encode_records(RecordKind.COMMIT, keys, slots, checksums,
                                             algorithm, seqs), len(keys))
 
-    def journal_evictions(self, evicted: list[tuple[Hashable, int]],
-                          durable: bool = True) -> None:
-        """Journal pages the directory dropped (a follower only forgets them locally).
-        ``durable=False``: written now (a process that dies keeps them: they are in the page
-        cache), made durable by the next durable append (a spill's COMMITs)."""
+    def journal_evictions(self, evicted: list[tuple[Hashable, int]]) -> None:
+        """Journal pages the directory dropped (a follower only forgets them locally)."""
         if not evicted or self.read_only:
             return
         try:
             self.journal.append(Encoded(self._encode_records(
                 RecordKind.EVICT, [k for k, _ in evicted], [s for _, s in evicted], None, 0,
-                self.journal.next_seqs(len(evicted))), len(evicted)), durable)
+                self.journal.next_seqs(len(evicted))), len(evicted)))
         except OSError as exc:
             # The slot may be rewritten later; its old COMMIT then fails its checksum on replay.
             self._log_once("evict-journal", "journaling %d evictions failed: %s", len(evicted),

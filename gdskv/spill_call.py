@@ -90,13 +90,14 @@ def reserve_slots(ctx: CallContext, keys: list[Hashable], admitted: list[int],
     res = ctx.directory.reserve(keys if len(admitted) == len(keys)
                                 else [keys[i] for i in admitted])
     if res.evicted:
-        # Written before the slots are, fdatasync'd with the call's COMMITs: a spill into a
-        # full store syncs the journal once, not twice (a disk's fdatasync is most of a small
-        # spill: ~100 us of ~475 on the H200 host's disk). A process that dies keeps them (the
-        # page cache). A power cut between the slab's sync and the journal's may lose them:
-        # the old page's COMMIT then names a slot that holds the new bytes, and its checksum
-        # fails on read, a miss. Reads that do not verify keep the sync at once.
-        ctx.persist.journal_evictions(res.evicted, durable=not ctx.verify)
+        # Durable before the slots are rewritten. Recovery checks only the oldest pages'
+        # trailers against the journal (PersistentDirectory._check_tail), so an EVICT lost to a
+        # power cut could leave an LRU victim's COMMIT naming another page's bytes: a put of
+        # that key answered True from the directory but unreadable, reused seqs, and wrong
+        # bytes if the store is opened with verify=false. (Written unsynced and made durable
+        # by the COMMITs' fdatasync, a 1-page spill on the H200 host's disk took 272 us
+        # instead of 354; reverted for this.)
+        ctx.persist.journal_evictions(res.evicted)
     tally.update(not_admitted=len(keys) - len(admitted), evictions=len(res.evicted))
     todo: list[tuple[int, int]] = []
     waiting: list[int] = []

@@ -372,10 +372,10 @@ class Tier:
     def _pages_async(self, op: str, keys, pages) -> Future:
         """A put_pages/get_pages call (``op``: "put"/"get") submitted to the tier's workers,
         its arguments checked now."""
-        quick = self._quick_regions(op, pages)
+        keys = self._check_keys(keys)
+        quick = self._quick_regions(op, keys, pages)
         event = self._engine_event()
         if quick is not None:  # checked by QuickCall.regions() (combined as in _pages_call)
-            keys = self._check_keys(keys)
             if quick[0].not_combined(len(keys)):
                 return self._worker.submit(self._run, self._quick_call, keys, quick, event,
                                            op=op)
@@ -642,7 +642,7 @@ class Tier:
         """A synchronous put_pages/get_pages call (``op``: "put"/"get"), combined with others
         in flight where it waits (:mod:`.call_combiner`)."""
         keys = self._check_keys(keys)
-        quick = self._quick_regions(op, pages)
+        quick = self._quick_regions(op, keys, pages)
         if quick is not None and quick[0].not_combined(len(keys)):
             # A quick restore is not combined: a read that releases the GIL (a preadv, a
             # copy of 1 MiB or more) overlaps the other calls in flight, where a batch would
@@ -666,11 +666,12 @@ class Tier:
                                                                 to_staging=to_staging))
         return self._combined((op + "_pages",), keys, checked, alone)
 
-    def _quick_regions(self, op: str, pages) -> tuple | None:
+    def _quick_regions(self, op: str, keys: list, pages) -> tuple | None:
         """(quick path, the call's regions, its pages) where a put_pages/get_pages call
-        (``op``: "put"/"get") can take the tier's quick path (:mod:`.quick_calls`), else None."""
+        (``op``: "put"/"get") can take the tier's quick path (:mod:`.quick_calls`), else None
+        (also where pages and keys differ in number: the general path's check says so)."""
         quick = self._quick.get(op)
-        if quick is None:
+        if quick is None or len(pages) != len(keys):
             return None
         regions = quick.regions(pages)
         return None if regions is None else (quick, regions, pages)
@@ -891,7 +892,7 @@ class Tier:
             pages = first if len(made) == 1 else [p for _, ps, _ in made for p in ps]
             # a batch of quick calls' pages is one quick call (one engine call for the batch's
             # checksums, trailers and write), not the general path's page-by-page steps
-            quick = self._quick_regions(op, pages)
+            quick = self._quick_regions(op, keys, pages)
             if quick is not None:
                 results = self._run(self._quick_call, keys, quick, op=None, after=events)
             else:

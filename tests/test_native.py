@@ -658,6 +658,21 @@ def test_journal_records_equal_the_oracle_and_replay(pages, kind, algorithm, no_
                        key) for key, slot, seq, csum in pages]
 
 
+@needs_native
+def test_journal_records_take_numpy_integers_as_the_oracle_does():
+    """Slots, seqs and checksums from numpy arrays (a directory's slot numbers are numpy
+    integers) encode as the Python path's struct does: a record that failed here would leave
+    an eviction unjournaled."""
+    keys = ["a", b"b", "c"]
+    slots, seqs = np.array([3, 1, 2], np.int64), np.arange(7, 10, dtype=np.uint64)
+    sums = [np.uint64(2**64 - 1), np.int32(5), 0]
+    for kind, csums in ((1, sums), (2, None)):
+        assert NATIVE.encode_records(kind, keys, list(slots), csums, 3, list(seqs)) == \
+            PYTHON.encode_records(kind, keys, list(slots), csums, 3, list(seqs)) == \
+            NATIVE.encode_records(kind, keys, slots.tolist(), csums and [int(c) for c in csums],
+                                  3, seqs.tolist())
+
+
 @pytest.mark.parametrize("engine", [NATIVE, PYTHON], ids=["native", "python"])
 def test_encode_records_refuses_bad_arguments(engine):
     from gdskv.journal import MAX_KEY_BYTES

@@ -96,36 +96,46 @@ def test_a_put_waits_for_the_write_in_flight_of_its_key(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("aligned", [True, False], ids=["quick", "general"])
 @pytest.mark.parametrize("verify", [True, False], ids=["verify", "no-verify"])
-def test_a_spill_into_a_full_store_syncs_the_journal_once(tmp_path, monkeypatch, aligned,
-                                                          verify):
-    """The evictions a spill makes room with are written before its slots are and made durable
-    by its COMMITs' fdatasync: one journal sync per spill. Where reads do not verify, an
-    eviction lost to a power cut would leave the old page's COMMIT naming the new bytes, so
-    there they are synced at once."""
+def test_a_spill_into_a_full_store_syncs_its_evictions_before_its_slots(tmp_path, monkeypatch,
+                                                                        aligned, verify):
+    """The EVICTs of the pages a spill replaces are durable before it writes their slots, then
+    its COMMITs are. (Left to the COMMITs' fdatasync, a power cut could lose them while the
+    new bytes landed; recovery checks only the oldest pages' slot trailers, so an LRU victim's
+    COMMIT could then name another page's bytes.)"""
     cfg = small_config(tmp_path, capacity=8 * SLOT, files_per_dir=1, sync="data",
                        verify=verify)
     with Tier(LAYOUT, cfg, device="cpu") as tier:
         assert all(put(tier, [f"old{i}" for i in range(8)], aligned=aligned))
-        appends = []
-        real = tier.journal._append_file
+        events = []
+        real_append = tier.journal._append_file
 
         def record(fd, data, sync, in_memory=False):
-            appends.append((bytes(data[4 + 4:4 + 4 + 1]), sync))  # (the first record's kind)
-            return real(fd, data, sync, in_memory)
+            events.append(("journal", bytes(data[8:9])[0], sync))  # (the first record's kind)
+            return real_append(fd, data, sync, in_memory)
 
         monkeypatch.setattr(tier.journal, "_append_file", record)
+        start = tier.backend.start
+        monkeypatch.setattr(tier.backend, "start",
+                            lambda op, *a: events.append(("slab", op)) or start(op, *a))
+        write = tier.backend.write_on_caller
+        monkeypatch.setattr(tier.backend, "write_on_caller",
+                            lambda *a: events.append(("slab", "write")) or write(*a))
         assert put(tier, ["new0", "new1"], aligned=aligned) == [True, True]
-        kinds = [(kind[0], sync) for kind, sync in appends]
-        assert kinds == [(2, not verify), (1, True)]  # EVICT, then the COMMITs
+        assert [e for e in events if e[0] == "journal"] == [("journal", 2, True),
+                                                             ("journal", 1, True)]
+        first_write = events.index(("slab", "write"))
+        assert events.index(("journal", 2, True)) < first_write < \
+            events.index(("journal", 1, True))  # EVICT synced, slots written, COMMITs
         monkeypatch.undo()
         assert check_pages(tier, ["new0", "new1"])["hits"] == 2
         assert tier.directory.contains("old7") and not tier.directory.contains("old0")
 
 
-def test_an_eviction_a_power_cut_lost_leaves_a_miss_not_the_new_bytes(tmp_path):
-    """The state a power cut between the slab's sync and the journal's can leave: the new
-    page's bytes in the slot, neither the eviction of the old page nor the new COMMIT in the
-    journal. The old page's COMMIT names bytes that are not its own: a miss, never them."""
+def test_an_eviction_left_unjournaled_leaves_a_miss_not_the_new_bytes(tmp_path):
+    """The state an EVICT append that failed (it is logged, not raised) and a crash after the
+    slot's rewrite can leave: the new page's bytes in the slot, neither the eviction of the
+    old page nor the new COMMIT in the journal. The old page (among the oldest, whose trailers
+    recovery checks) is a miss, never the new bytes."""
     cfg = small_config(tmp_path, capacity=8 * SLOT, files_per_dir=1, sync="data")
     with Tier(LAYOUT, cfg, device="cpu") as tier:
         old = [f"old{i}" for i in range(8)]

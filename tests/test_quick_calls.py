@@ -663,3 +663,20 @@ def test_large_quick_spills_are_cut_into_parts(tmp_path, monkeypatch, fail_part)
         out = [alloc_host(BIG.page_bytes, pin=False).zero_() for _ in keys]
         assert again.get_pages(keys, [[o] for o in out]) == [True] * len(keys)
         assert all(torch.equal(o, big_content(k)) for k, o in zip(keys, out))
+
+
+@pytest.mark.parametrize("call", ["put_pages", "get_pages", "put_pages_async",
+                                  "get_pages_async"])
+def test_pages_and_keys_that_differ_in_number_are_refused(tmp_path, call):
+    """Regions that would qualify for the quick path are still counted against the keys: one
+    key with two pages, or two keys with one, is a ValueError, never a page stored from the
+    wrong region (combined async calls concatenate their pages)."""
+    with Tier(LAYOUT, config(tmp_path), device="cpu") as tier:
+        assert put(tier, ["x"]) == [True]
+        fn = getattr(tier, call)
+        for keys, count in ((["a"], 2), (["a", "b"], 1)):
+            with pytest.raises(ValueError, match="page buffers for"):
+                out = fn(keys, [[region()] for _ in range(count)])
+                if call.endswith("_async"):
+                    out.result(30)
+        assert tier.directory.contains("x") and not tier.directory.contains("a")

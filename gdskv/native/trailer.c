@@ -168,15 +168,21 @@ encode_trailer(unsigned char *out, int version, int algorithm, int key_type, con
 /* seal_slots(rows, version, algorithm, store_id, keys, slots, seqs, sums): each row of `rows`
  * (n rows of the slot's bytes after its payload, laid end to end) zeroed, then page i's trailer
  * at its end: key keys[i], slot slots[i], sequence number seqs[i], checksum sums[i] (uint64). */
-/* Item `i` of `seq` as an unsigned 64-bit integer (-1 with an exception set: see PyErr_Occurred). */
+/* Item `i` of `seq` as an unsigned 64-bit integer (-1 with an exception set: see PyErr_Occurred).
+ * Any integer with __index__ counts (numpy's too), as struct.pack takes them in the Python twins:
+ * a slot number from a numpy array must not fail a journal record. */
 unsigned long long
 engine_item_u64(PyObject *seq, Py_ssize_t i)
 {
     PyObject *item = PySequence_GetItem(seq, i);
     if (item == NULL)
         return (unsigned long long)-1;
-    unsigned long long v = PyLong_AsUnsignedLongLong(item);
+    PyObject *index = PyNumber_Index(item);
     Py_DECREF(item);
+    if (index == NULL)
+        return (unsigned long long)-1;
+    unsigned long long v = PyLong_AsUnsignedLongLong(index);
+    Py_DECREF(index);
     return v;
 }
 
